@@ -1,0 +1,140 @@
+"""The single-process API: snapshot every N steps into RAM, restore after a crash.
+
+    ckpt = memckpt.Checkpointer(config)
+    start = ckpt.restore(state)            # 0 on a fresh start, else the restored step
+    for step in range(start + 1, total + 1):
+        train_one_step()
+        ckpt.step(state, step)             # snapshot when step % snapshot_every == 0
+    ckpt.close()
+
+Snapshots live in shared memory (``ram_root``, ``/dev/shm/memckpt`` by default),
+so a new process started after the old one was killed restores from RAM.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from memckpt import shard as fmt
+from memckpt.buffers import RamRegion, remove_path, resolve_ram_root
+from memckpt.config import Config
+from memckpt.errors import ChecksumError, StateError
+from memckpt.fsutil import write_atomic
+from memckpt.snapshot import SnapshotEngine
+from memckpt.state import TrainState
+
+log = logging.getLogger("memckpt")
+
+
+class Checkpointer:
+    """In-RAM snapshots for one rank, double-buffered in shared memory.
+
+    Guarantees: ``step()`` returns once the local copy is taken (in overlap mode,
+    once the small tensors are; parameters may be updated only after
+    ``optimizer.step``'s hook or :meth:`wait_copy`). ``restore()`` loads only a
+    snapshot whose checksums verify, newest first, and says which it skipped.
+    """
+
+    def __init__(self, config: Config, rank: int = 0, world_size: int = 1,
+                 directory: Optional[str | Path] = None) -> None:
+        if not isinstance(config, Config):
+            raise StateError(f"Checkpointer needs a memckpt.Config, got {type(config).__name__}")
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        root = Path(directory) if directory else resolve_ram_root(config.ram_root) / config.job_name
+        self.directory = root / f"rank{rank}"
+        self.events: list[dict[str, Any]] = []
+        self.engine = SnapshotEngine(
+            self.directory, mode=config.snapshot_mode, on_fall_behind=config.failure.on_fall_behind,
+            identity={"job": config.job_name, "rank": rank, "world_size": world_size,
+                      "fingerprint": config.fingerprint()})
+        self._hooked: set[int] = set()
+
+    # -- taking snapshots -------------------------------------------------------------------
+    def step(self, state: TrainState, step: int) -> bool:
+        """Call after finishing ``step``; snapshots when due. Returns True if it did."""
+        if step % self.config.snapshot_every:
+            return False
+        if self.config.snapshot_mode == "overlap":
+            self._hook_optimizers(state)
+        return self.engine.snapshot(state.capture(step), step)
+
+    def _hook_optimizers(self, state: TrainState) -> None:
+        # The next parameter update must not start before the background copy has read
+        # the parameters and optimizer state it is about to change.
+        for opt in state.optimizers.values():
+            if id(opt) not in self._hooked:
+                opt.register_step_pre_hook(lambda *_: self.engine.wait_copy())
+                self._hooked.add(id(opt))
+
+    def wait_copy(self) -> None:
+        """Overlap mode: block until parameters may be mutated (before manual edits)."""
+        self.engine.wait_copy()
+
+    def wait(self) -> None:
+        """Block until the last snapshot is sealed (checksummed, complete)."""
+        self.engine.wait()
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    # -- restoring --------------------------------------------------------------------------
+    def restore(self, state: TrainState, source: Optional[str | Path] = None) -> int:
+        """Load the newest verified snapshot into ``state``; returns its step (0 if none).
+
+        ``source`` names a shard file (from :meth:`save`) to load instead of RAM.
+        A corrupt RAM snapshot is skipped for the older one; if every snapshot is
+        corrupt, :class:`ChecksumError` lists them rather than starting over silently.
+        """
+        if source is not None:
+            region = RamRegion.open(Path(source))
+            return self._load(state, fmt.open_shard(region.array, str(source)), str(source))
+        self.engine.wait()
+        problems = []
+        for step in self.engine.steps():
+            try:
+                with self.engine.reading(step) as shard:
+                    return self._load(state, shard, f"ram:{self.directory}")
+            except ChecksumError as e:
+                problems.append(str(e))
+                self._event("snapshot_skipped", step=step, reason=str(e))
+                log.warning("memckpt: skipping corrupt snapshot of step %d: %s", step, e)
+        if problems:
+            raise ChecksumError("every snapshot in RAM is corrupt: " + "; ".join(problems) +
+                                f". Remove {self.directory} to start from scratch")
+        return 0
+
+    def _load(self, state: TrainState, shard: fmt.Shard, source: str) -> int:
+        h = shard.header
+        if h.get("world_size") != self.world_size or h.get("rank") != self.rank:
+            raise StateError(f"{source} is rank {h.get('rank')} of {h.get('world_size')}, this "
+                             f"process is rank {self.rank} of {self.world_size}: restore it with "
+                             "the same world size")
+        if h.get("fingerprint") != self.config.fingerprint():
+            log.warning("memckpt: %s was written under a different config (fingerprint %s, now %s)",
+                        source, h.get("fingerprint"), self.config.fingerprint())
+        t0 = time.perf_counter()
+        step = state.load(shard.tensors, shard.meta, self.config.load.kinds())
+        self._event("restored", step=step, source=source, seconds=time.perf_counter() - t0)
+        return step
+
+    def save(self, path: str | Path, step: Optional[int] = None) -> int:
+        """Write the newest (or ``step``'s) complete snapshot to a shard file, atomically."""
+        self.engine.wait()
+        with self.engine.reading(step) as shard:
+            write_atomic(Path(path), shard.raw)
+            return shard.step
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self.events.append(dict(event=kind, time=time.time(), rank=self.rank, **fields))
+
+    def close(self, unlink: bool = False) -> None:
+        """Stop background work; ``unlink`` also frees the RAM snapshots (job finished)."""
+        self.engine.close(unlink=unlink)
+        if unlink:
+            remove_path(self.directory)
+

@@ -1,0 +1,51 @@
+"""The ``memckpt`` command: a thin layer over the library.
+
+Each sub-command lives in its own module and is imported only when used, so
+``memckpt --help`` is fast. Exit codes: 0 success, 1 the job or check failed,
+2 bad usage (argparse) or a configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Optional
+
+from memckpt.errors import ConfigError, MemckptError
+
+# name -> (module with `add_arguments(parser)` and `main(args) -> int`, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("memckpt.demo.cli", "run the demo job: train, inject a fault, recover"),
+    "bench": ("memckpt.bench.cli", "measure memckpt against torch.save and friends"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memckpt", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_main=mod.main)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args._main
+    try:
+        return handler(args)
+    except ConfigError as e:
+        print(f"memckpt {args.command}: {e}", file=sys.stderr)
+        return 2
+    except MemckptError as e:
+        print(f"memckpt {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

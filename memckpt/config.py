@@ -1,0 +1,266 @@
+"""Configuration: frozen dataclasses, validated at construction.
+
+A user writes a Python file that defines ``config = Config(...)`` and passes its
+path to ``memckpt run --config``; :func:`load_config` reads it. Every invalid
+value raises :class:`~memckpt.errors.ConfigError` naming the field, the value
+and the fix. Nothing here imports Ray or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import runpy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from memckpt import placement
+from memckpt.errors import ConfigError, PlacementError
+
+CONTENT_KINDS = ("model", "optimizer", "scheduler", "scaler", "data", "rng", "extras")
+FALL_BEHIND_POLICIES = ("wait", "skip")
+SNAPSHOT_MODES = ("sync", "overlap")
+CHAOS_TARGETS = ("worker", "node", "random", "store", "coordinator")
+SIGNALS = ("KILL", "STOP", "TERM")
+BACKENDS = ("auto", "gloo", "nccl")
+
+# S3 bucket naming rules (the common subset every region accepts).
+_S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
+def _fail(field_name: str, value: Any, fix: str) -> None:
+    raise ConfigError(f"{field_name}={value!r} is invalid: {fix}")
+
+
+def _positive_int(field_name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _fail(field_name, value, f"use a whole number >= {minimum}")
+
+
+def _positive_float(field_name: str, value: Any, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        _fail(field_name, value, f"use a finite number {bound} (seconds or units, not a string)")
+
+
+def _choice(field_name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(field_name, value, f"choose one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    """How many training workers, how they sit on nodes, what each needs."""
+
+    num_workers: int = 1
+    workers_per_node: int = 1
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    backend: str = "auto"  # torch.distributed backend: gloo on CPU, nccl on GPU
+
+    def __post_init__(self) -> None:
+        _positive_int("workers.num_workers", self.num_workers)
+        _positive_int("workers.workers_per_node", self.workers_per_node)
+        _positive_float("workers.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
+        _positive_float("workers.gpus_per_worker", self.gpus_per_worker, allow_zero=True)
+        _choice("workers.backend", self.backend, BACKENDS)
+        if self.num_workers % self.workers_per_node:
+            _fail("workers.workers_per_node", self.workers_per_node,
+                  f"it must divide workers.num_workers={self.num_workers} so every node runs "
+                  "the same number of ranks")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_workers // self.workers_per_node
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Which peer nodes keep a copy of each node's shards (never the owner's node)."""
+
+    strategy: str = "ring"  # ring | group | mixed
+    replicas: int = 1  # k copies on k distinct peer nodes
+    group_size: int = 2  # nodes per group for group / mixed
+
+    def __post_init__(self) -> None:
+        _choice("placement.strategy", self.strategy, placement.STRATEGIES)
+        _positive_int("placement.replicas", self.replicas, minimum=0)
+        _positive_int("placement.group_size", self.group_size, minimum=2)
+
+
+@dataclass(frozen=True)
+class PersistTier:
+    """A slower tier under RAM: a local directory or an ``s3://bucket/prefix`` URI."""
+
+    uri: str
+    every: int = 100  # persist every K steps
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
+    two_slot: bool = False  # alternate between two fixed locations (constant space)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.uri, str) or not self.uri.strip():
+            _fail("persistence.uri", self.uri, "give a local directory path or s3://bucket/prefix")
+        if self.uri.startswith("s3:"):
+            m = re.match(r"^s3://([^/]+)(/.*)?$", self.uri)
+            if not m or not _S3_BUCKET.match(m.group(1)) or ".." in m.group(1):
+                _fail("persistence.uri", self.uri,
+                      "write it as s3://bucket/prefix with a bucket name of 3-63 lowercase "
+                      "letters, digits, dots or hyphens")
+        elif "://" in self.uri:
+            _fail("persistence.uri", self.uri, "only local paths and s3:// URIs are supported")
+        _positive_int("persistence.every", self.every)
+        _positive_int("persistence.keep_last", self.keep_last)
+
+    @property
+    def is_s3(self) -> bool:
+        return self.uri.startswith("s3://")
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """How failures are detected and how hard the runtime tries to recover."""
+
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 5.0  # a worker silent this long is declared hung
+    max_restarts: int = 3
+    on_fall_behind: str = "wait"  # background copies behind: wait for them, or skip the snapshot
+
+    def __post_init__(self) -> None:
+        _positive_float("failure.heartbeat_interval_s", self.heartbeat_interval_s)
+        _positive_float("failure.heartbeat_timeout_s", self.heartbeat_timeout_s)
+        _positive_int("failure.max_restarts", self.max_restarts, minimum=0)
+        _choice("failure.on_fall_behind", self.on_fall_behind, FALL_BEHIND_POLICIES)
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
+            _fail("failure.heartbeat_timeout_s", self.heartbeat_timeout_s,
+                  f"it must exceed twice failure.heartbeat_interval_s={self.heartbeat_interval_s} "
+                  "or a single late heartbeat would look like a hung worker")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What a restore loads (InternEvo's ``content`` list)."""
+
+    content: tuple[str, ...] = ("all",)
+    ignore_data_position: bool = False  # the dataset changed: start the data from the beginning
+
+    def __post_init__(self) -> None:
+        content = tuple(self.content) if not isinstance(self.content, str) else (self.content,)
+        object.__setattr__(self, "content", content)
+        if not content:
+            _fail("load.content", self.content, 'name at least one of "all", ' + ", ".join(CONTENT_KINDS))
+        for kind in content:
+            _choice("load.content", kind, ("all",) + CONTENT_KINDS)
+
+    def kinds(self) -> frozenset[str]:
+        kinds = set(CONTENT_KINDS) if "all" in self.content else set(self.content)
+        if self.ignore_data_position:
+            kinds.discard("data")
+        return frozenset(kinds)
+
+
+@dataclass(frozen=True)
+class ChaosEvent:
+    """A scheduled fault for unattended drills: at ``step`` kill ``target``."""
+
+    step: int
+    target: str = "worker"  # worker | node | random | store | coordinator
+    rank: Optional[int] = None  # which rank (worker, store: the rank's node); None with random
+    signal: str = "KILL"
+
+    def __post_init__(self) -> None:
+        _positive_int("chaos.step", self.step)
+        _choice("chaos.target", self.target, CHAOS_TARGETS)
+        _choice("chaos.signal", self.signal, SIGNALS)
+        if self.rank is not None:
+            _positive_int("chaos.rank", self.rank, minimum=0)
+        elif self.target in ("worker", "node", "store"):
+            _fail("chaos.rank", None, f"target={self.target!r} needs the rank it aims at")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a memckpt job needs. Frozen; validated at construction."""
+
+    job_name: str = "memckpt"
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    snapshot_every: int = 1  # take an in-RAM snapshot every N steps
+    snapshot_mode: str = "sync"  # sync: the step waits for the local copy; overlap: not even that
+    ram_root: Optional[str] = None  # where snapshot buffers live; None: /dev/shm/memckpt
+    persistence: tuple[PersistTier, ...] = ()
+    failure: FailurePolicy = field(default_factory=FailurePolicy)
+    load: LoadSpec = field(default_factory=LoadSpec)
+    chaos: tuple[ChaosEvent, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.job_name, str) or not _JOB_NAME.match(self.job_name):
+            _fail("job_name", self.job_name, "use 1-64 letters, digits, '.', '_' or '-'")
+        for name, kind in (("workers", WorkersConfig), ("placement", PlacementConfig),
+                           ("failure", FailurePolicy), ("load", LoadSpec)):
+            if not isinstance(getattr(self, name), kind):
+                _fail(name, getattr(self, name), f"pass a memckpt.{kind.__name__}(...)")
+        _positive_int("snapshot_every", self.snapshot_every)
+        _choice("snapshot_mode", self.snapshot_mode, SNAPSHOT_MODES)
+        object.__setattr__(self, "persistence", self._tuple_of("persistence", PersistTier))
+        object.__setattr__(self, "chaos", self._tuple_of("chaos", ChaosEvent))
+        uris = [t.uri for t in self.persistence]
+        if len(set(uris)) != len(uris):
+            _fail("persistence", uris, "give each tier its own uri")
+        n = self.workers.num_nodes
+        if n > 1 and self.placement.replicas > 0:
+            try:
+                placement.check_feasible(n, self.placement.strategy, self.placement.replicas,
+                                         self.placement.group_size)
+            except PlacementError as e:
+                raise ConfigError(f"{e.message} (workers span {n} nodes: "
+                                  f"num_workers={self.workers.num_workers}, "
+                                  f"workers_per_node={self.workers.workers_per_node})") from None
+        for ev in self.chaos:
+            if ev.rank is not None and ev.rank >= self.workers.num_workers:
+                _fail("chaos.rank", ev.rank, f"ranks run from 0 to {self.workers.num_workers - 1}")
+
+    def _tuple_of(self, name: str, kind: type) -> tuple:
+        value = getattr(self, name)
+        if isinstance(value, kind):
+            value = (value,)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, kind) for v in value):
+            _fail(name, value, f"pass a list of memckpt.{kind.__name__}(...)")
+        return tuple(value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """A stable hash of what decides a snapshot's contents and layout.
+
+        Chaos drills, the job name and where RAM buffers live do not change what a
+        snapshot holds, so they are left out: a drill can resume a normal run.
+        """
+        d = self.to_dict()
+        for volatile in ("chaos", "job_name", "ram_root"):
+            d.pop(volatile)
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def load_config(path: str | Path) -> Config:
+    """Run a user's ``config.py`` and return the ``config = Config(...)`` it defines."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist: pass the path of a .py file "
+                          "that defines `config = memckpt.Config(...)`")
+    try:
+        namespace = runpy.run_path(str(p))
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e.message}") from None
+    cfg = namespace.get("config")
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"{p} must define `config = memckpt.Config(...)`; "
+                          f"found config={type(cfg).__name__}")
+    return cfg

@@ -1,0 +1,52 @@
+"""One exception root for memckpt.
+
+Every error memckpt raises derives from :class:`MemckptError`. Each kind says
+whether retrying can help (``retryable``). All of them survive pickling, so an
+error raised inside a Ray actor arrives at the driver as the same type with the
+same message. Messages name the setting or action that fixes the problem.
+"""
+
+from __future__ import annotations
+
+
+class MemckptError(Exception):
+    """Root of every error memckpt raises."""
+
+    retryable: bool = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self):  # keep the type and message across processes
+        return (type(self), (self.message,))
+
+
+class ConfigError(MemckptError, ValueError):
+    """A configuration value is invalid; the message names field, value and fix."""
+
+
+class PlacementError(MemckptError):
+    """Replica placement cannot be satisfied by the nodes at hand."""
+
+
+class StateError(MemckptError):
+    """Training state cannot be captured or restored (missing/unexpected keys, bad types)."""
+
+
+class ChecksumError(MemckptError):
+    """A shard's bytes do not match its checksum, or its file is truncated or malformed."""
+
+
+class NoSnapshotError(MemckptError):
+    """There is no complete snapshot to restore from."""
+
+
+class FallBehindError(MemckptError):
+    """Background copies could not keep up and the policy asked to fail."""
+
+    retryable = True
+
+
+class RecoveryError(MemckptError):
+    """Recovery is impossible (every copy of some shard is lost, restarts exhausted)."""

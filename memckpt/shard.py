@@ -1,0 +1,229 @@
+"""The shard format: one flat binary region per rank and step, never pickle.
+
+The same bytes serve as an in-RAM snapshot slot, a replica on a peer and a file
+on disk, so moving a shard is a byte copy and loading one cannot run code::
+
+    0   magic  b"MEMCKPT\\x01"
+    8   u32    format version
+    12  u32    state: 0 = being written, 1 = complete
+    16  u64    header capacity (bytes reserved at offset 64)
+    24  u64    header length
+    32  u64    xxh3-64 of the header bytes
+    40  u64    data offset (4096-aligned)
+    48  u64    data length
+    56  u64    step
+    64  header JSON: tensor table (name, dtype, shape, offset, nbytes), metadata,
+        xxh3-64 of the data region
+    ... data: each tensor's bytes, contiguous, 64-byte aligned
+
+A writer sets state=0, fills data, then writes the header and sets state=1
+last, so a reader of a torn region sees state 0 and refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from memckpt.errors import ChecksumError, StateError
+
+MAGIC = b"MEMCKPT\x01"
+FORMAT_VERSION = 1
+PREFIX = struct.Struct("<8sIIQQQQQQ")  # 64 bytes
+assert PREFIX.size == 64
+STATE_WRITING, STATE_COMPLETE = 0, 1
+DATA_ALIGN = 4096
+TENSOR_ALIGN = 64
+
+_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                 "uint8", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")
+    if hasattr(torch, name)
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def checksum(data: np.ndarray | memoryview) -> str:
+    """xxh3-64 of a byte region, as 16 hex digits. Releases the GIL while hashing."""
+    return xxhash.xxh3_64_hexdigest(memoryview(data))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise StateError(f"dtype {dtype} cannot be stored in a shard; supported: "
+                            f"{', '.join(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # from the start of the data region
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor's bytes sit in a data region."""
+
+    entries: tuple[TensorEntry, ...]
+    data_len: int
+
+    @staticmethod
+    def of(tensors: Sequence[tuple[str, torch.Tensor]]) -> "Layout":
+        entries, offset = [], 0
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            entries.append(TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
+            offset = _round_up(offset + nbytes, TENSOR_ALIGN)
+        return Layout(tuple(entries), offset)
+
+    def to_json(self) -> list[list[Any]]:
+        return [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in self.entries]
+
+    @staticmethod
+    def from_json(rows: list[list[Any]], data_len: int, source: str) -> "Layout":
+        entries = []
+        for row in rows:
+            try:
+                name, dt, shape, offset, nbytes = row
+                entry = TensorEntry(str(name), str(dt), tuple(int(s) for s in shape), int(offset),
+                                    int(nbytes))
+            except (TypeError, ValueError):
+                raise ChecksumError(f"{source}: malformed tensor entry {row!r}") from None
+            if entry.dtype not in _DTYPES:
+                raise ChecksumError(f"{source}: tensor {entry.name!r} has unknown dtype {entry.dtype!r}")
+            expect = int(np.prod(entry.shape, dtype=np.int64)) * _DTYPES[entry.dtype].itemsize
+            if expect != entry.nbytes or entry.offset < 0 or entry.offset + entry.nbytes > data_len:
+                raise ChecksumError(f"{source}: tensor {entry.name!r} lies outside the data region")
+            entries.append(entry)
+        return Layout(tuple(entries), data_len)
+
+
+def header_capacity_for(layout: Layout, meta_hint: int = 0) -> int:
+    """Room for the header: the tensor table plus generous space for metadata."""
+    table = len(json.dumps(layout.to_json()))
+    return _round_up(table + 2 * meta_hint + 64 * 1024, DATA_ALIGN) - PREFIX.size
+
+
+def region_size(layout: Layout, header_capacity: int) -> int:
+    return PREFIX.size + header_capacity + layout.data_len
+
+
+def data_offset(header_capacity: int) -> int:
+    return PREFIX.size + header_capacity
+
+
+def tensor_views(region: torch.Tensor, layout: Layout, header_capacity: int) -> dict[str, torch.Tensor]:
+    """Typed, shaped views of each tensor's bytes inside a uint8 region (no copy)."""
+    base = data_offset(header_capacity)
+    views = {}
+    for e in layout.entries:
+        raw = region[base + e.offset: base + e.offset + e.nbytes]
+        views[e.name] = raw.view(_DTYPES[e.dtype]).view(e.shape)
+    return views
+
+
+def mark_writing(region: np.ndarray) -> None:
+    """Invalidate a region before its data is overwritten (a torn write stays invalid)."""
+    PREFIX.pack_into(region, 0, MAGIC, FORMAT_VERSION, STATE_WRITING, 0, 0, 0, 0, 0, 0)
+
+
+def seal(region: np.ndarray, layout: Layout, header_capacity: int, step: int,
+         header: Mapping[str, Any]) -> str:
+    """Checksum the data, write the header, then flag the region complete. Returns the checksum."""
+    off = data_offset(header_capacity)
+    digest = checksum(region[off: off + layout.data_len])
+    body = dict(header, step=step, tensors=layout.to_json(), data_len=layout.data_len,
+                data_xxh3=digest, format=FORMAT_VERSION)
+    blob = json.dumps(body, separators=(",", ":")).encode()
+    if len(blob) > header_capacity:
+        raise ChecksumError(f"shard header of {len(blob)} bytes exceeds its reserved "
+                            f"{header_capacity} bytes (metadata grew); the engine re-lays out")
+    region[PREFIX.size: PREFIX.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+    PREFIX.pack_into(region, 0, MAGIC, FORMAT_VERSION, STATE_WRITING, header_capacity, len(blob),
+                     xxhash.xxh3_64_intdigest(blob), off, layout.data_len, step)
+    # The state flag goes last: until it is set, no reader trusts this region.
+    struct.pack_into("<I", region, 12, STATE_COMPLETE)
+    return digest
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A complete, verified shard: its header, layout and zero-copy tensor views."""
+
+    header: dict[str, Any]
+    layout: Layout
+    tensors: dict[str, torch.Tensor]
+    raw: np.ndarray  # the shard's bytes (prefix + header + data): what a file or replica holds
+
+    @property
+    def step(self) -> int:
+        return int(self.header["step"])
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.raw)
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.header.get("meta", {})
+
+
+def read_header(region: np.ndarray, source: str) -> tuple[dict[str, Any], Layout, int]:
+    """Parse and check the prefix and header; returns (header, layout, header_capacity)."""
+    if len(region) < PREFIX.size:
+        raise ChecksumError(f"{source}: truncated ({len(region)} bytes, less than the 64-byte prefix)")
+    magic, version, state, cap, hlen, hsum, off, dlen, step = PREFIX.unpack_from(region, 0)
+    if magic != MAGIC:
+        raise ChecksumError(f"{source}: not a memckpt shard (bad magic)")
+    if version != FORMAT_VERSION:
+        raise ChecksumError(f"{source}: shard format {version}, this memckpt reads {FORMAT_VERSION}")
+    if state != STATE_COMPLETE:
+        raise ChecksumError(f"{source}: incomplete shard (its write never finished)")
+    if hlen > cap or off != PREFIX.size + cap:
+        raise ChecksumError(f"{source}: corrupt prefix")
+    if len(region) < off + dlen:
+        raise ChecksumError(f"{source}: truncated: {len(region)} bytes, the header promises {off + dlen}")
+    blob = bytes(region[PREFIX.size: PREFIX.size + hlen])
+    if xxhash.xxh3_64_intdigest(blob) != hsum:
+        raise ChecksumError(f"{source}: header checksum mismatch")
+    try:
+        header = json.loads(blob)
+    except ValueError:
+        raise ChecksumError(f"{source}: header is not valid JSON") from None
+    if header.get("step") != step or header.get("data_len") != dlen:
+        raise ChecksumError(f"{source}: header disagrees with its prefix")
+    return header, Layout.from_json(header["tensors"], dlen, source), cap
+
+
+def open_shard(region: np.ndarray, source: str, verify: bool = True) -> Shard:
+    """Open a shard held in ``region`` (bytes of a file, mmap or slot) without copying.
+
+    With ``verify`` the data checksum is checked and a mismatch raises
+    :class:`ChecksumError` naming ``source``. The returned tensors alias ``region``.
+    """
+    region = np.asarray(region, dtype=np.uint8).reshape(-1)
+    header, layout, cap = read_header(region, source)
+    off = data_offset(cap)
+    if verify:
+        got = checksum(region[off: off + layout.data_len])
+        if got != header["data_xxh3"]:
+            raise ChecksumError(f"{source}: data checksum mismatch (stored {header['data_xxh3']}, "
+                                f"computed {got}): the shard is corrupt")
+    raw = region[: off + layout.data_len]
+    return Shard(header, layout, tensor_views(torch.from_numpy(raw), layout, cap), raw)

@@ -1,0 +1,270 @@
+"""The snapshot engine: captured tensors -> preallocated, double-buffered host RAM.
+
+Two slots live in shared-memory files. A snapshot is written into the slot that
+does *not* hold the newest snapshot, so the last complete copy is never
+overwritten by one in progress, and a crash mid-copy leaves it intact. After
+warm-up nothing is allocated per step: the slots are reused as long as the
+state's layout does not change.
+
+Per snapshot the training thread copies the small, step-mutated tensors (buffers,
+RNG, scheduler) and, in ``sync`` mode, everything else too. In ``overlap`` mode
+(CheckFreq's pipelining) parameters and optimizer state are copied on a
+background thread while the next forward and backward run; ``wait_copy()``,
+hooked onto ``optimizer.step``, holds the next update until that copy is done.
+The checksum and header are always written off the training thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from memckpt import shard as fmt
+from memckpt.buffers import RamRegion
+from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError
+from memckpt.state import Captured
+
+SLOT_NAMES = ("slot0.shard", "slot1.shard")
+
+
+@dataclass
+class Slot:
+    path: Path
+    region: Optional[RamRegion] = None
+    layout: Optional[fmt.Layout] = None
+    header_capacity: int = 0
+    step: Optional[int] = None  # step of the complete snapshot it holds
+    complete: bool = False
+    readers: int = 0
+    views: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    snapshots: int = 0
+    skipped: int = 0  # fall-behind policy "skip"
+    waited_s: float = 0.0  # fall-behind policy "wait": time the step spent waiting
+    allocations: int = 0  # slot (re)allocations; stays flat after warm-up
+    last_stall_s: float = 0.0
+    last_step: Optional[int] = None
+
+
+class SnapshotEngine:
+    """Copies captured state into two reused RAM slots under ``directory``.
+
+    Guarantees: ``snapshot()`` returns once the training loop may mutate what it
+    is required to protect (everything in ``sync`` mode; all but parameters and
+    optimizer state in ``overlap`` mode, until ``wait_copy()`` returns). The
+    newest complete snapshot is never overwritten while another is written.
+    A failed snapshot leaves its slot marked incomplete; the error is raised from
+    ``snapshot()`` or, for background work, from the next ``wait()``/``snapshot()``.
+    """
+
+    def __init__(self, directory: Path, *, mode: str = "sync", on_fall_behind: str = "wait",
+                 identity: Optional[dict[str, Any]] = None,
+                 on_complete: Optional[Callable[[int, Path], None]] = None) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.mode = mode
+        self.on_fall_behind = on_fall_behind
+        self.identity = dict(identity or {})
+        self.on_complete = on_complete
+        self.stats = EngineStats()
+        self._cond = threading.Condition()
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="memckpt-snapshot")
+        self._inflight: Optional[cf.Future] = None  # background copy + seal of the newest slot
+        self._copy_done = threading.Event()
+        self._copy_done.set()
+        self._error: Optional[BaseException] = None
+        self._newest: Optional[int] = None  # index of the slot written last (maybe in flight)
+        self._pin = torch.cuda.is_available()
+        self._stream = torch.cuda.Stream() if self._pin else None
+        self.slots = [Slot(self.directory / n) for n in SLOT_NAMES]
+        self._adopt_existing()
+
+    # -- existing slots (a previous process's snapshots) -----------------------------------
+    def _adopt_existing(self) -> None:
+        for i, slot in enumerate(self.slots):
+            if not slot.path.exists():
+                continue
+            try:
+                region = RamRegion.open(slot.path)
+                header, layout, cap = fmt.read_header(region.array, str(slot.path))
+            except MemckptError:
+                continue  # torn or foreign: this slot is simply free
+            slot.region, slot.layout, slot.header_capacity = region, layout, cap
+            slot.step, slot.complete = int(header["step"]), True
+            slot.views = fmt.tensor_views(region.tensor, layout, cap)
+            if self._newest is None or slot.step > self.slots[self._newest].step:
+                self._newest = i
+
+    # -- taking snapshots -------------------------------------------------------------------
+    def snapshot(self, captured: Captured, step: int) -> bool:
+        """Snapshot ``captured`` as ``step``. Returns False when skipped by policy."""
+        t0 = time.perf_counter()
+        self._raise_background_error()
+        target = self._claim_target(step)
+        if target is None:
+            return False
+        slot = self.slots[target]
+        try:
+            self._prepare(slot, captured)
+            fmt.mark_writing(slot.region.array)
+            slot.complete, slot.step = False, None
+            meta_blob = captured.meta
+            background = [(n, t) for n, t in captured.tensors
+                          if self.mode == "overlap" and n in captured.stable]
+            foreground = [(n, t) for n, t in captured.tensors
+                          if not (self.mode == "overlap" and n in captured.stable)]
+            self._copy(slot, foreground)
+        except BaseException:
+            with self._cond:
+                self._cond.notify_all()
+            raise
+        self._copy_done.clear()
+        self._inflight = self._pool.submit(self._finish, target, background, step, meta_blob)
+        self.stats.snapshots += 1
+        self.stats.last_step = step
+        self.stats.last_stall_s = time.perf_counter() - t0
+        return True
+
+    def _claim_target(self, step: int) -> Optional[int]:
+        """Pick the slot to overwrite: never the newest; wait or skip if it is busy."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while True:
+                self._raise_background_error()
+                newest_busy = self._inflight is not None and not self._inflight.done()
+                target = 0 if self._newest is None else 1 - self._newest
+                if not newest_busy and self.slots[target].readers == 0:
+                    if self._newest is not None and not self.slots[self._newest].complete:
+                        target = self._newest  # the newest failed: overwrite it, keep the older
+                    self._newest = target
+                    break
+                if self.on_fall_behind == "skip":
+                    self.stats.skipped += 1
+                    return None
+                self._cond.wait(timeout=0.05)
+        self.stats.waited_s += time.perf_counter() - t0
+        return target
+
+    def _prepare(self, slot: Slot, captured: Captured) -> None:
+        layout = fmt.Layout.of(captured.tensors)
+        meta_len = len(json.dumps(captured.meta, separators=(",", ":")))
+        need = meta_len + len(json.dumps(layout.to_json())) + 1024
+        if slot.layout == layout and slot.region is not None and need <= slot.header_capacity:
+            return
+        if slot.region is not None:
+            slot.region.close(unlink=False)
+        cap = fmt.header_capacity_for(layout, meta_hint=meta_len)
+        slot.region = RamRegion.create(slot.path, fmt.region_size(layout, cap), pin=self._pin)
+        slot.layout, slot.header_capacity = layout, cap
+        slot.views = fmt.tensor_views(slot.region.tensor, layout, cap)
+        self.stats.allocations += 1
+
+    def _copy(self, slot: Slot, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if self._stream is not None and any(t.is_cuda for _, t in tensors):
+            # Device-to-host into pinned memory on a side stream, after the compute
+            # stream's pending writes to these tensors.
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                for name, t in tensors:
+                    slot.views[name].copy_(t, non_blocking=True)
+            self._stream.synchronize()
+            return
+        with torch.no_grad():
+            for name, t in tensors:
+                slot.views[name].copy_(t)
+
+    def _finish(self, index: int, background: list, step: int, meta: dict[str, Any]) -> None:
+        slot = self.slots[index]
+        try:
+            try:
+                self._copy(slot, background)
+            finally:
+                self._copy_done.set()
+            header = dict(self.identity, meta=meta, created_at=time.time())
+            fmt.seal(slot.region.array, slot.layout, slot.header_capacity, step, header)
+            slot.step, slot.complete = step, True
+            if self.on_complete is not None:
+                self.on_complete(step, slot.path)
+        except BaseException as e:  # kept, re-raised on the training thread
+            self._error = e
+            raise
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def wait_copy(self) -> None:
+        """Block until the in-flight copy has read every tensor (safe to mutate them)."""
+        self._copy_done.wait()
+
+    def wait(self) -> None:
+        """Block until the in-flight snapshot is sealed; re-raise a background error."""
+        fut = self._inflight
+        if fut is not None:
+            try:
+                fut.result()
+            except BaseException:
+                pass
+        self._raise_background_error()
+
+    # -- reading ----------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Steps of the complete snapshots held, newest first."""
+        with self._cond:
+            return sorted((s.step for s in self.slots if s.complete and s.step is not None),
+                          reverse=True)
+
+    @contextmanager
+    def reading(self, step: Optional[int] = None, verify: bool = True) -> Iterator[fmt.Shard]:
+        """Pin a complete snapshot (newest, or ``step``) so it is not overwritten while read."""
+        with self._cond:
+            cands = [s for s in self.slots if s.complete and (step is None or s.step == step)]
+            if not cands:
+                raise NoSnapshotError(f"no complete snapshot{'' if step is None else f' of step {step}'}"
+                                      f" in {self.directory}")
+            slot = max(cands, key=lambda s: s.step)
+            slot.readers += 1
+        try:
+            yield fmt.open_shard(slot.region.array, str(slot.path), verify=verify)
+        finally:
+            with self._cond:
+                slot.readers -= 1
+                self._cond.notify_all()
+
+    def close(self, unlink: bool = False) -> None:
+        """Finish background work and release the slots (``unlink`` deletes them)."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            for slot in self.slots:
+                if slot.region is not None:
+                    slot.views = {}
+                    slot.region.close(unlink=unlink)
+                    slot.region = None
+                elif unlink and slot.path.exists():
+                    slot.path.unlink()
+
+
+def verify_slot(path: Path) -> fmt.Shard:
+    """Open and fully verify a slot or shard file (raises :class:`ChecksumError`)."""
+    try:
+        region = RamRegion.open(path)
+    except (OSError, MemckptError) as e:
+        raise ChecksumError(f"{path}: cannot open ({e})") from None
+    return fmt.open_shard(region.array, str(path), verify=True)

@@ -1,0 +1,332 @@
+"""Exact training-state capture: live objects <-> named tensors + JSON metadata.
+
+:class:`TrainState` gathers models, optimizers, LR schedulers, a GradScaler, data
+positions, RNG streams and JSON-able extras. ``capture()`` returns the tensors
+(aliases of live storage, no copy) and a small JSON skeleton; ``load()`` puts
+them back so training continues bit-identically. Optimizer state is keyed by
+parameter *name*, so a reordered parameter list restores correctly; tied
+weights are stored once. Nothing here knows about Ray or storage.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional
+
+import numpy as np
+import torch
+
+from memckpt.config import CONTENT_KINDS
+from memckpt.errors import StateError
+
+_MARKERS = ("__tensor__", "__tuple__", "__items__", "__ndarray__")
+
+
+@dataclass
+class Captured:
+    """Named tensors (live aliases) plus the JSON metadata to rebuild the state.
+
+    ``stable`` names tensors that only ``optimizer.step()`` mutates (parameters and
+    optimizer state): an overlapped snapshot may copy them while the next forward
+    and backward run. Every other tensor must be copied before the step goes on.
+    """
+
+    tensors: list[tuple[str, torch.Tensor]]
+    stable: frozenset[str]
+    meta: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+
+def _named(kind: str, obj: Any) -> dict[str, Any]:
+    if obj is None:
+        return {}
+    if isinstance(obj, Mapping):
+        for k in obj:
+            if not isinstance(k, str) or not k or "/" in k:
+                raise StateError(f"{kind} names must be non-empty strings without '/'; got {k!r}")
+        return dict(obj)
+    return {kind: obj}
+
+
+def _short(names: Iterable[str], limit: int = 10) -> str:
+    names = sorted(names)
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+class _Flattener:
+    """Splits a nested state_dict into JSON plus tensors (never pickle)."""
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.tensors = tensors
+
+    def __call__(self, obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append((path, obj.detach()))
+            return {"__tensor__": path}
+        if isinstance(obj, np.ndarray):
+            self.tensors.append((path, torch.from_numpy(np.ascontiguousarray(obj)).clone()))
+            return {"__ndarray__": path}
+        if isinstance(obj, (bool, int, float, str)) or obj is None:
+            return obj
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, tuple):
+            return {"__tuple__": [self(v, f"{path}/{i}") for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [self(v, f"{path}/{i}") for i, v in enumerate(obj)]
+        if isinstance(obj, Mapping):
+            if all(isinstance(k, str) for k in obj):
+                clash = [k for k in obj if k in _MARKERS]
+                if clash:
+                    raise StateError(f"{path}: key {clash[0]!r} is reserved by memckpt")
+                return {k: self(v, f"{path}/{k}") for k, v in obj.items()}
+            return {"__items__": [[self(k, f"{path}/k{i}"), self(v, f"{path}/{i}")]
+                                  for i, (k, v) in enumerate(obj.items())]}
+        raise StateError(f"cannot capture {type(obj).__name__} at {path!r}: state may hold only "
+                         "tensors, numpy arrays, numbers, strings, lists, tuples and dicts")
+
+
+def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of :class:`_Flattener`; tensors are cloned so no state aliases a buffer."""
+    if isinstance(obj, list):
+        return [_unflatten(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return _tensor(tensors, obj["__tensor__"]).clone()
+        if "__ndarray__" in obj:
+            return _tensor(tensors, obj["__ndarray__"]).numpy().copy()
+        if "__tuple__" in obj:
+            return tuple(_unflatten(v, tensors) for v in obj["__tuple__"])
+        if "__items__" in obj:
+            return {_unflatten(k, tensors): _unflatten(v, tensors) for k, v in obj["__items__"]}
+        return {k: _unflatten(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def _tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return tensors[name]
+    except KeyError:
+        raise StateError(f"snapshot is missing tensor {name!r}") from None
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+            tuple(t.stride()), t.dtype)
+
+
+@dataclass
+class TrainState:
+    """Everything that must come back for a run to continue bit-identically.
+
+    Each of ``model``, ``optimizer``, ``scheduler`` and ``data`` is one object or a
+    dict of named objects. ``data`` objects need ``state_dict``/``load_state_dict``
+    (a sampler, a dataset cursor; see :class:`memckpt.ResumableSampler`).
+    ``extras`` is a JSON-able dict the training loop may change; a restore
+    replaces its contents in place.
+    """
+
+    model: Any
+    optimizer: Any = None
+    scheduler: Any = None
+    scaler: Any = None
+    data: Any = None
+    rng: bool = True
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.models = _named("model", self.model)
+        if not self.models:
+            raise StateError("TrainState needs at least one model")
+        for name, m in self.models.items():
+            if not isinstance(m, torch.nn.Module):
+                raise StateError(f"model {name!r} is a {type(m).__name__}, not a torch.nn.Module")
+        self.optimizers = _named("optimizer", self.optimizer)
+        self.schedulers = _named("scheduler", self.scheduler)
+        self.datas = _named("data", self.data)
+        for name, d in self.datas.items():
+            if not (hasattr(d, "state_dict") and hasattr(d, "load_state_dict")):
+                raise StateError(f"data {name!r} ({type(d).__name__}) needs state_dict() and "
+                                 "load_state_dict(); wrap it or use memckpt.ResumableSampler")
+        if not isinstance(self.extras, dict):
+            raise StateError("extras must be a dict of JSON-able values")
+
+    # -- parameter names -----------------------------------------------------------------
+    def _param_names(self) -> dict[int, str]:
+        names: dict[int, str] = {}
+        for mname, m in self.models.items():
+            for fqn, p in m.named_parameters():
+                names.setdefault(id(p), f"{mname}/{fqn}")
+        return names
+
+    def _optimizer_names(self, oname: str, opt: torch.optim.Optimizer,
+                         names: dict[int, str]) -> list[list[str]]:
+        groups = []
+        for group in opt.param_groups:
+            pnames = []
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise StateError(f"optimizer {oname!r} holds a parameter of shape {tuple(p.shape)} "
+                                     "that belongs to no model in the TrainState: pass its model too")
+                pnames.append(names[id(p)])
+            groups.append(pnames)
+        return groups
+
+    # -- capture ---------------------------------------------------------------------------
+    def capture(self, step: int) -> Captured:
+        """Named live tensors and metadata for ``step``. Copies nothing large."""
+        tensors: list[tuple[str, torch.Tensor]] = []
+        stable: set[str] = set()
+        meta: dict[str, Any] = {"step": step, "models": {}, "aliases": {}}
+        flat = _Flattener(tensors)
+        seen: dict[tuple, str] = {}
+        for mname, m in self.models.items():
+            params = {fqn for fqn, _ in m.named_parameters(remove_duplicate=False)}
+            keys = []
+            for key, t in m.state_dict().items():
+                name = f"model/{mname}/{key}"
+                keys.append(key)
+                skey = _storage_key(t)
+                if skey in seen:  # tied weight: store once, remember the alias
+                    meta["aliases"][name] = seen[skey]
+                    continue
+                seen[skey] = name
+                tensors.append((name, t))
+                if key in params:
+                    stable.add(name)
+            meta["models"][mname] = keys
+        names = self._param_names()
+        meta["optimizers"] = {}
+        for oname, opt in self.optimizers.items():
+            groups = self._optimizer_names(oname, opt, names)
+            sd = opt.state_dict()
+            flat_names = [n for g in groups for n in g]
+            state_meta = {}
+            for idx, st in sd["state"].items():
+                pname = flat_names[idx]
+                before = len(tensors)
+                state_meta[pname] = flat(st, f"optim/{oname}/{pname}")
+                stable.update(n for n, _ in tensors[before:])
+            pgroups = [dict({k: flat(v, f"optim/{oname}/group{i}/{k}")
+                             for k, v in g.items() if k != "params"}, params=groups[i])
+                       for i, g in enumerate(sd["param_groups"])]
+            meta["optimizers"][oname] = {"state": state_meta, "param_groups": pgroups}
+        meta["schedulers"] = {n: flat(s.state_dict(), f"sched/{n}") for n, s in self.schedulers.items()}
+        meta["scaler"] = flat(self.scaler.state_dict(), "scaler") if self.scaler is not None else None
+        meta["data"] = {n: flat(d.state_dict(), f"data/{n}") for n, d in self.datas.items()}
+        if self.rng:
+            meta["rng"] = flat(_rng_state(), "rng")
+        try:
+            meta["extras"] = json.loads(json.dumps(self.extras))
+        except (TypeError, ValueError) as e:
+            raise StateError(f"extras must be JSON-able: {e}") from None
+        return Captured(tensors, frozenset(stable), meta)
+
+    # -- load ------------------------------------------------------------------------------
+    def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+             content: Optional[Iterable[str]] = None) -> int:
+        """Put a snapshot's state back into the live objects; returns its step.
+
+        ``content`` limits what is loaded (kinds from ``memckpt.config.CONTENT_KINDS``;
+        None loads everything). Missing or unexpected entries raise
+        :class:`StateError` naming them; nothing is half-loaded for a model
+        whose keys do not match.
+        """
+        kinds = set(CONTENT_KINDS if content is None else content)
+        tensors = dict(tensors)
+        for alias, target in meta.get("aliases", {}).items():
+            tensors[alias] = _tensor(tensors, target)
+        if "model" in kinds:
+            self._check_names("model", meta["models"], self.models)
+            for mname, m in self.models.items():
+                want = set(m.state_dict().keys())
+                have = set(meta["models"][mname])
+                if want != have:
+                    raise StateError(f"model {mname!r} does not match the snapshot: missing keys: "
+                                     f"[{_short(want - have)}]; unexpected keys: [{_short(have - want)}]")
+                m.load_state_dict({k: _tensor(tensors, f"model/{mname}/{k}") for k in have})
+        if "optimizer" in kinds:
+            self._check_names("optimizer", meta["optimizers"], self.optimizers)
+            names = self._param_names()
+            for oname, opt in self.optimizers.items():
+                self._load_optimizer(oname, opt, meta["optimizers"][oname], tensors, names)
+        if "scheduler" in kinds:
+            self._check_names("scheduler", meta["schedulers"], self.schedulers)
+            for n, s in self.schedulers.items():
+                s.load_state_dict(_unflatten(meta["schedulers"][n], tensors))
+        if "scaler" in kinds and self.scaler is not None:
+            if meta.get("scaler") is None:
+                raise StateError("the snapshot has no GradScaler state but the TrainState has a scaler")
+            self.scaler.load_state_dict(_unflatten(meta["scaler"], tensors))
+        if "data" in kinds:
+            self._check_names("data", meta["data"], self.datas)
+            for n, d in self.datas.items():
+                d.load_state_dict(_unflatten(meta["data"][n], tensors))
+        if "rng" in kinds and self.rng and meta.get("rng") is not None:
+            _set_rng_state(_unflatten(meta["rng"], tensors))
+        if "extras" in kinds:
+            self.extras.clear()
+            self.extras.update(meta.get("extras", {}))
+        return int(meta["step"])
+
+    @staticmethod
+    def _check_names(kind: str, stored: Mapping[str, Any], live: Mapping[str, Any]) -> None:
+        if set(stored) != set(live):
+            raise StateError(
+                f"{kind} names differ: the snapshot has [{_short(stored)}], the TrainState has "
+                f"[{_short(live)}]; pass the same {kind}s, or leave {kind!r} out of load.content")
+
+    def _load_optimizer(self, oname: str, opt: torch.optim.Optimizer, saved: Mapping[str, Any],
+                        tensors: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
+        current = self._optimizer_names(oname, opt, names)
+        stored_groups = saved["param_groups"]
+        if len(stored_groups) != len(current):
+            raise StateError(f"optimizer {oname!r} has {len(current)} param groups, the snapshot "
+                             f"has {len(stored_groups)}")
+        index = {}
+        for i, (group, cur) in enumerate(zip(stored_groups, current)):
+            stored = set(group["params"])
+            if stored != set(cur):
+                raise StateError(
+                    f"optimizer {oname!r} group {i} does not match the snapshot: missing params: "
+                    f"[{_short(stored - set(cur))}]; unexpected params: [{_short(set(cur) - stored)}]")
+            for pname in cur:
+                index[pname] = len(index)
+        # Indices follow the *current* parameter order, so torch maps each saved
+        # entry onto the parameter with the same name.
+        state = {index[p]: _unflatten(st, tensors) for p, st in saved["state"].items()}
+        groups = []
+        for group, cur in zip(stored_groups, current):
+            g = {k: _unflatten(v, tensors) for k, v in group.items() if k != "params"}
+            g["params"] = [index[p] for p in cur]
+            groups.append(g)
+        opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
