@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from memckpt import shard as fmt
 from memckpt.buffers import RamRegion, remove_path, resolve_ram_root
 from memckpt.config import Config
-from memckpt.errors import ChecksumError, StateError
+from memckpt.errors import ChecksumError, MemckptError, StateError
 from memckpt.fsutil import write_atomic
 from memckpt.snapshot import SnapshotEngine
 from memckpt.state import TrainState
@@ -39,7 +39,8 @@ class Checkpointer:
     """
 
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1,
-                 directory: Optional[str | Path] = None) -> None:
+                 directory: Optional[str | Path] = None, *, gated: bool = False,
+                 on_sealed: Optional[Callable[[int, Path], None]] = None) -> None:
         if not isinstance(config, Config):
             raise StateError(f"Checkpointer needs a memckpt.Config, got {type(config).__name__}")
         self.config = config
@@ -50,7 +51,8 @@ class Checkpointer:
         self.engine = SnapshotEngine(
             self.directory, mode=config.snapshot_mode, on_fall_behind=config.failure.on_fall_behind,
             identity={"job": config.job_name, "rank": rank, "world_size": world_size,
-                      "fingerprint": config.fingerprint()})
+                      "fingerprint": config.fingerprint()},
+            gated=gated, on_complete=on_sealed)
         self._hooked: set[int] = set()
 
     # -- taking snapshots -------------------------------------------------------------------
@@ -91,14 +93,17 @@ class Checkpointer:
         corrupt, :class:`ChecksumError` lists them rather than starting over silently.
         """
         if source is not None:
-            region = RamRegion.open(Path(source))
-            return self._load(state, fmt.open_shard(region.array, str(source)), str(source))
+            try:
+                region = RamRegion.open(Path(source))
+            except MemckptError as e:  # an empty file: as truncated as it gets
+                raise ChecksumError(f"{source}: cannot read it as a shard: {e.message}") from None
+            return self.load_shard(state, fmt.open_shard(region.array, str(source)), str(source))
         self.engine.wait()
         problems = []
         for step in self.engine.steps():
             try:
                 with self.engine.reading(step) as shard:
-                    return self._load(state, shard, f"ram:{self.directory}")
+                    return self.load_shard(state, shard, f"ram:{self.directory}")
             except ChecksumError as e:
                 problems.append(str(e))
                 self._event("snapshot_skipped", step=step, reason=str(e))
@@ -108,7 +113,8 @@ class Checkpointer:
                                 f". Remove {self.directory} to start from scratch")
         return 0
 
-    def _load(self, state: TrainState, shard: fmt.Shard, source: str) -> int:
+    def load_shard(self, state: TrainState, shard: fmt.Shard, source: str) -> int:
+        """Load a verified shard (from RAM, a file or a peer) into ``state``; returns its step."""
         h = shard.header
         if h.get("world_size") != self.world_size or h.get("rank") != self.rank:
             raise StateError(f"{source} is rank {h.get('rank')} of {h.get('world_size')}, this "

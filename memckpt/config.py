@@ -130,12 +130,14 @@ class FailurePolicy:
     heartbeat_timeout_s: float = 5.0  # a worker silent this long is declared hung
     max_restarts: int = 3
     on_fall_behind: str = "wait"  # background copies behind: wait for them, or skip the snapshot
+    collective_timeout_s: float = 300.0  # a torch.distributed call stuck this long fails the step
 
     def __post_init__(self) -> None:
         _positive_float("failure.heartbeat_interval_s", self.heartbeat_interval_s)
         _positive_float("failure.heartbeat_timeout_s", self.heartbeat_timeout_s)
         _positive_int("failure.max_restarts", self.max_restarts, minimum=0)
         _choice("failure.on_fall_behind", self.on_fall_behind, FALL_BEHIND_POLICIES)
+        _positive_float("failure.collective_timeout_s", self.collective_timeout_s)
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
             _fail("failure.heartbeat_timeout_s", self.heartbeat_timeout_s,
                   f"it must exceed twice failure.heartbeat_interval_s={self.heartbeat_interval_s} "

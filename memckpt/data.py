@@ -17,7 +17,11 @@ class ResumableSampler(Sampler[int]):
     at the next unseen sample of the same permutation. With ``rank``/``world_size``
     each rank sees its own slice (like ``DistributedSampler``). Exact with a
     ``DataLoader`` of ``num_workers=0``; worker processes prefetch ahead, so with
-    them record the position the training loop has consumed instead.
+    them record the position the training loop has consumed instead. Give the
+    ``DataLoader`` its own ``generator=torch.Generator()``: without one, every
+    ``iter(loader)`` draws a seed from the global torch RNG, and a resumed process
+    creates its iterator at a different point than the original run did, which
+    shifts dropout and every other global-RNG draw after the restore.
     """
 
     def __init__(self, data_len: int, shuffle: bool = True, seed: int = 0, rank: int = 0,

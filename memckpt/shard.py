@@ -184,8 +184,12 @@ class Shard:
         return self.header.get("meta", {})
 
 
-def read_header(region: np.ndarray, source: str) -> tuple[dict[str, Any], Layout, int]:
-    """Parse and check the prefix and header; returns (header, layout, header_capacity)."""
+def read_header(region: np.ndarray, source: str,
+                check_length: bool = True) -> tuple[dict[str, Any], Layout, int]:
+    """Parse and check the prefix and header; returns (header, layout, header_capacity).
+
+    ``check_length=False`` accepts a region holding only the prefix and header.
+    """
     if len(region) < PREFIX.size:
         raise ChecksumError(f"{source}: truncated ({len(region)} bytes, less than the 64-byte prefix)")
     magic, version, state, cap, hlen, hsum, off, dlen, step = PREFIX.unpack_from(region, 0)
@@ -197,7 +201,7 @@ def read_header(region: np.ndarray, source: str) -> tuple[dict[str, Any], Layout
         raise ChecksumError(f"{source}: incomplete shard (its write never finished)")
     if hlen > cap or off != PREFIX.size + cap:
         raise ChecksumError(f"{source}: corrupt prefix")
-    if len(region) < off + dlen:
+    if check_length and len(region) < off + dlen:
         raise ChecksumError(f"{source}: truncated: {len(region)} bytes, the header promises {off + dlen}")
     blob = bytes(region[PREFIX.size: PREFIX.size + hlen])
     if xxhash.xxh3_64_intdigest(blob) != hsum:

@@ -70,13 +70,19 @@ class SnapshotEngine:
 
     def __init__(self, directory: Path, *, mode: str = "sync", on_fall_behind: str = "wait",
                  identity: Optional[dict[str, Any]] = None,
-                 on_complete: Optional[Callable[[int, Path], None]] = None) -> None:
+                 on_complete: Optional[Callable[[int, Path], None]] = None,
+                 gated: bool = False) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.mode = mode
         self.on_fall_behind = on_fall_behind
         self.identity = dict(identity or {})
         self.on_complete = on_complete
+        # Gated (multi-node): a new snapshot may only replace the older slot once the
+        # newest snapshot is committed everywhere, so the last committed step always
+        # has a local copy. Ungated: sealing is committing.
+        self.gated = gated
+        self.committed: Optional[int] = None
         self.stats = EngineStats()
         self._cond = threading.Condition()
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="memckpt-snapshot")
@@ -127,6 +133,8 @@ class SnapshotEngine:
             self._copy(slot, foreground)
         except BaseException:
             with self._cond:
+                if slot.complete:  # failed before touching the slot: the other is still newest
+                    self._newest = 1 - target
                 self._cond.notify_all()
             raise
         self._copy_done.clear()
@@ -144,6 +152,9 @@ class SnapshotEngine:
                 self._raise_background_error()
                 newest_busy = self._inflight is not None and not self._inflight.done()
                 target = 0 if self._newest is None else 1 - self._newest
+                if self.gated and self._newest is not None and not newest_busy:
+                    newest = self.slots[self._newest]
+                    newest_busy = newest.complete and newest.step != self.committed
                 if not newest_busy and self.slots[target].readers == 0:
                     if self._newest is not None and not self.slots[self._newest].complete:
                         target = self._newest  # the newest failed: overwrite it, keep the older
@@ -207,6 +218,23 @@ class SnapshotEngine:
         if self._error is not None:
             err, self._error = self._error, None
             raise err
+
+    def discard_newer(self, step: int) -> None:
+        """Invalidate held snapshots newer than ``step`` (a rollback made them obsolete)."""
+        self.wait()
+        with self._cond:
+            for i, slot in enumerate(self.slots):
+                if slot.complete and slot.step is not None and slot.step > step:
+                    fmt.mark_writing(slot.region.array)
+                    slot.complete, slot.step = False, None
+            done = [i for i, s in enumerate(self.slots) if s.complete]
+            self._newest = max(done, key=lambda i: self.slots[i].step) if done else None
+
+    def set_committed(self, step: int) -> None:
+        """Record that ``step`` is committed everywhere (gated mode)."""
+        with self._cond:
+            self.committed = step
+            self._cond.notify_all()
 
     def wait_copy(self) -> None:
         """Block until the in-flight copy has read every tensor (safe to mutate them)."""

@@ -70,7 +70,9 @@ class _Flattener:
             self.tensors.append((path, obj.detach()))
             return {"__tensor__": path}
         if isinstance(obj, np.ndarray):
-            self.tensors.append((path, torch.from_numpy(np.ascontiguousarray(obj)).clone()))
+            # ascontiguousarray makes a 0-d array 1-d: keep the shape
+            arr = np.ascontiguousarray(obj).reshape(obj.shape)
+            self.tensors.append((path, torch.from_numpy(arr).clone()))
             return {"__ndarray__": path}
         if isinstance(obj, (bool, int, float, str)) or obj is None:
             return obj
@@ -203,7 +205,8 @@ class TrainState:
             meta["models"][mname] = keys
         names = self._param_names()
         meta["optimizers"] = {}
-        for oname, opt in self.optimizers.items():
+        for oname, wrapper in self.optimizers.items():
+            opt = _local_optimizer(wrapper)
             groups = self._optimizer_names(oname, opt, names)
             sd = opt.state_dict()
             flat_names = [n for g in groups for n in g]
@@ -255,7 +258,11 @@ class TrainState:
             self._check_names("optimizer", meta["optimizers"], self.optimizers)
             names = self._param_names()
             for oname, opt in self.optimizers.items():
-                self._load_optimizer(oname, opt, meta["optimizers"][oname], tensors, names)
+                local = _local_optimizer(opt)
+                self._load_optimizer(oname, local, meta["optimizers"][oname], tensors, names)
+                if local is not opt:  # ZeRO: its own groups feed the shard's at every step
+                    for outer, inner in zip(opt.param_groups, local.param_groups):
+                        outer.update({k: v for k, v in inner.items() if k != "params"})
         if "scheduler" in kinds:
             self._check_names("scheduler", meta["schedulers"], self.schedulers)
             for n, s in self.schedulers.items():
@@ -289,13 +296,18 @@ class TrainState:
         if len(stored_groups) != len(current):
             raise StateError(f"optimizer {oname!r} has {len(current)} param groups, the snapshot "
                              f"has {len(stored_groups)}")
+        # Groups are matched by the names they hold, so a reordered group list restores
+        # each group's hyperparameters to the group with the same parameters.
+        by_names = {frozenset(g["params"]): g for g in stored_groups}
+        if len(by_names) == len(current) and all(frozenset(c) in by_names for c in current):
+            stored_groups = [by_names[frozenset(c)] for c in current]
         index = {}
         for i, (group, cur) in enumerate(zip(stored_groups, current)):
             stored = set(group["params"])
             if stored != set(cur):
                 raise StateError(
                     f"optimizer {oname!r} group {i} does not match the snapshot: missing params: "
-                    f"[{_short(stored - set(cur))}]; unexpected params: [{_short(set(cur) - stored)}]")
+                    f"[{_short(set(cur) - stored)}]; unexpected params: [{_short(stored - set(cur))}]")
             for pname in cur:
                 index[pname] = len(index)
         # Indices follow the *current* parameter order, so torch maps each saved
@@ -307,6 +319,13 @@ class TrainState:
             g["params"] = [index[p] for p in cur]
             groups.append(g)
         opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _local_optimizer(opt: Any) -> Any:
+    """The optimizer holding this rank's state: ZeroRedundancyOptimizer keeps only its
+    shard in ``.optim`` (its own ``state_dict`` needs a collective consolidation)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
 
 
 def _rng_state() -> dict[str, Any]:
