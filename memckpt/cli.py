@@ -16,6 +16,8 @@ from memckpt.errors import ConfigError, MemckptError
 
 # name -> (module with `add_arguments(parser)` and `main(args) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("memckpt.launch", "run a training function on Ray with in-memory replicas"),
+    "status": ("memckpt.status", "show a running job: placement, committed step, workers"),
     "demo": ("memckpt.demo.cli", "run the demo job: train, inject a fault, recover"),
     "bench": ("memckpt.bench.cli", "measure memckpt against torch.save and friends"),
 }

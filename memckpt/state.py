@@ -209,6 +209,9 @@ class TrainState:
             opt = _local_optimizer(wrapper)
             groups = self._optimizer_names(oname, opt, names)
             sd = opt.state_dict()
+            if opt is not wrapper:  # ZeRO: the wrapper's groups hold the current hyperparameters
+                for group, outer in zip(sd["param_groups"], wrapper.param_groups):
+                    group.update({k: v for k, v in outer.items() if k != "params"})
             flat_names = [n for g in groups for n in g]
             state_meta = {}
             for idx, st in sd["state"].items():

@@ -1,0 +1,12 @@
+"""Config for examples/gpt_job.py: 3 ranks on 3 nodes, ring placement, 1 peer replica."""
+
+import memckpt
+
+config = memckpt.Config(
+    job_name="gpt-example",
+    workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
+    placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
+    snapshot_every=1,
+    failure=memckpt.FailurePolicy(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0,
+                                  max_restarts=3, on_fall_behind="wait"),
+)

@@ -1,0 +1,215 @@
+"""The coordinator: one named actor per job, holding membership and the commit of steps.
+
+It knows no tensor bytes. Workers tell it when their shard of a step and its
+replicas are in place (``shard_ready``); once every rank has, the step is
+committed. It also takes heartbeats (a silent rank is *hung*), per-step metrics,
+fire-once chaos claims and events, which it appends as JSON lines to
+``<run_dir>/events.jsonl``.
+
+It is no single point of failure: its small state is written to Ray's GCS
+key-value store on every change, so when its process is killed Ray restarts it
+(``max_restarts=-1``), it reloads that state, checks the committed step against
+what the stores actually hold, and callers' retried calls carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+COORDINATOR_NAMESPACE = "memckpt"
+
+
+def coordinator_name(job: str) -> str:
+    return f"memckpt-coordinator-{job}"
+
+
+def _kv():
+    from ray.experimental import internal_kv
+    return internal_kv
+
+
+class Coordinator:
+    """Run as an async Ray actor: ``ray.remote(Coordinator).options(name=..., ...)``."""
+
+    def __init__(self, job: str, run_dir: str, world_size: int) -> None:
+        self.job = job
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.world_size = world_size
+        self._key = f"memckpt/{job}/coordinator".encode()
+        self._cond = asyncio.Condition()
+        self.heartbeats: dict[int, tuple[float, int]] = {}
+        self.s: dict[str, Any] = {
+            "gen": -1, "assignment": {}, "holders": {}, "committed": None, "ready": {},
+            "losses": {}, "metrics": {}, "workers": {}, "fired": [], "stores": {},
+            "started_at": time.time(), "restarts_of_coordinator": 0, "done": False,
+        }
+        saved = _kv()._internal_kv_get(self._key)
+        if saved:  # restarted after a crash: resume from the last saved view
+            self.s = json.loads(saved)
+            self.s["restarts_of_coordinator"] += 1
+            self.event("coordinator_restarted", committed=self.s["committed"], gen=self.s["gen"])
+            self._save()
+
+    # -- persistence of the small state -------------------------------------------------------
+    def _save(self) -> None:
+        _kv()._internal_kv_put(self._key, json.dumps(self.s).encode(), overwrite=True)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        record = {"time": time.time(), "event": kind, **fields}
+        with open(self.run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+    # -- membership ---------------------------------------------------------------------------
+    async def configure(self, gen: int, assignment: dict[int, str], holders: dict[int, list[str]],
+                        committed: Optional[int], stores: dict[str, str]) -> None:
+        """Start generation ``gen`` of the worker group (driver, at start and after recovery)."""
+        async with self._cond:
+            self.s.update(gen=gen, assignment={str(r): n for r, n in assignment.items()},
+                          holders={str(r): list(h) for r, h in holders.items()},
+                          committed=committed, ready={}, workers={}, stores=stores)
+            self.heartbeats.clear()
+            self._save()
+            self._cond.notify_all()
+
+    async def register(self, rank: int, gen: int, info: dict[str, Any]) -> None:
+        if gen != self.s["gen"]:
+            return
+        self.s["workers"][str(rank)] = info
+        self.heartbeats[rank] = (time.time(), -1)
+        self._save()
+
+    async def heartbeat(self, rank: int, gen: int, step: int) -> None:
+        if gen == self.s["gen"]:
+            self.heartbeats[rank] = (time.time(), step)
+
+    async def hung(self, timeout_s: float) -> list[int]:
+        """Ranks of this generation whose last heartbeat is older than ``timeout_s``."""
+        now = time.time()
+        return sorted(r for r, (t, _) in self.heartbeats.items() if now - t > timeout_s)
+
+    # -- commit -------------------------------------------------------------------------------
+    async def shard_ready(self, rank: int, gen: int, step: int, holders: list[str]) -> Optional[int]:
+        """``rank``'s shard of ``step`` is local and on ``holders``; returns the committed step."""
+        async with self._cond:
+            if gen != self.s["gen"]:
+                return self.s["committed"]
+            need = set(self.s["holders"].get(str(rank), []))
+            if not need <= set(holders):
+                return self.s["committed"]
+            ready = self.s["ready"].setdefault(str(step), [])
+            if rank not in ready:
+                ready.append(rank)
+            if len(ready) == self.world_size and (self.s["committed"] is None
+                                                  or step > self.s["committed"]):
+                self.s["committed"] = step
+                for old in [k for k in self.s["ready"] if int(k) <= step]:
+                    del self.s["ready"][old]
+                self._cond.notify_all()
+            self._save()
+            return self.s["committed"]
+
+    async def wait_commit(self, gen: int, step: int, timeout_s: float) -> Optional[int]:
+        """Wait until ``step`` is committed (or the generation changes, or time runs out)."""
+        async with self._cond:
+            try:
+                await asyncio.wait_for(self._cond.wait_for(
+                    lambda: self.s["gen"] != gen or (self.s["committed"] or -1) >= step), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+            return self.s["committed"]
+
+    async def committed(self) -> Optional[int]:
+        return self.s["committed"]
+
+    async def verify_committed(self, inventory: dict[str, dict[int, list[int]]]) -> Optional[int]:
+        """Raise the committed step to what the stores prove: every rank's shard on its own
+        node and on all its holders (used after a coordinator restart)."""
+        async with self._cond:
+            best = self.s["committed"]
+            candidates = {s for held in inventory.values() for steps in held.values() for s in steps}
+            for step in sorted(candidates, reverse=True):
+                if best is not None and step <= best:
+                    break
+                ok = all(step in inventory.get(node, {}).get(int(r), []) and
+                         all(step in inventory.get(h, {}).get(int(r), [])
+                             for h in self.s["holders"].get(r, []))
+                         for r, node in self.s["assignment"].items())
+                if ok and len(self.s["assignment"]) == self.world_size:
+                    best = step
+                    break
+            if best != self.s["committed"]:
+                self.s["committed"] = best
+                self.event("committed_rebuilt", committed=best)
+                self._save()
+                self._cond.notify_all()
+            return best
+
+    # -- progress, chaos, status --------------------------------------------------------------
+    async def report(self, rank: int, gen: int, step: int, metrics: dict[str, float]) -> None:
+        if gen != self.s["gen"]:
+            return
+        if "loss" in metrics and rank == 0:
+            self.s["losses"][str(step)] = metrics["loss"]
+        self.s["metrics"][str(rank)] = dict(metrics, step=step, time=time.time())
+        self.heartbeats[rank] = (time.time(), step)
+        self._save()
+
+    async def claim(self, key: str) -> bool:
+        """Fire-once: True the first time ``key`` is claimed in this job."""
+        if key in self.s["fired"]:
+            return False
+        self.s["fired"].append(key)
+        self.s.setdefault("fired_at", {})[key] = time.time()
+        self._save()
+        return True
+
+    async def request_fault(self, key: str) -> None:
+        """A rank reached a scheduled fault the driver must carry out (node, store, ...)."""
+        async with self._cond:
+            self.s.setdefault("fault_requests", {})[key] = "requested"
+            self._save()
+
+    async def pending_faults(self) -> list[str]:
+        return [k for k, v in self.s.get("fault_requests", {}).items() if v == "requested"]
+
+    async def fault_done(self, key: str) -> None:
+        async with self._cond:
+            self.s.setdefault("fault_requests", {})[key] = "done"
+            self._save()
+            self._cond.notify_all()
+
+    async def wait_fault(self, key: str, timeout_s: float) -> None:
+        async with self._cond:
+            try:
+                await asyncio.wait_for(self._cond.wait_for(
+                    lambda: self.s.get("fault_requests", {}).get(key) == "done"), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def log_event(self, kind: str, fields: dict[str, Any]) -> None:
+        self.event(kind, **fields)
+
+    async def progress(self) -> dict[str, Any]:
+        steps = [m.get("step", -1) for m in self.s["metrics"].values()]
+        return {"gen": self.s["gen"], "committed": self.s["committed"],
+                "min_step": min(steps) if len(steps) == self.world_size else -1,
+                "max_step": max(steps, default=-1), "losses": self.s["losses"]}
+
+    async def status(self) -> dict[str, Any]:
+        return dict(self.s, heartbeats={str(r): {"age_s": time.time() - t, "step": s}
+                                        for r, (t, s) in self.heartbeats.items()})
+
+    async def whereabouts(self) -> dict[str, Any]:
+        import os
+
+        import ray
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    async def finish(self) -> None:
+        self.s["done"] = True
+        _kv()._internal_kv_del(self._key)

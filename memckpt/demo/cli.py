@@ -1,0 +1,87 @@
+"""``memckpt demo``: train, inject a fault, recover, and show the run is unchanged.
+
+Modes:
+
+* ``--local``: the single-process demo (:mod:`memckpt.demo.local`): no Ray, one
+  training process SIGKILLed and a new one restored from the RAM snapshot.
+* default: the multi-node Ray demo (:mod:`memckpt.demo.ray_demo`): 3 simulated
+  nodes, DDP + ZeRO, ``--fault worker|node|store|coordinator|none``, then the
+  uninterrupted reference run for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from memckpt.demo.local import DEFAULT_SIZE, DEFAULT_STEPS, default_kill_at, run_local
+
+FAULTS = ("worker", "node", "store", "coordinator", "none")  # memckpt.demo.ray_demo.FAULTS
+RAY_STEPS = 30
+
+SIZES = ("tiny", "mini", "small")  # memckpt.demo.model.PRESETS, without importing torch here
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is invalid: use a whole number >= 1")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--local", action="store_true",
+                        help="single-process demo without Ray: SIGKILL the training process, "
+                             "restore a new one from the RAM snapshot")
+    parser.add_argument("--fault", choices=FAULTS, default="worker",
+                        help="multi-node demo: what to kill mid-run (default worker; none is "
+                             "the uninterrupted reference run)")
+    parser.add_argument("--no-compare", dest="compare", action="store_false",
+                        help="multi-node demo: skip the uninterrupted reference run")
+    parser.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+                        help=f"training steps (default {DEFAULT_STEPS} local, "
+                             f"{RAY_STEPS} multi-node)")
+    parser.add_argument("--kill-at", type=_positive_int, default=None, metavar="K",
+                        help="SIGKILL the training process right after step K, 1 <= K < N "
+                             f"(default: about a third in, {default_kill_at(DEFAULT_STEPS)} "
+                             f"of {DEFAULT_STEPS})")
+    parser.add_argument("--summary", metavar="PATH",
+                        help="also write the result (losses, digests, recoveries) as JSON")
+    parser.add_argument("--size", choices=SIZES, default=None,
+                        help=f"model preset: tiny ~0.1M, mini ~4M, small ~14M parameters "
+                             f"(default {DEFAULT_SIZE})")
+    parser.add_argument("--tiny", action="store_true", help="same as --size tiny (fast)")
+    parser.add_argument("--seed", type=int, default=0, help="model, data and shuffle seed")
+    parser.set_defaults(_demo_parser=parser)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    parser: argparse.ArgumentParser = args._demo_parser
+    if args.steps is None:
+        args.steps = DEFAULT_STEPS if args.local else RAY_STEPS
+    if args.steps < 2:
+        parser.error(f"argument --steps: {args.steps} is too few: the demo needs at least 2 steps")
+    if args.kill_at is not None and not 1 <= args.kill_at <= args.steps - 1:
+        parser.error(f"argument --kill-at: {args.kill_at} is out of range: kill between step 1 "
+                     f"and step {args.steps - 1} (--steps is {args.steps})")
+    if args.tiny and args.size not in (None, "tiny"):
+        parser.error(f"argument --tiny: not allowed with --size {args.size}")
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    return run_local(steps=args.steps, kill_at=args.kill_at, summary=args.summary,
+                     tiny=args.tiny, size=args.size, seed=args.seed)
+
+
+def _run_ray(args: argparse.Namespace) -> int:
+    from memckpt.demo.ray_demo import run_ray_demo
+    size = "tiny" if args.tiny else (args.size or "mini")
+    return run_ray_demo(fault=args.fault, steps=args.steps, kill_at=args.kill_at, size=size,
+                        summary=args.summary, compare=args.compare, seed=args.seed)
+
+
+def main(args: argparse.Namespace) -> int:
+    _validate(args)
+    return _run_local(args) if args.local else _run_ray(args)

@@ -1,0 +1,112 @@
+"""Fault injection: kill a worker, a store, the coordinator or a whole node, on purpose.
+
+One utility serves the tests, the CLI (``memckpt kill``), the demo and the
+config's chaos schedule. Signals are delivered by a tiny Ray task pinned to the
+victim's node, so it works on a real multi-machine cluster as well as on a
+simulated one. A node is killed by killing its raylet (the parent of every
+worker process on it): its workers, store and object store die with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from memckpt.config import ChaosEvent
+
+SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTERM,
+           "CONT": signal.SIGCONT}
+
+
+def _on_node(node_id: str):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+def _signal_task(pid: int, signum: int) -> bool:
+    try:
+        os.kill(pid, signum)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _kill_raylet_task() -> int:
+    raylet = os.getppid()
+    os.kill(raylet, signal.SIGKILL)
+    return raylet
+
+
+def send_signal(node_id: str, pid: int, sig: str = "KILL", timeout_s: float = 30.0) -> bool:
+    """Deliver ``sig`` to process ``pid`` on node ``node_id``; False if it was already gone."""
+    import ray
+    task = ray.remote(num_cpus=0, max_retries=0)(_signal_task)
+    ref = task.options(scheduling_strategy=_on_node(node_id)).remote(pid, SIGNALS[sig])
+    return bool(ray.get(ref, timeout=timeout_s))
+
+
+def kill_node(node_id: str) -> None:
+    """Hard-kill a node: SIGKILL its raylet, taking its workers and store down with it."""
+    import ray
+    task = ray.remote(num_cpus=0, max_retries=0)(_kill_raylet_task)
+    ref = task.options(scheduling_strategy=_on_node(node_id)).remote()
+    try:
+        ray.get(ref, timeout=30)
+    except ray.exceptions.RayError:
+        pass  # the task's own worker may die with the raylet before it replies
+
+
+@dataclass
+class Fault:
+    """At ``at_step`` (first time any rank reports it), hit ``target``."""
+
+    at_step: int
+    target: str = "worker"  # worker | node | store | coordinator | random
+    rank: Optional[int] = None  # the rank, or (node, store) the rank's node
+    signal: str = "KILL"
+
+    @staticmethod
+    def from_chaos(ev: ChaosEvent) -> "Fault":
+        return Fault(ev.step, ev.target, ev.rank, ev.signal)
+
+    @property
+    def key(self) -> str:
+        return f"{self.target}:{self.rank}:{self.at_step}:{self.signal}"
+
+
+@dataclass
+class FaultInjector:
+    """A schedule of faults the runtime fires as training progresses (each once per job).
+
+    ``node_killer`` replaces :func:`kill_node` (tests pass ``cluster.remove_node``).
+    """
+
+    faults: list[Fault] = field(default_factory=list)
+    node_killer: Optional[Callable[[str], None]] = None
+    fired: list[dict] = field(default_factory=list)
+
+    def kill_worker(self, rank: int, at_step: int, signal: str = "KILL") -> "FaultInjector":
+        self.faults.append(Fault(at_step, "worker", rank, signal))
+        return self
+
+    def kill_node(self, rank: int, at_step: int) -> "FaultInjector":
+        """Kill the node that runs ``rank`` when training reaches ``at_step``."""
+        self.faults.append(Fault(at_step, "node", rank))
+        return self
+
+    def kill_store(self, rank: int, at_step: int) -> "FaultInjector":
+        self.faults.append(Fault(at_step, "store", rank))
+        return self
+
+    def kill_coordinator(self, at_step: int) -> "FaultInjector":
+        self.faults.append(Fault(at_step, "coordinator"))
+        return self
+
+    def record(self, fault: Fault, **details) -> None:
+        self.fired.append(dict(key=fault.key, target=fault.target, rank=fault.rank,
+                               signal=fault.signal, at_step=fault.at_step, time=time.time(),
+                               **details))

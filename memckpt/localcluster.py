@@ -1,0 +1,67 @@
+"""A multi-node Ray cluster on one machine, for drills, the demo and the tests.
+
+Each "node" is a real raylet with its own object store and worker processes, so
+removing one is a real node failure. The head runs no training (0 CPUs) and
+hosts the driver and the coordinator. Health checks are tightened so a
+hard-killed node is declared dead in about 1.5 s instead of Ray's default ~30 s.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+FAST_HEALTH_CHECKS = {
+    "health_check_period_ms": 500,
+    "health_check_failure_threshold": 3,
+    "health_check_timeout_ms": 500,
+}
+
+
+class LocalCluster:
+    """``nodes`` worker nodes of ``cpus_per_node`` CPUs each, plus a 0-CPU head."""
+
+    def __init__(self, nodes: int = 3, cpus_per_node: int = 2,
+                 object_store_mb: int = 256, namespace: str = "memckpt") -> None:
+        # A throwaway local cluster needs no token; a real head keeps Ray's default.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        import ray
+        from ray.cluster_utils import Cluster
+
+        self.cpus_per_node = cpus_per_node
+        self.object_store_mb = object_store_mb
+        self.cluster = Cluster(initialize_head=True, head_node_args=dict(
+            num_cpus=0, object_store_memory=object_store_mb << 20,
+            _system_config=FAST_HEALTH_CHECKS))
+        self.nodes = {}
+        for _ in range(nodes):
+            self.add_node()
+        self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, namespace=namespace, log_to_driver=True)
+
+    def add_node(self) -> str:
+        node = self.cluster.add_node(num_cpus=self.cpus_per_node,
+                                     object_store_memory=self.object_store_mb << 20)
+        self.nodes[node.node_id] = node
+        return node.node_id
+
+    def remove_node(self, node_id: str) -> None:
+        """Kill every process of that node at once (no graceful shutdown)."""
+        self.cluster.remove_node(self.nodes.pop(node_id), allow_graceful=False)
+
+    def shutdown(self) -> None:
+        import ray
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+@contextmanager
+def local_cluster(nodes: int = 3, cpus_per_node: int = 2,
+                  object_store_mb: Optional[int] = None) -> Iterator[LocalCluster]:
+    c = LocalCluster(nodes, cpus_per_node, object_store_mb or 256)
+    try:
+        yield c
+    finally:
+        c.shutdown()

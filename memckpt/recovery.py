@@ -1,0 +1,119 @@
+"""Pure recovery decisions: which step every rank returns to, where it runs, where its
+shard comes from, and who holds its replicas afterwards. No Ray, no torch.
+
+The runtime gathers an inventory (which node holds which (rank, step) in RAM),
+calls :func:`plan_recovery`, and carries out the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+from memckpt.errors import RecoveryError
+
+# node id -> rank -> steps that node holds for that rank (own copy or replica)
+Inventory = Mapping[str, Mapping[int, Sequence[int]]]
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    step: int  # every rank resumes from this step
+    assignment: dict[int, str]  # rank -> node it runs on
+    sources: dict[int, tuple[str, ...]]  # rank -> nodes holding its shard at `step`, best first
+    holders: dict[int, tuple[str, ...]]  # rank -> replica holders from now on
+    moved: tuple[int, ...] = ()  # ranks that changed node
+    notes: tuple[str, ...] = field(default=())
+
+
+def newest_common_step(ranks: Sequence[int], inventory: Inventory,
+                       at_most: Optional[int] = None) -> Optional[int]:
+    """Newest step for which every rank has at least one copy somewhere in ``inventory``."""
+    common: Optional[set[int]] = None
+    for rank in ranks:
+        have = {s for held in inventory.values() for s in held.get(rank, ())}
+        common = have if common is None else common & have
+    if not common:
+        return None
+    steps = [s for s in common if at_most is None or s <= at_most]
+    return max(steps) if steps else None
+
+
+def lost_ranks(ranks: Sequence[int], inventory: Inventory, step: int) -> list[int]:
+    return [r for r in ranks if not any(step in held.get(r, ()) for held in inventory.values())]
+
+
+def choose_nodes(assignment: Mapping[int, str], alive: Sequence[str], capacity: Mapping[str, int],
+                 inventory: Inventory, step: int) -> dict[int, str]:
+    """Keep ranks on live nodes; move the others, preferring a node that already holds
+    their shard (restore without network), then the least loaded node with room."""
+    new = {r: n for r, n in assignment.items() if n in alive}
+    load = {n: sum(1 for m in new.values() if m == n) for n in alive}
+    for rank in sorted(r for r in assignment if r not in new):
+        room = [n for n in alive if load[n] < capacity.get(n, 0)]
+        if not room:
+            raise RecoveryError(
+                f"no live node has room for rank {rank}: {len(alive)} nodes alive with capacity "
+                f"{dict(capacity)}; add a node or lower workers.cpus_per_worker")
+        local = [n for n in room if step in inventory.get(n, {}).get(rank, ())]
+        pick = min(local or room, key=lambda n: (load[n], alive.index(n)))
+        new[rank] = pick
+        load[pick] += 1
+    return new
+
+
+def repair_holders(holders: Mapping[int, Sequence[str]], assignment: Mapping[int, str],
+                   alive: Sequence[str], replicas: int) -> dict[int, tuple[str, ...]]:
+    """Replica holders per rank after failures: keep live holders that are not the rank's
+    own node, fill up to ``replicas`` with the least-loaded other live nodes."""
+    out: dict[int, list[str]] = {}
+    for rank in sorted(assignment):
+        own = assignment[rank]
+        out[rank] = [h for h in holders.get(rank, ()) if h in alive and h != own][:replicas]
+    load = {n: sum(n in hs for hs in out.values()) for n in alive}
+    for rank in sorted(assignment):
+        own, hs = assignment[rank], out[rank]
+        while len(hs) < replicas:
+            cands = [n for n in alive if n != own and n not in hs]
+            if not cands:
+                break  # fewer nodes than replicas + 1: reduced redundancy, reported by caller
+            pick = min(cands, key=lambda n: (load[n], alive.index(n)))
+            hs.append(pick)
+            load[pick] += 1
+    return {r: tuple(hs) for r, hs in out.items()}
+
+
+def plan_recovery(assignment: Mapping[int, str], holders: Mapping[int, Sequence[str]],
+                  alive: Sequence[str], capacity: Mapping[str, int], inventory: Inventory,
+                  replicas: int, committed: Optional[int] = None) -> RecoveryPlan:
+    """Decide the step, placement, sources and new holders after a failure.
+
+    The step is the newest one every rank still has a copy of on a live node (at most
+    ``committed`` when given). If some rank has no copy of any such step,
+    :class:`RecoveryError` names the lost ranks and the step they lack.
+    """
+    ranks = sorted(assignment)
+    live_inv = {n: inv for n, inv in inventory.items() if n in alive}
+    step = newest_common_step(ranks, live_inv, at_most=committed)
+    if step is None:
+        target = committed if committed is not None else newest_common_step(ranks, inventory)
+        lost = lost_ranks(ranks, live_inv, target) if target is not None else ranks
+        raise RecoveryError(
+            f"every RAM copy of rank(s) {lost} at step {target} is gone (their node and all "
+            "replica holders died); configure a persistence tier or raise placement.replicas")
+    notes = []
+    if committed is not None and step < committed:
+        notes.append(f"rolled back past committed step {committed} to {step}: copies were lost")
+    new_assignment = choose_nodes(assignment, alive, capacity, live_inv, step)
+    sources = {}
+    for r in ranks:
+        nodes = [n for n in alive if step in live_inv.get(n, {}).get(r, ())]
+        nodes.sort(key=lambda n: n != new_assignment[r])  # the rank's own node first
+        sources[r] = tuple(nodes)
+    new_holders = repair_holders(holders, new_assignment, alive, replicas)
+    short = [r for r, hs in new_holders.items() if len(hs) < replicas]
+    if short:
+        notes.append(f"only {len(alive)} nodes alive: rank(s) {short} keep fewer than "
+                     f"{replicas} replicas until nodes are added")
+    moved = tuple(r for r in ranks if new_assignment[r] != assignment[r])
+    return RecoveryPlan(step, new_assignment, sources, new_holders, moved, tuple(notes))

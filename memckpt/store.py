@@ -1,0 +1,215 @@
+"""The replica store: one per node, holding snapshot shards in that node's RAM.
+
+It keeps two kinds of shards, all in shared-memory files under
+``<ram_root>/<job>/<node_id>/``:
+
+* ``own/rank<r>/slot{0,1}.shard``: written by the node's own workers (their
+  snapshot slots). They outlive a killed worker; the store only reads them.
+* ``replicas/rank<r>/slot{0,1}.shard``: copies of peer ranks' shards, streamed
+  in bounded chunks, verified against their checksum before they are
+  acknowledged. Bytes are copied into the store's own memory: an object put
+  by a worker dies with the worker.
+
+Because everything lives in files, a restarted store process adopts what the
+previous one held. Replica slots per rank: receiving step t overwrites the slot
+already holding t, else the older slot; the runtime only sends t+1 once t is
+committed, so the newest committed copy is never overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import psutil
+
+from memckpt import shard as fmt
+from memckpt.buffers import RamRegion, remove_path, resolve_ram_root
+from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError, PlacementError
+
+SLOTS = ("slot0.shard", "slot1.shard")
+RAM_HEADROOM = 256 << 20  # keep this much RAM free for the node's other processes
+
+
+def node_dir(ram_root: Path, job: str, node_id: str) -> Path:
+    return Path(ram_root) / job / node_id
+
+
+def own_dir(ram_root: Path, job: str, node_id: str) -> Path:
+    """Directory whose ``rank<r>`` subfolders hold the node's own workers' slots."""
+    return node_dir(ram_root, job, node_id) / "own"
+
+
+def scan(directory: Path) -> dict[int, dict[int, Path]]:
+    """rank -> step -> slot file, for every complete shard under ``directory/rank*``."""
+    out: dict[int, dict[int, Path]] = {}
+    if not directory.is_dir():
+        return out
+    for rank_dir in directory.glob("rank*"):
+        try:
+            rank = int(rank_dir.name[4:])
+        except ValueError:
+            continue
+        for name in SLOTS:
+            step = peek_step(rank_dir / name)
+            if step is not None:
+                out.setdefault(rank, {})[step] = rank_dir / name
+    return out
+
+
+def peek_step(path: Path) -> Optional[int]:
+    """Step of a complete shard file (prefix and header checked, data not), else None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(fmt.PREFIX.size)
+            if len(head) < fmt.PREFIX.size:
+                return None
+            magic, version, state, cap, hlen, *_ = fmt.PREFIX.unpack(head)
+            if magic != fmt.MAGIC or state != fmt.STATE_COMPLETE or hlen > cap:
+                return None
+            region = np.frombuffer(head + f.read(hlen), dtype=np.uint8)
+        header, _, _ = fmt.read_header(region, str(path), check_length=False)
+        return int(header["step"])
+    except (OSError, MemckptError, ValueError, KeyError):
+        return None
+
+
+def invalidate(path: Path) -> None:
+    """Flag a slot file incomplete in place (the bytes stay, no reader trusts them)."""
+    try:
+        with open(path, "r+b") as f:
+            f.seek(12)
+            f.write(struct.pack("<I", fmt.STATE_WRITING))
+    except FileNotFoundError:
+        pass
+
+
+class ReplicaStore:
+    """Per-node holder of shards. Thread-safe; run as a threaded Ray actor."""
+
+    def __init__(self, ram_root: str, job: str, node_id: str) -> None:
+        self.node_id = node_id
+        self.root = node_dir(resolve_ram_root(ram_root or None), job, node_id)
+        self.own = self.root / "own"
+        self.replicas = self.root / "replicas"
+        self.replicas.mkdir(parents=True, exist_ok=True)
+        self.own.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._open: dict[tuple[int, int], RamRegion] = {}  # (rank, step) being received
+
+    def ping(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "pid": os.getpid()}
+
+    # -- receiving replicas -----------------------------------------------------------------
+    def _slot_for(self, rank: int, step: int) -> Path:
+        rank_dir = self.replicas / f"rank{rank}"
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        paths = [rank_dir / n for n in SLOTS]
+        steps = [peek_step(p) for p in paths]
+        if step in steps:
+            return paths[steps.index(step)]
+        # Overwrite an empty/incomplete slot first, else the older one.
+        order = sorted(range(len(paths)), key=lambda i: -1 if steps[i] is None else steps[i])
+        return paths[order[0]]
+
+    def begin(self, rank: int, step: int, nbytes: int, checksum: str) -> bool:
+        """Prepare to receive ``rank``'s shard of ``step``; False if already held intact."""
+        with self._lock:
+            path = self._slot_for(rank, step)
+            if peek_step(path) == step:
+                try:
+                    region = RamRegion.open(path)
+                    shard = fmt.open_shard(region.array, str(path), verify=False)
+                    if shard.header["data_xxh3"] == checksum:
+                        return False
+                except MemckptError:
+                    pass
+            self._check_memory(rank, nbytes, path)
+            invalidate(path)
+            size = path.stat().st_size if path.exists() else -1
+            region = RamRegion.open(path) if size == nbytes else RamRegion.create(path, nbytes)
+            fmt.mark_writing(region.array)
+            self._open[(rank, step)] = region
+            return True
+
+    def _check_memory(self, rank: int, nbytes: int, path: Path) -> None:
+        reuse = path.stat().st_size if path.exists() else 0
+        need = max(0, nbytes - reuse)
+        avail = psutil.virtual_memory().available
+        if need and avail - need < RAM_HEADROOM:
+            raise PlacementError(
+                f"node {self.node_id[:12]} lacks RAM for rank {rank}'s replica: needs "
+                f"{need / 2**30:.2f} GiB more, {avail / 2**30:.2f} GiB available; lower "
+                "placement.replicas, use fewer ranks per node, or add RAM")
+
+    def write(self, rank: int, step: int, offset: int, chunk: np.ndarray) -> int:
+        region = self._open.get((rank, step))
+        if region is None:
+            raise MemckptError(f"replica of rank {rank} step {step} was not begun on this store")
+        region.array[offset: offset + len(chunk)] = chunk
+        if offset == 0:  # the copied prefix says complete: keep it incomplete until verified
+            struct.pack_into("<I", region.array, 12, fmt.STATE_WRITING)
+        return len(chunk)
+
+    def finish(self, rank: int, step: int) -> str:
+        """Verify the received shard and mark it complete; returns its checksum."""
+        with self._lock:
+            region = self._open.pop((rank, step), None)
+        if region is None:
+            raise MemckptError(f"replica of rank {rank} step {step} was not begun on this store")
+        struct.pack_into("<I", region.array, 12, fmt.STATE_COMPLETE)
+        try:
+            shard = fmt.open_shard(region.array, f"replica of rank {rank} step {step}")
+            if shard.step != step:
+                raise ChecksumError(f"replica of rank {rank}: expected step {step}, got {shard.step}")
+        except ChecksumError:
+            struct.pack_into("<I", region.array, 12, fmt.STATE_WRITING)
+            raise
+        return shard.header["data_xxh3"]
+
+    # -- serving ----------------------------------------------------------------------------
+    def inventory(self) -> dict[int, list[int]]:
+        """rank -> steps held on this node (own slots and replicas), complete ones only."""
+        out: dict[int, set[int]] = {}
+        for directory in (self.own, self.replicas):
+            for rank, steps in scan(directory).items():
+                out.setdefault(rank, set()).update(steps)
+        return {r: sorted(s) for r, s in out.items()}
+
+    def locate(self, rank: int, step: int) -> Path:
+        for directory in (self.own, self.replicas):
+            path = scan(directory).get(rank, {}).get(step)
+            if path is not None:
+                return path
+        raise NoSnapshotError(f"node {self.node_id[:12]} holds no shard of rank {rank} at step {step}")
+
+    def read(self, rank: int, step: int) -> np.ndarray:
+        """The verified bytes of ``rank``'s shard at ``step`` (for a peer's restore)."""
+        path = self.locate(rank, step)
+        region = RamRegion.open(path)
+        return fmt.open_shard(region.array, str(path)).raw
+
+    def discard_after(self, step: int) -> int:
+        """Invalidate every held shard newer than ``step`` (after a rollback). Returns count."""
+        n = 0
+        for directory in (self.own, self.replicas):
+            for steps in scan(directory).values():
+                for s, path in steps.items():
+                    if s > step:
+                        invalidate(path)
+                        n += 1
+        return n
+
+    def memory(self) -> dict[str, int]:
+        used = sum(p.stat().st_size for p in self.root.rglob("*.shard"))
+        return {"held_bytes": used, "available_bytes": psutil.virtual_memory().available}
+
+    def clear(self) -> None:
+        """Free everything this node holds for the job (the job finished)."""
+        with self._lock:
+            self._open.clear()
+        remove_path(self.root)

@@ -1,0 +1,301 @@
+"""A training worker (one rank) and the context its training function sees.
+
+The user's function receives a :class:`WorkerContext`::
+
+    def train(ctx: memckpt.WorkerContext):
+        state = memckpt.TrainState(model, optimizer, scheduler, data=sampler)
+        start = ctx.restore(state)              # 0 on a fresh start
+        for step in range(start + 1, total + 1):
+            loss = ...
+            ctx.step(state, step, loss=loss)    # snapshot + replicate + report
+
+The step pays only for the local copy into this node's RAM. A background
+replicator streams each sealed snapshot to the rank's replica holders in
+bounded chunks, reports it to the coordinator and learns when it is committed.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from memckpt import shard as fmt
+from memckpt.buffers import RamRegion, resolve_ram_root
+from memckpt.checkpointer import Checkpointer
+from memckpt.config import Config
+from memckpt.digest import state_digest
+from memckpt.errors import MemckptError, NoSnapshotError
+from memckpt.faults import SIGNALS
+from memckpt.state import TrainState
+from memckpt.store import own_dir, scan
+
+CHUNK_BYTES = 16 << 20  # replication chunk; bounds object-store use per transfer
+WINDOW = 4  # chunks in flight per holder
+
+
+@dataclass(frozen=True)
+class RestoreInstruction:
+    step: int
+    sources: tuple[str, ...]  # node ids holding the shard, best first
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    world_size: int
+    gen: int
+    config: Config
+    holders: tuple[str, ...]  # this rank's replica holder nodes
+    stores: dict[str, Any]  # node id -> ReplicaStore actor handle
+    coordinator: Any
+    restore: Optional[RestoreInstruction]
+    faults: tuple = ()  # memckpt.faults.Fault: fired from inside the step, exactly at at_step
+
+
+class Replicator:
+    """Background thread: sealed snapshot -> replica holders -> coordinator commit."""
+
+    def __init__(self, spec: WorkerSpec, ckpt: Checkpointer) -> None:
+        self.spec, self.ckpt = spec, ckpt
+        self.queue: "queue.Queue[Optional[int]]" = queue.Queue()
+        self.error: Optional[BaseException] = None
+        self.bytes_sent = 0
+        self.last_seconds = 0.0
+        self._thread = threading.Thread(target=self._loop, name="memckpt-replicator", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import ray
+        while True:
+            step = self.queue.get()
+            if step is None:
+                return
+            try:
+                self._replicate(ray, step)
+            except BaseException as e:  # surfaced on the training thread at the next step
+                self.error = e
+                return
+
+    def _replicate(self, ray, step: int) -> None:
+        spec = self.spec
+        t0 = time.perf_counter()
+        with self.ckpt.engine.reading(step, verify=False) as shard:
+            raw, digest = shard.raw, shard.header["data_xxh3"]
+            for node in spec.holders:
+                self._send(ray, spec.stores[node], step, raw, digest)
+        self.last_seconds = time.perf_counter() - t0
+        committed = ray.get(spec.coordinator.shard_ready.remote(
+            spec.rank, spec.gen, step, list(spec.holders)))
+        while committed is None or committed < step:
+            committed = ray.get(spec.coordinator.wait_commit.remote(spec.gen, step, 5.0))
+        self.ckpt.engine.set_committed(step)
+
+    def _send(self, ray, store, step: int, raw: np.ndarray, digest: str) -> None:
+        rank = self.spec.rank
+        for attempt in range(5):  # a restarting store comes back within seconds
+            try:
+                if not ray.get(store.begin.remote(rank, step, len(raw), digest)):
+                    return  # the holder already has this exact shard
+                pending = []
+                for off in range(0, len(raw), CHUNK_BYTES):
+                    pending.append(store.write.remote(rank, step, off, raw[off: off + CHUNK_BYTES]))
+                    if len(pending) >= WINDOW:
+                        ray.get(pending.pop(0))
+                ray.get(pending)
+                ray.get(store.finish.remote(rank, step))
+                self.bytes_sent += len(raw)
+                return
+            except ray.exceptions.RayActorError:
+                time.sleep(0.5 * (attempt + 1))
+        raise MemckptError(f"rank {rank}: replica holder unreachable for step {step} after retries")
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+
+class WorkerContext:
+    """What a training function sees: its rank, restore, and the per-step call."""
+
+    def __init__(self, spec: WorkerSpec, node_id: str) -> None:
+        cfg = spec.config
+        self.spec = spec
+        self.rank, self.world_size, self.config = spec.rank, spec.world_size, cfg
+        self.node_id = node_id
+        self.generation = spec.gen
+        self.device = "cpu"
+        ram_root = resolve_ram_root(cfg.ram_root)
+        self._ram_root = ram_root
+        self.ckpt = Checkpointer(cfg, spec.rank, spec.world_size,
+                                 directory=own_dir(ram_root, cfg.job_name, node_id),
+                                 gated=True, on_sealed=self._sealed)
+        self.replicator = Replicator(spec, self.ckpt)
+        self.last_step = -1
+        self._state: Optional[TrainState] = None
+        self.restore_seconds: dict[str, float] = {}
+
+    def _sealed(self, step: int, _path: Path) -> None:
+        self.replicator.queue.put(step)
+
+    # -- restore ------------------------------------------------------------------------------
+    def restore(self, state: TrainState) -> int:
+        """Load this rank's shard of the step the runtime chose (0 on a fresh start), then
+        snapshot it again so this rank's copies match the new placement."""
+        self._state = state
+        instr = self.spec.restore
+        step = 0
+        if instr is not None:
+            t0 = time.perf_counter()
+            step = self._load(state, instr)
+            self.restore_seconds["fetch_and_load_s"] = time.perf_counter() - t0
+            self.ckpt.engine.discard_newer(step)
+            self.ckpt.engine.set_committed(step)
+        self._snapshot(state, step)
+        self.last_step = step
+        return step
+
+    def _load(self, state: TrainState, instr: RestoreInstruction) -> int:
+        import ray
+        errors = []
+        for node in instr.sources:
+            try:
+                if node == self.node_id:  # same node: read the shm file, no network
+                    path = self._local_path(instr.step)
+                    region = RamRegion.open(path)
+                    source = f"local:{path}"
+                    shard = fmt.open_shard(region.array, source)
+                else:
+                    raw = ray.get(self.spec.stores[node].read.remote(self.rank, instr.step))
+                    source = f"peer:{node}"
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", UserWarning)  # read-only buffer
+                        shard = fmt.open_shard(raw, source)
+                step = self.ckpt.load_shard(state, shard, source)
+                self.restore_source = source
+                return step
+            except (MemckptError, ray.exceptions.RayError) as e:
+                errors.append(f"{node[:12]}: {e}")
+        raise NoSnapshotError(f"rank {self.rank}: no source could provide step {instr.step}: "
+                              + "; ".join(errors))
+
+    def _local_path(self, step: int) -> Path:
+        node_root = own_dir(self._ram_root, self.config.job_name, self.node_id).parent
+        for sub in ("own", "replicas"):
+            path = scan(node_root / sub).get(self.rank, {}).get(step)
+            if path is not None:
+                return path
+        raise NoSnapshotError(f"this node holds no shard of rank {self.rank} at step {step}")
+
+    # -- per step -----------------------------------------------------------------------------
+    def step(self, state: TrainState, step: int, **metrics: float) -> None:
+        """Call after finishing ``step``: snapshot when due and report ``metrics``."""
+        if self.replicator.error is not None:
+            raise self.replicator.error
+        self._maybe_fault(step)
+        t0 = time.perf_counter()
+        self._snapshot(state, step)
+        stall = time.perf_counter() - t0
+        self.last_step = step
+        report = {k: float(v) for k, v in metrics.items()}
+        report.update(stall_s=stall, replicate_s=self.replicator.last_seconds,
+                      committed=float(self.ckpt.engine.committed or 0))
+        self.spec.coordinator.report.remote(self.rank, self.generation, step, report)
+
+    def _maybe_fault(self, step: int) -> None:
+        """Scheduled faults fire here, so they hit exactly the step they name (once per job)."""
+        import ray
+        for fault in self.spec.faults:
+            mine = fault.rank == self.rank or (fault.rank is None and self.rank == 0)
+            if fault.at_step != step or not mine:
+                continue
+            if not ray.get(self.spec.coordinator.claim.remote(fault.key)):
+                continue
+            if fault.target == "worker":
+                os.kill(os.getpid(), SIGNALS[fault.signal])
+            else:  # node, store, coordinator, random: the driver acts; this rank holds still
+                ray.get(self.spec.coordinator.request_fault.remote(fault.key))
+                ray.get(self.spec.coordinator.wait_fault.remote(fault.key, 60.0))
+
+    def _snapshot(self, state: TrainState, step: int) -> None:
+        self._state = state
+        if step % self.config.snapshot_every == 0:
+            self.ckpt.step(state, step)
+
+    def digest(self) -> Optional[str]:
+        return state_digest(self._state) if self._state is not None else None
+
+    def close(self) -> None:
+        self.replicator.close()
+        self.ckpt.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """One rank, as a Ray actor. ``run`` executes the user's function."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        import ray
+        self.spec = spec
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.ip = ray.util.get_node_ip_address()
+        self._stop = threading.Event()
+        spec.coordinator.register.remote(spec.rank, spec.gen, {
+            "pid": os.getpid(), "node_id": self.node_id, "ip": self.ip})
+        self._hb = threading.Thread(target=self._heartbeat, daemon=True)
+        self._hb.start()
+        self.ctx: Optional[WorkerContext] = None
+
+    def _heartbeat(self) -> None:
+        interval = self.spec.config.failure.heartbeat_interval_s
+        while not self._stop.wait(interval):
+            step = self.ctx.last_step if self.ctx is not None else -1
+            self.spec.coordinator.heartbeat.remote(self.spec.rank, self.spec.gen, step)
+
+    def address(self) -> tuple[str, int]:
+        return self.ip, free_port()
+
+    def info(self) -> dict[str, Any]:
+        return {"rank": self.spec.rank, "pid": os.getpid(), "node_id": self.node_id}
+
+    def run(self, train_fn: Callable[[WorkerContext], Any], master: tuple[str, int]) -> dict[str, Any]:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        spec = self.spec
+        threads = max(1, int(spec.config.workers.cpus_per_worker))
+        torch.set_num_threads(threads)
+        backend = spec.config.workers.backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() and spec.config.workers.gpus_per_worker else "gloo"
+        if spec.world_size > 1:
+            dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}",
+                                    rank=spec.rank, world_size=spec.world_size,
+                                    timeout=datetime.timedelta(
+                                        seconds=spec.config.failure.collective_timeout_s))
+        self.ctx = WorkerContext(spec, self.node_id)
+        try:
+            result = train_fn(self.ctx)
+            self.ctx.ckpt.wait()
+            return {"rank": spec.rank, "digest": self.ctx.digest(), "result": result,
+                    "restore": self.ctx.restore_seconds,
+                    "source": getattr(self.ctx, "restore_source", None)}
+        finally:
+            self._stop.set()
+            self.ctx.close()
+            if spec.world_size > 1 and dist.is_initialized():
+                dist.destroy_process_group()
