@@ -131,6 +131,7 @@ class FailurePolicy:
     max_restarts: int = 3
     on_fall_behind: str = "wait"  # background copies behind: wait for them, or skip the snapshot
     collective_timeout_s: float = 300.0  # a torch.distributed call stuck this long fails the step
+    warm_spares: bool = True  # keep one idle worker process per node to replace a dead rank
 
     def __post_init__(self) -> None:
         _positive_float("failure.heartbeat_interval_s", self.heartbeat_interval_s)

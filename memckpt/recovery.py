@@ -88,19 +88,23 @@ def plan_recovery(assignment: Mapping[int, str], holders: Mapping[int, Sequence[
                   replicas: int, committed: Optional[int] = None) -> RecoveryPlan:
     """Decide the step, placement, sources and new holders after a failure.
 
-    The step is the newest one every rank still has a copy of on a live node (at most
-    ``committed`` when given). If some rank has no copy of any such step,
-    :class:`RecoveryError` names the lost ranks and the step they lack.
+    The step is the newest one every rank still has a copy of on a live node.
+    ``committed`` (the coordinator's last committed step) only informs the notes
+    and messages. If some rank has no copy left, :class:`RecoveryError` names it.
     """
     ranks = sorted(assignment)
     live_inv = {n: inv for n, inv in inventory.items() if n in alive}
-    step = newest_common_step(ranks, live_inv, at_most=committed)
+    step = newest_common_step(ranks, live_inv)
     if step is None:
-        target = committed if committed is not None else newest_common_step(ranks, inventory)
-        lost = lost_ranks(ranks, live_inv, target) if target is not None else ranks
-        raise RecoveryError(
-            f"every RAM copy of rank(s) {lost} at step {target} is gone (their node and all "
-            "replica holders died); configure a persistence tier or raise placement.replicas")
+        held = {r: sorted({s for inv in live_inv.values() for s in inv.get(r, ())}) for r in ranks}
+        lost = [r for r, steps in held.items() if not steps]
+        if lost:
+            raise RecoveryError(
+                f"every RAM copy of rank(s) {lost} is gone (last committed step {committed}): "
+                "their node and all their replica holders died; configure a persistence tier "
+                "or raise placement.replicas")
+        raise RecoveryError(f"no step is held in RAM for every rank (steps held per rank: "
+                            f"{held}); configure a persistence tier")
     notes = []
     if committed is not None and step < committed:
         notes.append(f"rolled back past committed step {committed} to {step}: copies were lost")

@@ -30,6 +30,7 @@ from memckpt.worker import RestoreInstruction, Worker, WorkerSpec
 
 log = logging.getLogger("memckpt")
 POLL_S = 0.1
+GRACE_S = 3.0  # how long survivors get to notice a failure and return before being killed
 
 
 def _affinity(node_id: str):
@@ -75,6 +76,9 @@ class Runtime:
         self.quiet = quiet
         self.recoveries: list[dict[str, Any]] = []
         self.stores: dict[str, Any] = {}
+        self.workers: dict[int, Any] = {}  # rank -> live worker actor (reused across generations)
+        self.worker_nodes: dict[int, str] = {}
+        self.spares: dict[str, Any] = {}  # node -> idle warm worker
         self.events: list[dict[str, Any]] = []
         self._last_print = 0.0
 
@@ -179,23 +183,43 @@ class Runtime:
         self.ray.get(self.coordinator.configure.remote(
             gen, assignment, {r: list(h) for r, h in holders.items()}, committed,
             {n: f"memckpt-store-{cfg.job_name}-{n[:16]}" for n in self.stores}))
-        cls = ray.remote(Worker)
-        workers = {}
+        workers, how = {}, {}
         for rank, node in assignment.items():
+            if rank in self.workers and self.worker_nodes[rank] == node:
+                workers[rank], how[rank] = self.workers[rank], "reused"
+            elif node in self.spares:
+                workers[rank], how[rank] = self.spares.pop(node), "spare"
+            else:
+                workers[rank], how[rank] = self._new_worker(node), "new"
+        self.workers, self.worker_nodes = dict(workers), dict(assignment)
+        info = dict(zip(workers, ray.get([w.info.remote() for w in workers.values()])))
+        master = ray.get(workers[0].address.remote())
+        refs = {}
+        for rank, w in workers.items():
             spec = WorkerSpec(rank, cfg.workers.num_workers, gen, cfg, tuple(holders.get(rank, ())),
                               dict(self.stores), self.coordinator, restore.get(rank),
                               tuple(self.injector.faults))
-            workers[rank] = cls.options(
-                num_cpus=cfg.workers.cpus_per_worker, num_gpus=cfg.workers.gpus_per_worker,
-                max_restarts=0, max_concurrency=4, scheduling_strategy=_affinity(node),
-                name=f"memckpt-worker-{cfg.job_name}-{rank}", namespace=COORDINATOR_NAMESPACE,
-            ).remote(spec)
-        info = dict(zip(workers, ray.get([w.info.remote() for w in workers.values()])))
-        master = ray.get(workers[0].address.remote())
-        refs = {w.run.remote(self.train_fn, master): r for r, w in workers.items()}
-        self._event("generation_started", gen=gen, assignment=assignment,
+            refs[w.run.remote(self.train_fn, master, spec)] = rank
+        self._event("generation_started", gen=gen, assignment=assignment, workers=how,
                     restore={r: i.step for r, i in restore.items()})
+        self._top_up_spares(set(self.stores) - set(self.spares))
         return Generation(gen, workers, refs, info)
+
+    def _new_worker(self, node: str, spare: bool = False) -> Any:
+        cfg = self.config
+        # A spare reserves no CPU while it idles; it takes over the CPU of the rank it
+        # replaces, whose actor is gone by then.
+        return self.ray.remote(Worker).options(
+            num_cpus=0 if spare else cfg.workers.cpus_per_worker,
+            num_gpus=0 if spare else cfg.workers.gpus_per_worker,
+            max_restarts=0, max_concurrency=4, scheduling_strategy=_affinity(node),
+        ).remote(cfg, self.coordinator)
+
+    def _top_up_spares(self, nodes: set[str]) -> None:
+        """Keep one warm worker process per node (torch imported) to replace a dead rank."""
+        if self.config.failure.warm_spares:
+            for node in nodes:
+                self.spares[node] = self._new_worker(node, spare=True)
 
     def _monitor(self, g: Generation) -> Optional[dict[str, Any]]:
         """Block until every rank returned (None) or a failure is seen (its description)."""
@@ -304,25 +328,37 @@ class Runtime:
                  holders: dict[int, tuple[str, ...]], capacity: dict[str, int]) -> RecoveryPlan:
         ray, cfg = self.ray, self.config
         t0 = time.time()
-        for rank, w in g.workers.items():
-            if rank in failure["died"]:  # a stopped (hung) process ignores polite kills
-                try:
-                    send_signal(g.info[rank]["node_id"], g.info[rank]["pid"], "KILL", timeout_s=5)
-                except ray.exceptions.RayError:
-                    pass
-            ray.kill(w, no_restart=True)
-        for ref in g.refs:  # collect the generation's outcomes so none is reported unhandled
+        for rank in failure["died"]:  # a stopped (hung) process ignores polite kills
             try:
-                ray.get(ref, timeout=5)
-            except Exception:  # noqa: BLE001 (every outcome of a dead generation is moot)
+                send_signal(g.info[rank]["node_id"], g.info[rank]["pid"], "KILL", timeout_s=5)
+            except ray.exceptions.RayError:
                 pass
+            ray.kill(g.workers[rank], no_restart=True)
+        # Survivors see their collectives fail and return; one still stuck is killed.
+        ready, stuck = ray.wait(list(g.refs), num_returns=len(g.refs), timeout=GRACE_S)
+        for ref in g.refs:  # collect every outcome so none is reported as unhandled
+            try:
+                ray.get(ref, timeout=0 if ref in stuck else 5)
+            except Exception:  # noqa: BLE001 (every outcome of a failed generation is moot)
+                pass
+        dead = set(failure["died"]) | {g.refs[ref] for ref in stuck}
+        for rank in dead:
+            ray.kill(g.workers[rank], no_restart=True)
+            self.workers.pop(rank, None)
         t_killed = time.time()
         alive = self._alive_nodes(set(assignment.values()))
+        for rank, node in list(self.worker_nodes.items()):
+            if node not in alive:
+                self.workers.pop(rank, None)
+        self.spares = {n: w for n, w in self.spares.items() if n in alive}
         cap = {n: c for n, c in eligible_nodes(cfg).items() if n in alive}
         self._ensure_stores(list(cap))
         inventory = self._inventory(list(cap))
-        plan = plan_recovery(assignment, holders, list(cap), cap, inventory, cfg.placement.replicas)
+        committed = ray.get(self.coordinator.committed.remote())
+        plan = plan_recovery(assignment, holders, list(cap), cap, inventory, cfg.placement.replicas,
+                             committed)
         ray.get([self.stores[n].discard_after.remote(plan.step) for n in cap])
+        ray.get([self.stores[n].set_generation.remote(g.gen + 1) for n in cap])
         t_plan = time.time()
         record = {
             "what": failure["what"], "died_ranks": failure["died"],
@@ -393,6 +429,8 @@ class Runtime:
 
     def _teardown(self) -> None:
         ray = self.ray
+        for w in list(self.workers.values()) + list(self.spares.values()):
+            ray.kill(w, no_restart=True)
         for s in list(self.stores.values()):
             try:
                 ray.get(s.clear.remote(), timeout=10)

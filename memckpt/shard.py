@@ -184,8 +184,8 @@ class Shard:
         return self.header.get("meta", {})
 
 
-def read_header(region: np.ndarray, source: str,
-                check_length: bool = True) -> tuple[dict[str, Any], Layout, int]:
+def read_header(region: np.ndarray, source: str, check_length: bool = True,
+                require_complete: bool = True) -> tuple[dict[str, Any], Layout, int]:
     """Parse and check the prefix and header; returns (header, layout, header_capacity).
 
     ``check_length=False`` accepts a region holding only the prefix and header.
@@ -197,7 +197,7 @@ def read_header(region: np.ndarray, source: str,
         raise ChecksumError(f"{source}: not a memckpt shard (bad magic)")
     if version != FORMAT_VERSION:
         raise ChecksumError(f"{source}: shard format {version}, this memckpt reads {FORMAT_VERSION}")
-    if state != STATE_COMPLETE:
+    if require_complete and state != STATE_COMPLETE:
         raise ChecksumError(f"{source}: incomplete shard (its write never finished)")
     if hlen > cap or off != PREFIX.size + cap:
         raise ChecksumError(f"{source}: corrupt prefix")
@@ -215,14 +215,15 @@ def read_header(region: np.ndarray, source: str,
     return header, Layout.from_json(header["tensors"], dlen, source), cap
 
 
-def open_shard(region: np.ndarray, source: str, verify: bool = True) -> Shard:
+def open_shard(region: np.ndarray, source: str, verify: bool = True,
+               require_complete: bool = True) -> Shard:
     """Open a shard held in ``region`` (bytes of a file, mmap or slot) without copying.
 
     With ``verify`` the data checksum is checked and a mismatch raises
     :class:`ChecksumError` naming ``source``. The returned tensors alias ``region``.
     """
     region = np.asarray(region, dtype=np.uint8).reshape(-1)
-    header, layout, cap = read_header(region, source)
+    header, layout, cap = read_header(region, source, require_complete=require_complete)
     off = data_offset(cap)
     if verify:
         got = checksum(region[off: off + layout.data_len])

@@ -35,6 +35,10 @@ SLOTS = ("slot0.shard", "slot1.shard")
 RAM_HEADROOM = 256 << 20  # keep this much RAM free for the node's other processes
 
 
+class StaleGenerationError(MemckptError):
+    """A replica write from a generation of workers that recovery has replaced."""
+
+
 def node_dir(ram_root: Path, job: str, node_id: str) -> Path:
     return Path(ram_root) / job / node_id
 
@@ -100,6 +104,18 @@ class ReplicaStore:
         self.own.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._open: dict[tuple[int, int], RamRegion] = {}  # (rank, step) being received
+        self.generation = -1  # writes from older generations of workers are refused
+
+    def set_generation(self, gen: int) -> None:
+        """Fence off an older generation's in-flight replication (called during recovery)."""
+        with self._lock:
+            self.generation = max(self.generation, gen)
+            self._open.clear()
+
+    def _fence(self, gen: int) -> None:
+        if gen < self.generation:
+            raise StaleGenerationError(f"write from generation {gen} refused: the job is at "
+                                       f"generation {self.generation}")
 
     def ping(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "pid": os.getpid()}
@@ -116,9 +132,10 @@ class ReplicaStore:
         order = sorted(range(len(paths)), key=lambda i: -1 if steps[i] is None else steps[i])
         return paths[order[0]]
 
-    def begin(self, rank: int, step: int, nbytes: int, checksum: str) -> bool:
+    def begin(self, rank: int, step: int, nbytes: int, checksum: str, gen: int = -1) -> bool:
         """Prepare to receive ``rank``'s shard of ``step``; False if already held intact."""
         with self._lock:
+            self._fence(gen)
             path = self._slot_for(rank, step)
             if peek_step(path) == step:
                 try:
@@ -146,7 +163,8 @@ class ReplicaStore:
                 f"{need / 2**30:.2f} GiB more, {avail / 2**30:.2f} GiB available; lower "
                 "placement.replicas, use fewer ranks per node, or add RAM")
 
-    def write(self, rank: int, step: int, offset: int, chunk: np.ndarray) -> int:
+    def write(self, rank: int, step: int, offset: int, chunk: np.ndarray, gen: int = -1) -> int:
+        self._fence(gen)
         region = self._open.get((rank, step))
         if region is None:
             raise MemckptError(f"replica of rank {rank} step {step} was not begun on this store")
@@ -155,20 +173,19 @@ class ReplicaStore:
             struct.pack_into("<I", region.array, 12, fmt.STATE_WRITING)
         return len(chunk)
 
-    def finish(self, rank: int, step: int) -> str:
+    def finish(self, rank: int, step: int, gen: int = -1) -> str:
         """Verify the received shard and mark it complete; returns its checksum."""
         with self._lock:
+            self._fence(gen)
             region = self._open.pop((rank, step), None)
         if region is None:
             raise MemckptError(f"replica of rank {rank} step {step} was not begun on this store")
+        # Verify first, flag complete last: a store killed mid-check leaves it incomplete.
+        shard = fmt.open_shard(region.array, f"replica of rank {rank} step {step}",
+                               require_complete=False)
+        if shard.step != step:
+            raise ChecksumError(f"replica of rank {rank}: expected step {step}, got {shard.step}")
         struct.pack_into("<I", region.array, 12, fmt.STATE_COMPLETE)
-        try:
-            shard = fmt.open_shard(region.array, f"replica of rank {rank} step {step}")
-            if shard.step != step:
-                raise ChecksumError(f"replica of rank {rank}: expected step {step}, got {shard.step}")
-        except ChecksumError:
-            struct.pack_into("<I", region.array, 12, fmt.STATE_WRITING)
-            raise
         return shard.header["data_xxh3"]
 
     # -- serving ----------------------------------------------------------------------------

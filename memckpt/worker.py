@@ -70,6 +70,7 @@ class Replicator:
         self.error: Optional[BaseException] = None
         self.bytes_sent = 0
         self.last_seconds = 0.0
+        self.cancelled = False
         self._thread = threading.Thread(target=self._loop, name="memckpt-replicator", daemon=True)
         self._thread.start()
 
@@ -102,16 +103,20 @@ class Replicator:
     def _send(self, ray, store, step: int, raw: np.ndarray, digest: str) -> None:
         rank = self.spec.rank
         for attempt in range(5):  # a restarting store comes back within seconds
+            gen = self.spec.gen
             try:
-                if not ray.get(store.begin.remote(rank, step, len(raw), digest)):
+                if not ray.get(store.begin.remote(rank, step, len(raw), digest, gen)):
                     return  # the holder already has this exact shard
                 pending = []
                 for off in range(0, len(raw), CHUNK_BYTES):
-                    pending.append(store.write.remote(rank, step, off, raw[off: off + CHUNK_BYTES]))
+                    if self.cancelled:
+                        return
+                    pending.append(store.write.remote(rank, step, off, raw[off: off + CHUNK_BYTES],
+                                                      gen))
                     if len(pending) >= WINDOW:
                         ray.get(pending.pop(0))
                 ray.get(pending)
-                ray.get(store.finish.remote(rank, step))
+                ray.get(store.finish.remote(rank, step, gen))
                 self.bytes_sent += len(raw)
                 return
             except ray.exceptions.RayActorError:
@@ -119,6 +124,7 @@ class Replicator:
         raise MemckptError(f"rank {rank}: replica holder unreachable for step {step} after retries")
 
     def close(self) -> None:
+        self.cancelled = True  # a stale generation must not keep writing to stores
         self.queue.put(None)
 
 
@@ -244,58 +250,72 @@ def free_port() -> int:
 
 
 class Worker:
-    """One rank, as a Ray actor. ``run`` executes the user's function."""
+    """One rank's process, as a long-lived Ray actor.
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    ``run`` executes one generation of the user's function; after a peer failed,
+    a surviving worker is reused for the next generation (warm: no new process,
+    no re-import of torch), restoring from its own node's RAM. A fresh actor made
+    ahead of time with no generation yet is a warm *spare* for a node.
+    """
+
+    def __init__(self, config: Config, coordinator: Any) -> None:
         import ray
-        self.spec = spec
+        import torch  # noqa: F401 (warm the import: a spare must be ready to train at once)
+        self.config, self.coordinator = config, coordinator
+        self.spec: Optional[WorkerSpec] = None
         self.node_id = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
-        self._stop = threading.Event()
-        spec.coordinator.register.remote(spec.rank, spec.gen, {
-            "pid": os.getpid(), "node_id": self.node_id, "ip": self.ip})
+        self.ctx: Optional[WorkerContext] = None
+        self._running = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, daemon=True)
         self._hb.start()
-        self.ctx: Optional[WorkerContext] = None
 
     def _heartbeat(self) -> None:
-        interval = self.spec.config.failure.heartbeat_interval_s
-        while not self._stop.wait(interval):
-            step = self.ctx.last_step if self.ctx is not None else -1
-            self.spec.coordinator.heartbeat.remote(self.spec.rank, self.spec.gen, step)
+        interval = self.config.failure.heartbeat_interval_s
+        while True:
+            time.sleep(interval)
+            spec, ctx = self.spec, self.ctx
+            if self._running.is_set() and spec is not None:
+                step = ctx.last_step if ctx is not None else -1
+                self.coordinator.heartbeat.remote(spec.rank, spec.gen, step)
 
     def address(self) -> tuple[str, int]:
         return self.ip, free_port()
 
     def info(self) -> dict[str, Any]:
-        return {"rank": self.spec.rank, "pid": os.getpid(), "node_id": self.node_id}
+        return {"rank": self.spec.rank if self.spec else None, "pid": os.getpid(),
+                "node_id": self.node_id}
 
-    def run(self, train_fn: Callable[[WorkerContext], Any], master: tuple[str, int]) -> dict[str, Any]:
+    def run(self, train_fn: Callable[[WorkerContext], Any], master: tuple[str, int],
+            spec: WorkerSpec) -> dict[str, Any]:
         import datetime
 
         import torch
         import torch.distributed as dist
 
-        spec = self.spec
-        threads = max(1, int(spec.config.workers.cpus_per_worker))
-        torch.set_num_threads(threads)
+        self.spec, self.ctx = spec, None
+        self.coordinator.register.remote(spec.rank, spec.gen, self.info())
+        self._running.set()
+        torch.set_num_threads(max(1, int(spec.config.workers.cpus_per_worker)))
         backend = spec.config.workers.backend
         if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() and spec.config.workers.gpus_per_worker else "gloo"
-        if spec.world_size > 1:
-            dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}",
-                                    rank=spec.rank, world_size=spec.world_size,
-                                    timeout=datetime.timedelta(
-                                        seconds=spec.config.failure.collective_timeout_s))
-        self.ctx = WorkerContext(spec, self.node_id)
+            gpu = torch.cuda.is_available() and spec.config.workers.gpus_per_worker
+            backend = "nccl" if gpu else "gloo"
         try:
+            if spec.world_size > 1:
+                dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}",
+                                        rank=spec.rank, world_size=spec.world_size,
+                                        timeout=datetime.timedelta(
+                                            seconds=spec.config.failure.collective_timeout_s))
+            self.ctx = WorkerContext(spec, self.node_id)
             result = train_fn(self.ctx)
             self.ctx.ckpt.wait()
             return {"rank": spec.rank, "digest": self.ctx.digest(), "result": result,
                     "restore": self.ctx.restore_seconds,
                     "source": getattr(self.ctx, "restore_source", None)}
         finally:
-            self._stop.set()
-            self.ctx.close()
-            if spec.world_size > 1 and dist.is_initialized():
+            self._running.clear()
+            if self.ctx is not None:
+                self.ctx.close()
+            if dist.is_initialized():
                 dist.destroy_process_group()

@@ -1,0 +1,341 @@
+"""Unit tests for memckpt.store.ReplicaStore, used directly (no Ray).
+
+The shards are real: a Checkpointer snapshots a small model + AdamW into RAM and
+the test streams those bytes into a store the way a peer's replication would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import memckpt
+from memckpt import shard as fmt
+from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError, PlacementError
+from memckpt.store import SLOTS, ReplicaStore, StaleGenerationError, node_dir, own_dir
+
+JOB, NODE = "t", "nodeA"
+
+
+def _shm_base():
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def _train_state(seed: int = 0) -> memckpt.TrainState:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return memckpt.TrainState(model=model, optimizer=opt)
+
+
+def _train_step(state: memckpt.TrainState, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    (opt,) = state.optimizers.values()
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(state.model(x), y).backward()
+    opt.step()
+
+
+def _snapshot(ckpt: memckpt.Checkpointer, state, step: int) -> tuple[np.ndarray, str]:
+    _train_step(state, step)
+    assert ckpt.step(state, step)
+    ckpt.wait()
+    with ckpt.engine.reading(step) as shard:
+        return shard.raw.copy(), shard.header["data_xxh3"]
+
+
+@pytest.fixture(scope="module")
+def shards():
+    """step -> (bytes, data checksum) of rank 0's real snapshots of steps 1..3."""
+    root = tempfile.mkdtemp(prefix="memckpt-test-src-", dir=_shm_base())
+    try:
+        ckpt = memckpt.Checkpointer(memckpt.Config(ram_root=root, job_name="src"))
+        state = _train_state()
+        out = {s: _snapshot(ckpt, state, s) for s in (1, 2, 3)}
+        ckpt.close(unlink=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert len({d for _, d in out.values()}) == 3  # training changed the state every step
+    return out
+
+
+@pytest.fixture
+def store(ram_root):
+    return ReplicaStore(ram_root=ram_root, job=JOB, node_id=NODE)
+
+
+def _chunks(raw: np.ndarray, n: int = 5) -> list[tuple[int, np.ndarray]]:
+    size = -(-len(raw) // n)
+    return [(off, raw[off: off + size]) for off in range(0, len(raw), size)]
+
+
+def _send(store: ReplicaStore, rank: int, step: int, raw: np.ndarray, digest: str,
+          order: str = "forward", gen: int = -1) -> str:
+    assert store.begin(rank, step, len(raw), digest, gen=gen) is True
+    chunks = _chunks(raw)
+    if order == "reverse":
+        chunks.reverse()
+    elif order == "shuffled":
+        chunks = [chunks[i] for i in np.random.default_rng(step).permutation(len(chunks))]
+    for off, chunk in chunks:
+        assert store.write(rank, step, off, chunk, gen=gen) == len(chunk)
+    return store.finish(rank, step, gen=gen)
+
+
+def _data_offset(raw: np.ndarray) -> int:
+    return fmt.PREFIX.unpack_from(raw, 0)[6]
+
+
+# ---- receiving ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "shuffled"])
+def test_chunked_transfer_stores_verified_replica(store, shards, order):
+    raw, digest = shards[1]
+    assert len(_chunks(raw)) == 5 and len(raw) > 4096
+    assert _send(store, 2, 1, raw, digest, order) == digest
+    assert store.inventory() == {2: [1]}
+    got = store.read(2, 1)
+    shard = fmt.open_shard(got, "read back", verify=True)
+    assert shard.step == 1 and shard.header["data_xxh3"] == digest
+    assert shard.header["rank"] == 0  # the sender's identity travels with the bytes
+    assert np.array_equal(got, raw)
+    assert (store.replicas / "rank2").is_dir()
+
+
+def test_begin_same_step_same_checksum_is_already_held(store, shards):
+    raw, digest = shards[2]
+    _send(store, 0, 2, raw, digest)
+    assert store.begin(0, 2, len(raw), digest) is False
+    assert store.inventory() == {0: [2]}  # untouched
+    assert np.array_equal(store.read(0, 2), raw)
+    # a different checksum for the same step is a new transfer into the same slot
+    other_raw, other_digest = shards[3]
+    assert store.begin(0, 2, len(other_raw), other_digest) is True
+    assert store.inventory() == {}  # invalidated until the new bytes verify
+
+
+def test_flipped_byte_is_refused_then_retransmission_succeeds(store, shards):
+    raw, digest = shards[1]
+    bad = raw.copy()
+    bad[_data_offset(raw) + 100] ^= 0xFF
+    assert store.begin(0, 1, len(bad), digest) is True
+    for off, chunk in _chunks(bad):
+        store.write(0, 1, off, chunk)
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        store.finish(0, 1)
+    assert store.inventory() == {}
+    with pytest.raises(NoSnapshotError):
+        store.read(0, 1)
+    with pytest.raises(MemckptError, match="not begun"):
+        store.finish(0, 1)  # the failed transfer is closed
+    # a correct retransmission reuses the slot and succeeds
+    assert _send(store, 0, 1, raw, digest) == digest
+    assert store.inventory() == {0: [1]}
+    assert np.array_equal(store.read(0, 1), raw)
+    assert len(list((store.replicas / "rank0").glob("*.shard"))) == 1
+
+
+def test_flipped_header_byte_is_refused(store, shards):
+    raw, digest = shards[1]
+    bad = raw.copy()
+    bad[fmt.PREFIX.size + 3] ^= 0x01  # inside the JSON header
+    store.begin(0, 1, len(bad), digest)
+    for off, chunk in _chunks(bad):
+        store.write(0, 1, off, chunk)
+    with pytest.raises(ChecksumError):
+        store.finish(0, 1)
+    assert store.inventory() == {}
+
+
+def test_wrong_step_is_refused(store, shards):
+    raw, digest = shards[1]
+    store.begin(0, 2, len(raw), digest)  # announced as step 2, bytes are step 1
+    for off, chunk in _chunks(raw):
+        store.write(0, 2, off, chunk)
+    with pytest.raises(ChecksumError, match="expected step 2"):
+        store.finish(0, 2)
+    assert store.inventory() == {}
+
+
+@pytest.mark.parametrize("sent", ["some", "all"])
+def test_torn_transfer_is_not_listed(ram_root, store, shards, sent):
+    raw, digest = shards[1]
+    assert store.begin(0, 1, len(raw), digest)
+    chunks = _chunks(raw)
+    for off, chunk in (chunks[:2] if sent == "some" else chunks):
+        store.write(0, 1, off, chunk)
+    # no finish: the sender died mid-transfer
+    assert store.inventory() == {}
+    with pytest.raises(NoSnapshotError):
+        store.read(0, 1)
+    # nor does a restarted store trust it
+    assert ReplicaStore(ram_root=ram_root, job=JOB, node_id=NODE).inventory() == {}
+
+
+def test_torn_transfer_over_old_slot_keeps_the_newer_copy(store, shards):
+    for s in (1, 2):
+        _send(store, 0, s, *shards[s])
+    raw, digest = shards[3]
+    store.begin(0, 3, len(raw), digest)
+    store.write(0, 3, 0, raw[:4096])
+    assert store.inventory() == {0: [2]}  # step 1's slot is being overwritten; 2 intact
+    assert np.array_equal(store.read(0, 2), shards[2][0])
+
+
+def test_write_without_begin_is_refused(store, shards):
+    raw, _ = shards[1]
+    with pytest.raises(MemckptError, match="not begun"):
+        store.write(0, 1, 0, raw[:10])
+
+
+# ---- slots --------------------------------------------------------------------------------
+
+def test_two_slots_newest_step_overwrites_the_older(store, shards):
+    for s in (1, 2, 3):
+        _send(store, 0, s, *shards[s])
+    assert store.inventory() == {0: [2, 3]}
+    assert sorted(p.name for p in (store.replicas / "rank0").glob("*.shard")) == sorted(SLOTS)
+    for s in (2, 3):
+        assert np.array_equal(store.read(0, s), shards[s][0])
+    with pytest.raises(NoSnapshotError):
+        store.read(0, 1)
+
+
+def test_resending_a_held_step_reuses_its_slot(store, shards):
+    for s in (1, 2, 3):
+        _send(store, 0, s, *shards[s])  # holds [2, 3]
+    # step 2 announced again with another checksum (a rerun after a rollback): it goes
+    # into step 2's slot, never over step 3
+    raw2, _ = shards[2]
+    assert store.begin(0, 2, len(raw2), "0" * 16) is True
+    assert store.inventory() == {0: [3]}
+    for off, chunk in _chunks(raw2):
+        store.write(0, 2, off, chunk)
+    store.finish(0, 2)
+    assert store.inventory() == {0: [2, 3]}
+    assert np.array_equal(store.read(0, 3), shards[3][0])
+
+
+def test_discard_after_invalidates_newer_steps(store, shards):
+    for s in (1, 2, 3):
+        _send(store, 0, s, *shards[s])
+    _send(store, 1, 3, *shards[3])
+    assert store.discard_after(2) == 2
+    assert store.inventory() == {0: [2]}
+    assert np.array_equal(store.read(0, 2), shards[2][0])
+    assert store.discard_after(2) == 0
+
+
+# ---- generation fencing -------------------------------------------------------------------
+
+def test_generation_fencing(store, shards):
+    raw, digest = shards[1]
+    store.set_generation(5)
+    with pytest.raises(StaleGenerationError, match="generation 4"):
+        store.begin(0, 1, len(raw), digest, gen=4)
+    assert store.begin(0, 1, len(raw), digest, gen=5) is True
+    with pytest.raises(StaleGenerationError):
+        store.write(0, 1, 0, raw, gen=4)
+    store.write(0, 1, 0, raw, gen=5)
+    with pytest.raises(StaleGenerationError):
+        store.finish(0, 1, gen=4)
+    assert store.finish(0, 1, gen=5) == digest
+    assert store.inventory() == {0: [1]}
+    store.set_generation(3)  # never goes back
+    with pytest.raises(StaleGenerationError):
+        store.begin(0, 2, len(raw), digest, gen=4)
+
+
+def test_new_generation_cancels_in_flight_transfer(store, shards):
+    raw, digest = shards[2]
+    store.begin(0, 2, len(raw), digest, gen=1)
+    store.write(0, 2, 0, raw[:4096], gen=1)
+    store.set_generation(2)
+    with pytest.raises(StaleGenerationError):
+        store.write(0, 2, 4096, raw[4096:], gen=1)
+    with pytest.raises(MemckptError, match="not begun"):
+        store.finish(0, 2, gen=2)
+    assert store.inventory() == {}
+
+
+# ---- own-node slots and restarts ----------------------------------------------------------
+
+def test_own_slots_are_listed_and_served(ram_root, store, shards):
+    directory = own_dir(Path(ram_root), JOB, NODE)
+    ckpt = memckpt.Checkpointer(memckpt.Config(ram_root=ram_root, job_name=JOB), rank=1,
+                                world_size=2, directory=directory)
+    state = _train_state(seed=1)
+    own = {s: _snapshot(ckpt, state, s) for s in (4, 5, 6)}
+    _send(store, 0, 1, *shards[1])  # a replica of a peer's rank alongside
+    assert (directory / "rank1").is_dir()
+    assert store.inventory() == {0: [1], 1: [5, 6]}
+    for s in (5, 6):
+        got = store.read(1, s)
+        assert np.array_equal(got, own[s][0])
+        assert fmt.open_shard(got, "own").header["data_xxh3"] == own[s][1]
+    # the worker is gone (killed): its slots outlive it
+    ckpt.close()
+    del ckpt
+    assert store.inventory() == {0: [1], 1: [5, 6]}
+    assert np.array_equal(store.read(1, 6), own[6][0])
+    # rollback discards own slots too
+    assert store.discard_after(5) == 1
+    assert store.inventory() == {0: [1], 1: [5]}
+
+
+def test_restarted_store_adopts_everything(ram_root, store, shards):
+    for s in (1, 2):
+        _send(store, 0, s, *shards[s])
+    _send(store, 3, 3, *shards[3])
+    again = ReplicaStore(ram_root=ram_root, job=JOB, node_id=NODE)
+    assert again.inventory() == store.inventory() == {0: [1, 2], 3: [3]}
+    assert np.array_equal(again.read(3, 3), shards[3][0])
+    raw, digest = shards[2]
+    assert again.begin(0, 2, len(raw), digest) is False
+    # and keeps receiving: step 3 of rank 0 replaces step 1
+    _send(again, 0, 3, *shards[3])
+    assert again.inventory() == {0: [2, 3], 3: [3]}
+
+
+def test_stores_of_different_nodes_and_jobs_are_separate(ram_root, store, shards):
+    _send(store, 0, 1, *shards[1])
+    assert ReplicaStore(ram_root=ram_root, job=JOB, node_id="nodeB").inventory() == {}
+    assert ReplicaStore(ram_root=ram_root, job="other", node_id=NODE).inventory() == {}
+    assert store.root == node_dir(Path(ram_root), JOB, NODE)
+
+
+# ---- memory, clear, RAM check -------------------------------------------------------------
+
+def test_memory_reports_held_bytes(store, shards):
+    assert store.memory()["held_bytes"] == 0
+    _send(store, 0, 1, *shards[1])
+    _send(store, 0, 2, *shards[2])
+    mem = store.memory()
+    assert mem["held_bytes"] >= len(shards[1][0]) + len(shards[2][0])
+    assert mem["available_bytes"] > 0
+
+
+def test_clear_removes_node_directory(store, shards):
+    _send(store, 0, 1, *shards[1])
+    assert store.root.is_dir()
+    store.clear()
+    assert not store.root.exists()
+    assert store.inventory() == {}
+    assert store.memory()["held_bytes"] == 0
+
+
+def test_begin_refuses_when_node_lacks_ram(store, shards):
+    _, digest = shards[1]
+    with pytest.raises(PlacementError) as e:
+        store.begin(0, 1, 1 << 50, digest)
+    msg = str(e.value)
+    assert "lacks RAM" in msg and "placement.replicas" in msg and "rank 0" in msg
+    assert not list(store.replicas.rglob("*.shard"))  # nothing allocated
+    assert store.inventory() == {}
