@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import psutil
 import torch
 
 from memckpt.errors import ConfigError, MemckptError
@@ -77,6 +78,18 @@ class RamRegion:
 
     @staticmethod
     def create(path: Path, size: int, pin: bool = False) -> "RamRegion":
+        # A tmpfs that runs out of room kills the writer with SIGBUS instead of raising:
+        # check the room first and say what to change.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        st = os.statvfs(path.parent)
+        old = path.stat().st_size if path.exists() else 0
+        room = st.f_bavail * st.f_frsize + old
+        avail = psutil.virtual_memory().available + old
+        if size > room or size > avail:
+            raise MemckptError(
+                f"cannot allocate {size / 2**30:.2f} GiB for a snapshot at {path}: "
+                f"{room / 2**30:.2f} GiB free there, {avail / 2**30:.2f} GiB RAM available; free "
+                "RAM, enlarge the tmpfs, point ram_root elsewhere, or snapshot less state")
         try:
             return RamRegion(path, size, create=True, pin=pin)
         except OSError as e:

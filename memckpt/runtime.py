@@ -137,7 +137,11 @@ class Runtime:
             plan = placement.replica_plan(used, cfg.placement.strategy, cfg.placement.replicas,
                                           cfg.placement.group_size)
             holders = placement.rank_holders(assignment, plan)
-            self._say("replica placement:\n" + placement.format_plan(plan, assignment))
+            short = {n: n[:12] for n in used}
+            self._say("replica placement (node -> holders of its ranks' shards):\n" +
+                      placement.format_plan({short[n]: tuple(short[h] for h in hs)
+                                             for n, hs in plan.items()},
+                                            {r: short[n] for r, n in assignment.items()}))
         return assignment, holders, nodes
 
     # -- the control loop -----------------------------------------------------------------------
@@ -247,7 +251,7 @@ class Runtime:
                 hung = [r for r in hung if r not in g.results]
                 if hung:
                     return self._failure(g, f"rank(s) {hung} stopped heart-beating (hung)",
-                                         died=set(hung))
+                                         died=set(hung), hung=set(hung))
             if errors and now - first_error_at > 0.5:
                 dead = self._unresponsive(g, [r for r in pending.values()])
                 if dead:
@@ -273,7 +277,7 @@ class Runtime:
                 dead.add(refs[x])
         return dead
 
-    def _failure(self, g: Generation, what: str, died: set[int],
+    def _failure(self, g: Generation, what: str, died: set[int], hung: frozenset = frozenset(),
                  error: Optional[BaseException] = None) -> dict[str, Any]:
         t = time.time()
         fired = self.ray.get(self.coordinator.status.remote()).get("fired_at", {})
@@ -281,7 +285,8 @@ class Runtime:
         fault_time = max((t for t in fired.values() if t > since), default=None)
         self._say(f"failure detected: {what}")
         self._event("failure_detected", what=what, ranks=sorted(died), gen=g.gen)
-        return {"what": what, "died": sorted(died), "detected_at": t, "fault_at": fault_time}
+        return {"what": what, "died": sorted(died), "hung": sorted(hung), "detected_at": t,
+                "fault_at": fault_time}
 
     def _progress_and_faults(self, g: Generation) -> None:
         prog = self.ray.get(self.coordinator.progress.remote())
@@ -328,11 +333,12 @@ class Runtime:
                  holders: dict[int, tuple[str, ...]], capacity: dict[str, int]) -> RecoveryPlan:
         ray, cfg = self.ray, self.config
         t0 = time.time()
-        for rank in failure["died"]:  # a stopped (hung) process ignores polite kills
+        for rank in failure["hung"]:  # a stopped process ignores polite kills
             try:
                 send_signal(g.info[rank]["node_id"], g.info[rank]["pid"], "KILL", timeout_s=5)
             except ray.exceptions.RayError:
                 pass
+        for rank in failure["died"]:
             ray.kill(g.workers[rank], no_restart=True)
         # Survivors see their collectives fail and return; one still stuck is killed.
         ready, stuck = ray.wait(list(g.refs), num_returns=len(g.refs), timeout=GRACE_S)

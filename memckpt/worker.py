@@ -211,8 +211,11 @@ class WorkerContext:
         stall = time.perf_counter() - t0
         self.last_step = step
         report = {k: float(v) for k, v in metrics.items()}
+        stats = self.ckpt.engine.stats
         report.update(stall_s=stall, replicate_s=self.replicator.last_seconds,
-                      committed=float(self.ckpt.engine.committed or 0))
+                      committed=float(self.ckpt.engine.committed or 0),
+                      skipped=float(stats.skipped), waited_s=stats.waited_s,
+                      replicated_bytes=float(self.replicator.bytes_sent))
         self.spec.coordinator.report.remote(self.rank, self.generation, step, report)
 
     def _maybe_fault(self, step: int) -> None:

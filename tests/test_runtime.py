@@ -98,6 +98,7 @@ def test_node_loss_restores_from_peer_replica(full_cluster, reference, tmp_path)
     assert rec["phases_s"]["detect"] < 3.0
 
 
+@pytest.mark.chaos
 def test_two_failures_on_different_nodes(full_cluster, reference, tmp_path):
     inj = (FaultInjector(node_killer=full_cluster.remove_node)
            .kill_node(rank=2, at_step=4).kill_worker(rank=0, at_step=8))
@@ -125,6 +126,7 @@ def test_node_and_its_replica_holder_die_together(full_cluster, tmp_path):
     assert "job_failed" in [e["event"] for e in events(tmp_path)]
 
 
+@pytest.mark.chaos
 def test_hung_worker_detected_by_heartbeat(full_cluster, reference, tmp_path):
     inj = FaultInjector().kill_worker(rank=2, at_step=KILL_AT, signal="STOP")
     result = run_with(inj, "hung", tmp_path)
