@@ -43,17 +43,30 @@ class Coordinator:
         self._key = f"memckpt/{job}/coordinator".encode()
         self._cond = asyncio.Condition()
         self.heartbeats: dict[int, tuple[float, int]] = {}
+        self.metrics: dict[str, dict[str, float]] = {}  # rank -> latest report (not persisted)
+        self.losses: dict[str, float] = {}  # step -> loss, appended to losses.jsonl
         self.s: dict[str, Any] = {
             "gen": -1, "assignment": {}, "holders": {}, "committed": None, "ready": {},
-            "losses": {}, "metrics": {}, "workers": {}, "fired": [], "stores": {},
+            "workers": {}, "fired": [], "stores": {},
             "started_at": time.time(), "restarts_of_coordinator": 0, "done": False,
         }
         saved = _kv()._internal_kv_get(self._key)
         if saved:  # restarted after a crash: resume from the last saved view
             self.s = json.loads(saved)
             self.s["restarts_of_coordinator"] += 1
+            self._reload_losses()
             self.event("coordinator_restarted", committed=self.s["committed"], gen=self.s["gen"])
             self._save()
+
+    def _reload_losses(self) -> None:
+        path = self.run_dir / "losses.jsonl"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line torn by the crash
+                self.losses[str(rec["step"])] = rec["loss"]
 
     # -- persistence of the small state -------------------------------------------------------
     def _save(self) -> None:
@@ -73,6 +86,7 @@ class Coordinator:
                           holders={str(r): list(h) for r, h in holders.items()},
                           committed=committed, ready={}, workers={}, stores=stores)
             self.heartbeats.clear()
+            self.metrics.clear()
             self._save()
             self._cond.notify_all()
 
@@ -154,10 +168,13 @@ class Coordinator:
         if gen != self.s["gen"]:
             return
         if "loss" in metrics and rank == 0:
-            self.s["losses"][str(step)] = metrics["loss"]
-        self.s["metrics"][str(rank)] = dict(metrics, step=step, time=time.time())
+            # A file, not the GCS: one small append per step, and it outlives this process.
+            # After a rollback the redone steps are appended again; the last line wins.
+            self.losses[str(step)] = metrics["loss"]
+            with open(self.run_dir / "losses.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "loss": metrics["loss"], "gen": gen}) + "\n")
+        self.metrics[str(rank)] = dict(metrics, step=step, time=time.time())
         self.heartbeats[rank] = (time.time(), step)
-        self._save()
 
     async def claim(self, key: str) -> bool:
         """Fire-once: True the first time ``key`` is claimed in this job."""
@@ -195,14 +212,19 @@ class Coordinator:
         self.event(kind, **fields)
 
     async def progress(self) -> dict[str, Any]:
-        steps = [m.get("step", -1) for m in self.s["metrics"].values()]
+        steps = [m.get("step", -1) for m in self.metrics.values()]
         return {"gen": self.s["gen"], "committed": self.s["committed"],
                 "min_step": min(steps) if len(steps) == self.world_size else -1,
-                "max_step": max(steps, default=-1), "losses": self.s["losses"]}
+                "max_step": max(steps, default=-1),
+                "last_loss": self.losses.get(str(max(steps, default=-1)))}
+
+    async def all_losses(self) -> dict[str, float]:
+        return self.losses
 
     async def status(self) -> dict[str, Any]:
-        return dict(self.s, heartbeats={str(r): {"age_s": time.time() - t, "step": s}
-                                        for r, (t, s) in self.heartbeats.items()})
+        return dict(self.s, metrics=self.metrics,
+                    heartbeats={str(r): {"age_s": time.time() - t, "step": s}
+                                for r, (t, s) in self.heartbeats.items()})
 
     async def whereabouts(self) -> dict[str, Any]:
         import os

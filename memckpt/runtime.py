@@ -301,7 +301,7 @@ class Runtime:
             phases["total"] = now - fault_at
         if not self.quiet and now - self._last_print > 1.0 and step >= 0:
             self._last_print = now
-            loss = prog["losses"].get(str(step))
+            loss = prog["last_loss"]
             self._say(f"gen {g.gen} step {step} loss {loss if loss is None else round(loss, 4)} "
                       f"committed {prog['committed']}")
         pending = self.ray.get(self.coordinator.pending_faults.remote())
@@ -417,7 +417,8 @@ class Runtime:
         prog = self.ray.get(self.coordinator.progress.remote())
         results = [g.results[r] for r in sorted(g.results)]
         digest = hashlib.sha256("".join(r["digest"] or "" for r in results).encode()).hexdigest()
-        losses = [v for _, v in sorted((int(k), v) for k, v in prog["losses"].items())]
+        all_losses = self.ray.get(self.coordinator.all_losses.remote())
+        losses = [v for _, v in sorted((int(k), v) for k, v in all_losses.items())]
         for rec in self.recoveries:
             fetch = [r["restore"].get("fetch_and_load_s", 0.0) for r in results if r.get("restore")]
             rec["phases_s"]["fetch_and_load_max"] = max(fetch, default=0.0)
