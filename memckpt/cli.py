@@ -18,6 +18,7 @@ from memckpt.errors import ConfigError, MemckptError
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("memckpt.launch", "run a training function on Ray with in-memory replicas"),
     "status": ("memckpt.status", "show a running job: placement, committed step, workers"),
+    "kill": ("memckpt.kill", "recovery drill: kill a worker or a node of a running job"),
     "demo": ("memckpt.demo.cli", "run the demo job: train, inject a fault, recover"),
     "bench": ("memckpt.bench.cli", "measure memckpt against torch.save and friends"),
 }

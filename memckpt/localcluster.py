@@ -22,8 +22,8 @@ FAST_HEALTH_CHECKS = {
 class LocalCluster:
     """``nodes`` worker nodes of ``cpus_per_node`` CPUs each, plus a 0-CPU head."""
 
-    def __init__(self, nodes: int = 3, cpus_per_node: int = 2,
-                 object_store_mb: int = 256, namespace: str = "memckpt") -> None:
+    def __init__(self, nodes: int = 3, cpus_per_node: int = 2, object_store_mb: int = 256,
+                 namespace: str = "memckpt", connect: bool = True, dashboard: bool = False) -> None:
         # A throwaway local cluster needs no token; a real head keeps Ray's default.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -33,13 +33,23 @@ class LocalCluster:
         self.cpus_per_node = cpus_per_node
         self.object_store_mb = object_store_mb
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=0, object_store_memory=object_store_mb << 20,
-            _system_config=FAST_HEALTH_CHECKS))
+            num_cpus=0, object_store_memory=object_store_mb << 20, include_dashboard=dashboard,
+            dashboard_host="127.0.0.1", _system_config=FAST_HEALTH_CHECKS))
         self.nodes = {}
         for _ in range(nodes):
             self.add_node()
         self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address, namespace=namespace, log_to_driver=True)
+        self.connected = connect
+        if connect:
+            ray.init(address=self.cluster.address, namespace=namespace, log_to_driver=True)
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{self.cluster.webui_url}"
 
     def add_node(self) -> str:
         node = self.cluster.add_node(num_cpus=self.cpus_per_node,
@@ -53,7 +63,8 @@ class LocalCluster:
 
     def shutdown(self) -> None:
         import ray
-        ray.shutdown()
+        if self.connected:
+            ray.shutdown()
         self.cluster.shutdown()
 
 
@@ -65,3 +76,40 @@ def local_cluster(nodes: int = 3, cpus_per_node: int = 2,
         yield c
     finally:
         c.shutdown()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Hold a local multi-node cluster until SIGINT/SIGTERM (see cluster/local-cluster.sh)."""
+    import argparse
+    import json
+    import signal
+    import threading
+
+    p = argparse.ArgumentParser(prog="python -m memckpt.localcluster", description=main.__doc__)
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--cpus-per-node", type=int, default=2)
+    p.add_argument("--object-store-mb", type=int, default=256)
+    p.add_argument("--ready-file", help="write {address, dashboard_url, nodes} here when up")
+    a = p.parse_args(argv)
+    if a.nodes < 1 or a.cpus_per_node < 1:
+        p.error("--nodes and --cpus-per-node must be >= 1")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    c = LocalCluster(a.nodes, a.cpus_per_node, a.object_store_mb, connect=False, dashboard=True)
+    info = {"address": c.address, "dashboard_url": c.dashboard_url, "nodes": list(c.nodes)}
+    print(json.dumps(info), flush=True)
+    if a.ready_file:
+        tmp = a.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, a.ready_file)
+    try:
+        stop.wait()
+    finally:
+        c.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -458,6 +460,18 @@ def _is_peer_failure(err: BaseException) -> bool:
                                    "gloo", "nccl", "timed out", "peer", "socket"))
 
 
+def default_run_dir(job: str) -> Path:
+    """``./runs/<job>``, or under the temp directory when the working directory is not
+    writable (a Ray job's unpacked working_dir may be read-only or already gone)."""
+    try:
+        cwd = Path.cwd()
+        if os.access(cwd, os.W_OK):
+            return cwd / "runs" / job
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / "memckpt-runs" / job
+
+
 def run(train_fn: Callable, config: Config, *, address: Optional[str] = None,
         summary: Optional[str | Path] = None, run_dir: Optional[str | Path] = None,
         injector: Optional[FaultInjector] = None, quiet: bool = False) -> dict[str, Any]:
@@ -472,7 +486,7 @@ def run(train_fn: Callable, config: Config, *, address: Optional[str] = None,
         raise ConfigError(f"config must be a memckpt.Config, got {type(config).__name__}")
     if not ray.is_initialized():
         ray.init(address=address, namespace=COORDINATOR_NAMESPACE, log_to_driver=True)
-    rd = Path(run_dir) if run_dir else Path("runs") / config.job_name
+    rd = Path(run_dir) if run_dir else default_run_dir(config.job_name)
     result = Runtime(train_fn, config, rd, injector, quiet).run()
     text = json.dumps(result, indent=1, default=str)
     (rd / "summary.json").write_text(text)

@@ -1,0 +1,40 @@
+"""The shipped cluster configs parse and say what the guide promises."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1] / "cluster"
+
+
+def test_ray_cluster_launcher_yaml():
+    cfg = yaml.safe_load((ROOT / "ray-cluster.yaml").read_text())
+    assert cfg["head_node_type"] in cfg["available_node_types"]
+    assert cfg["available_node_types"]["head"]["resources"] == {"CPU": 0}
+    setup = " ".join(cfg["setup_commands"])
+    assert "torch==2.13.0" in setup and setup.index("torch==2.13.0") < setup.index("memckpt")
+    head = " ".join(cfg["head_start_ray_commands"])
+    assert "health_check_period_ms" in head and "--num-cpus=0" in head
+
+
+def test_kuberay_rayjob_yaml():
+    job = yaml.safe_load((ROOT / "rayjob.yaml").read_text())
+    assert job["kind"] == "RayJob" and job["apiVersion"] == "ray.io/v1"
+    spec = job["spec"]
+    assert spec["entrypoint"].startswith("memckpt run examples/gpt_job.py:train")
+    assert Path(__file__).resolve().parents[1].joinpath("examples", "gpt_job.py").exists()
+    workers = spec["rayClusterSpec"]["workerGroupSpecs"][0]
+    assert workers["replicas"] == 3
+    volumes = workers["template"]["spec"]["volumes"]
+    assert any(v["name"] == "dshm" and v["emptyDir"]["medium"] == "Memory" for v in volumes)
+    head = spec["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]
+    assert head["num-cpus"] == "0" and "health_check_period_ms" in head["system-config"]
+
+
+def test_local_cluster_script_usage():
+    res = subprocess.run(["bash", str(ROOT / "local-cluster.sh")], capture_output=True, text=True)
+    assert res.returncode == 2 and "usage" in res.stdout
+    assert subprocess.run(["bash", "-n", str(ROOT / "local-cluster.sh")]).returncode == 0
