@@ -22,7 +22,9 @@ from memckpt import shard as fmt
 from memckpt.buffers import RamRegion, remove_path, resolve_ram_root
 from memckpt.config import Config
 from memckpt.errors import ChecksumError, MemckptError, StateError
+from memckpt.control import STOP, Control
 from memckpt.fsutil import write_atomic
+from memckpt.persister import Persister, persisted_restore
 from memckpt.snapshot import SnapshotEngine
 from memckpt.state import TrainState
 
@@ -40,7 +42,8 @@ class Checkpointer:
 
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1,
                  directory: Optional[str | Path] = None, *, gated: bool = False,
-                 on_sealed: Optional[Callable[[int, Path], None]] = None) -> None:
+                 on_sealed: Optional[Callable[[int, Path], None]] = None,
+                 persist: bool = True) -> None:
         if not isinstance(config, Config):
             raise StateError(f"Checkpointer needs a memckpt.Config, got {type(config).__name__}")
         self.config = config
@@ -52,17 +55,65 @@ class Checkpointer:
             self.directory, mode=config.snapshot_mode, on_fall_behind=config.failure.on_fall_behind,
             identity={"job": config.job_name, "rank": rank, "world_size": world_size,
                       "fingerprint": config.fingerprint()},
-            gated=gated, on_complete=on_sealed)
+            gated=gated, on_complete=self._sealed)
+        self._on_sealed = on_sealed
         self._hooked: set[int] = set()
+        self.control = Control(config.stop_file)
+        self.should_stop = False  # set when a stop file or signal asked the loop to end
+        self.persister: Optional[Persister] = None
+        if persist and config.persistence:
+            self.persister = Persister(
+                config.persistence, rank, lambda s: self.engine.reading(s, verify=False),
+                self.directory / "staging.bin",
+                folder_for=lambda tier, step: self.persister.stores[tier].folder_for(step),
+                on_written=self._commit, on_event=self._event)
+
+    def _sealed(self, step: int, path: Path) -> None:
+        if self.persister is not None and not self.engine.gated:  # sealed == committed here
+            self.persister.submit(step, self.persister.due(step), stage_now=True)
+        if self._on_sealed is not None:
+            self._on_sealed(step, path)
+
+    def _commit(self, tier: int, step: int, entry) -> None:
+        store = self.persister.stores[tier]
+        store.commit(step, self.world_size, [entry], self.config.fingerprint(),
+                     job=self.config.job_name)
+        self._event("persisted", step=step, tier=store.describe())
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT make the next ``step()`` persist and set ``should_stop``."""
+        self.control.install_signal_handlers()
 
     # -- taking snapshots -------------------------------------------------------------------
     def step(self, state: TrainState, step: int) -> bool:
-        """Call after finishing ``step``; snapshots when due. Returns True if it did."""
-        if step % self.config.snapshot_every:
+        """Call after finishing ``step``; snapshots when due. Returns True if it did.
+
+        A stop file or signal (see :mod:`memckpt.control`) makes this step snapshot
+        and persist to every tier before returning, and sets ``should_stop`` to ask
+        the training loop to end.
+        """
+        action = self.control.at(step)
+        if step % self.config.snapshot_every and action is None:
             return False
         if self.config.snapshot_mode == "overlap":
             self._hook_optimizers(state)
-        return self.engine.snapshot(state.capture(step), step)
+        took = self.engine.snapshot(state.capture(step), step)
+        if action is not None:
+            self.persist_now(step)
+            self.should_stop = action == STOP
+        return took
+
+    def persist_now(self, step: Optional[int] = None, timeout_s: float = 600.0) -> bool:
+        """Persist the newest (or ``step``'s) snapshot to every tier and wait for it."""
+        self.engine.wait()
+        if self.persister is None:
+            self._event("persist_skipped", step=step, reason="no persistence tier configured")
+            return False
+        step = step if step is not None else max(self.engine.steps(), default=None)
+        if step is None:
+            return False
+        self.persister.submit(step, range(len(self.persister.tiers)), stage_now=True, wait=True)
+        return self.persister.flush(timeout_s)
 
     def _hook_optimizers(self, state: TrainState) -> None:
         # The next parameter update must not start before the background copy has read
@@ -108,10 +159,28 @@ class Checkpointer:
                 problems.append(str(e))
                 self._event("snapshot_skipped", step=step, reason=str(e))
                 log.warning("memckpt: skipping corrupt snapshot of step %d: %s", step, e)
+        persisted = self._restore_persisted(state)
+        if persisted is not None:
+            return persisted
         if problems:
             raise ChecksumError("every snapshot in RAM is corrupt: " + "; ".join(problems) +
                                 f". Remove {self.directory} to start from scratch")
         return 0
+
+    def _restore_persisted(self, state: TrainState) -> Optional[int]:
+        """Auto-resume: the newest verified checkpoint across the persistence tiers."""
+        if self.persister is None:
+            return None
+        tier, manifest, reasons = persisted_restore(self.persister.stores, self.world_size)
+        for reason in reasons:
+            self._event("checkpoint_skipped", reason=reason)
+            log.warning("memckpt: %s", reason)
+        if manifest is None:
+            return None
+        store = self.persister.stores[tier]
+        region = store.read_shard(manifest, self.rank)
+        source = f"{store.describe()}@{manifest.step}"
+        return self.load_shard(state, fmt.open_shard(region, source), source)
 
     def load_shard(self, state: TrainState, shard: fmt.Shard, source: str) -> int:
         """Load a verified shard (from RAM, a file or a peer) into ``state``; returns its step."""
@@ -140,6 +209,10 @@ class Checkpointer:
 
     def close(self, unlink: bool = False) -> None:
         """Stop background work; ``unlink`` also frees the RAM snapshots (job finished)."""
+        if self.persister is not None:  # it reads the slots: let it finish first
+            self.engine.wait()
+            self.persister.flush(600.0)
+            self.persister.close()
         self.engine.close(unlink=unlink)
         if unlink:
             remove_path(self.directory)

@@ -14,11 +14,15 @@ from typing import Callable, Optional
 
 from memckpt.errors import ConfigError, MemckptError
 
-# name -> (module with `add_arguments(parser)` and `main(args) -> int`, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
+# name -> (module, one-line help[, add_arguments name, main name])
+COMMANDS: dict[str, tuple[str, ...]] = {
     "run": ("memckpt.launch", "run a training function on Ray with in-memory replicas"),
     "status": ("memckpt.status", "show a running job: placement, committed step, workers"),
     "kill": ("memckpt.kill", "recovery drill: kill a worker or a node of a running job"),
+    "ls": ("memckpt.checkpoints_cli", "list persisted checkpoints under a directory or s3:// URI",
+           "add_ls_arguments", "ls_main"),
+    "export": ("memckpt.checkpoints_cli", "export a checkpoint's weights for plain PyTorch",
+               "add_export_arguments", "export_main"),
     "demo": ("memckpt.demo.cli", "run the demo job: train, inject a fault, recover"),
     "bench": ("memckpt.bench.cli", "measure memckpt against torch.save and friends"),
 }
@@ -27,11 +31,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memckpt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (module, help_text, *fns) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod = importlib.import_module(module)
-        mod.add_arguments(p)
-        p.set_defaults(_main=mod.main)
+        add, run = fns or ("add_arguments", "main")
+        getattr(mod, add)(p)
+        p.set_defaults(_main=getattr(mod, run))
     return parser
 
 

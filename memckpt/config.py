@@ -200,6 +200,9 @@ class Config:
     failure: FailurePolicy = field(default_factory=FailurePolicy)
     load: LoadSpec = field(default_factory=LoadSpec)
     chaos: tuple[ChaosEvent, ...] = ()
+    # InternEvo's stop file: a positive step N in it means persist at step N and stop
+    # cleanly; a negative -N, persist at step N and go on.
+    stop_file: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.job_name, str) or not _JOB_NAME.match(self.job_name):
@@ -246,7 +249,7 @@ class Config:
         snapshot holds, so they are left out: a drill can resume a normal run.
         """
         d = self.to_dict()
-        for volatile in ("chaos", "job_name", "ram_root"):
+        for volatile in ("chaos", "job_name", "ram_root", "stop_file"):
             d.pop(volatile)
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

@@ -35,8 +35,14 @@ def _kv():
 class Coordinator:
     """Run as an async Ray actor: ``ray.remote(Coordinator).options(name=..., ...)``."""
 
-    def __init__(self, job: str, run_dir: str, world_size: int) -> None:
+    def __init__(self, job: str, run_dir: str, world_size: int,
+                 tiers: tuple = (), fingerprint: str = "") -> None:
+        from memckpt.persist import CheckpointStore
         self.job = job
+        self.fingerprint = fingerprint
+        self.stores = [CheckpointStore(t) for t in tiers]  # persistence tiers, for manifests
+        self._persist_shards: dict[tuple[int, int], dict[int, Any]] = {}  # (tier, step) -> entries
+        self._folders: dict[tuple[int, int], str] = {}
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.world_size = world_size
@@ -47,7 +53,7 @@ class Coordinator:
         self.losses: dict[str, float] = {}  # step -> loss, appended to losses.jsonl
         self.s: dict[str, Any] = {
             "gen": -1, "assignment": {}, "holders": {}, "committed": None, "ready": {},
-            "workers": {}, "fired": [], "stores": {},
+            "workers": {}, "fired": [], "stores": {}, "stop": None, "persisted": {},
             "started_at": time.time(), "restarts_of_coordinator": 0, "done": False,
         }
         saved = _kv()._internal_kv_get(self._key)
@@ -101,33 +107,91 @@ class Coordinator:
         if gen == self.s["gen"]:
             self.heartbeats[rank] = (time.time(), step)
 
-    async def hung(self, timeout_s: float) -> list[int]:
-        """Ranks of this generation whose last heartbeat is older than ``timeout_s``."""
+    # -- persistence ----------------------------------------------------------------------------
+    async def request_stop(self, at_step: int, action: str) -> None:
+        """Persist the first step committed at or after ``at_step`` to every tier; then the
+        driver stops the job (action "stop") or goes on ("persist"). Decided at commit time,
+        so every rank persists the same step while its snapshot is still in RAM."""
+        self.s["stop"] = {"at": at_step, "action": action, "step": None}
+        self.event("stop_requested", at=at_step, action=action)
+        self._save()
+
+    async def stop_state(self) -> Optional[dict[str, Any]]:
+        return self.s.get("stop")
+
+    async def clear_stop(self) -> None:
+        self.s["stop"] = None
+        self._save()
+
+    async def persist_folder(self, tier: int, step: int) -> str:
+        """The folder ``step`` goes into on ``tier``: decided once, the same for every rank."""
+        key = (tier, step)
+        if key not in self._folders:
+            self._folders[key] = self.stores[tier].folder_for(step)
+        return self._folders[key]
+
+    async def persist_ready(self, tier: int, step: int, rank: int, entry: Any) -> bool:
+        """``rank``'s shard of ``step`` is stored on ``tier``; the last one writes the manifest."""
+        got = self._persist_shards.setdefault((tier, step), {})
+        got[rank] = entry
+        if len(got) < self.world_size:
+            return False
+        del self._persist_shards[(tier, step)]
+        self._folders.pop((tier, step), None)
+        store = self.stores[tier]
+        t0 = time.time()
+        store.commit(step, self.world_size, [got[r] for r in sorted(got)], self.fingerprint,
+                     placement={"holders": self.s["holders"]}, job=self.job)
+        self.s["persisted"][str(tier)] = step
+        self._save()
+        self.event("persisted", step=step, tier=store.describe(), manifest_s=time.time() - t0)
+        return True
+
+    async def persisted(self) -> dict[str, int]:
+        return dict(self.s["persisted"])
+
+    async def hung(self, timeout_s: float, startup_timeout_s: float) -> list[int]:
+        """Ranks of this generation whose last heartbeat is older than ``timeout_s``
+        (``startup_timeout_s`` while a rank has not finished its first step: start-up
+        imports, process-group rendezvous and restore may legitimately take longer)."""
         now = time.time()
-        return sorted(r for r, (t, _) in self.heartbeats.items() if now - t > timeout_s)
+        return sorted(r for r, (t, step) in self.heartbeats.items()
+                      if now - t > (timeout_s if step >= 0 else startup_timeout_s))
 
     # -- commit -------------------------------------------------------------------------------
-    async def shard_ready(self, rank: int, gen: int, step: int, holders: list[str]) -> Optional[int]:
-        """``rank``'s shard of ``step`` is local and on ``holders``; returns the committed step."""
+    def _commit_view(self) -> tuple[Optional[int], Optional[int], Optional[str]]:
+        """(committed step, the committed step every rank must persist now or None, and
+        what follows it: "stop" or "persist")."""
+        stop = self.s.get("stop") or {}
+        return self.s["committed"], stop.get("step"), stop.get("action")
+
+    async def shard_ready(self, rank: int, gen: int, step: int,
+                          holders: list[str]) -> tuple[Optional[int], Optional[int], Optional[str]]:
+        """``rank``'s shard of ``step`` is local and on ``holders``; returns
+        (committed step, step to persist now or None)."""
         async with self._cond:
             if gen != self.s["gen"]:
-                return self.s["committed"]
+                return self._commit_view()
             need = set(self.s["holders"].get(str(rank), []))
             if not need <= set(holders):
-                return self.s["committed"]
+                return self._commit_view()
             ready = self.s["ready"].setdefault(str(step), [])
             if rank not in ready:
                 ready.append(rank)
             if len(ready) == self.world_size and (self.s["committed"] is None
                                                   or step > self.s["committed"]):
                 self.s["committed"] = step
+                stop = self.s.get("stop")
+                if stop and stop["step"] is None and step >= stop["at"]:
+                    stop["step"] = step
                 for old in [k for k in self.s["ready"] if int(k) <= step]:
                     del self.s["ready"][old]
                 self._cond.notify_all()
             self._save()
-            return self.s["committed"]
+            return self._commit_view()
 
-    async def wait_commit(self, gen: int, step: int, timeout_s: float) -> Optional[int]:
+    async def wait_commit(self, gen: int, step: int,
+                          timeout_s: float) -> tuple[Optional[int], Optional[int], Optional[str]]:
         """Wait until ``step`` is committed (or the generation changes, or time runs out)."""
         async with self._cond:
             try:
@@ -135,7 +199,7 @@ class Coordinator:
                     lambda: self.s["gen"] != gen or (self.s["committed"] or -1) >= step), timeout_s)
             except asyncio.TimeoutError:
                 pass
-            return self.s["committed"]
+            return self._commit_view()
 
     async def committed(self) -> Optional[int]:
         return self.s["committed"]

@@ -121,3 +121,25 @@ def plan_recovery(assignment: Mapping[int, str], holders: Mapping[int, Sequence[
                      f"{replicas} replicas until nodes are added")
     moved = tuple(r for r in ranks if new_assignment[r] != assignment[r])
     return RecoveryPlan(step, new_assignment, sources, new_holders, moved, tuple(notes))
+
+
+def plan_from_persisted(assignment: Mapping[int, str], holders: Mapping[int, Sequence[str]],
+                        alive: Sequence[str], capacity: Mapping[str, int], replicas: int,
+                        step: int, why: str) -> RecoveryPlan:
+    """Every RAM copy of some rank is gone: all ranks load ``step`` from the persisted tier."""
+    new_assignment = choose_nodes(assignment, alive, capacity, {}, step)
+    moved = tuple(r for r in sorted(assignment) if new_assignment[r] != assignment[r])
+    return RecoveryPlan(step, new_assignment, {r: ("persist",) for r in assignment},
+                        repair_holders(holders, new_assignment, alive, replicas), moved,
+                        (f"fell back to persisted step {step}: {why}",))
+
+
+def plan_from_scratch(assignment: Mapping[int, str], holders: Mapping[int, Sequence[str]],
+                      alive: Sequence[str], capacity: Mapping[str, int],
+                      replicas: int) -> RecoveryPlan:
+    """Nothing was ever snapshotted (a failure during start-up): start over at step 0."""
+    new_assignment = choose_nodes(assignment, alive, capacity, {}, 0)
+    moved = tuple(r for r in sorted(assignment) if new_assignment[r] != assignment[r])
+    return RecoveryPlan(0, new_assignment, {r: () for r in assignment},
+                        repair_holders(holders, new_assignment, alive, replicas), moved,
+                        ("nothing was snapshotted yet: starting over",))

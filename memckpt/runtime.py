@@ -22,17 +22,22 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from memckpt import placement
+from memckpt.buffers import remove_path, resolve_ram_root
 from memckpt.config import Config
+from memckpt.control import STOP, Control
 from memckpt.coordinator import COORDINATOR_NAMESPACE, Coordinator, coordinator_name
 from memckpt.errors import ConfigError, MemckptError, PlacementError, RecoveryError
 from memckpt.faults import Fault, FaultInjector, kill_node, send_signal
-from memckpt.recovery import RecoveryPlan, plan_recovery
+from memckpt.recovery import (RecoveryPlan, plan_from_persisted, plan_from_scratch,
+                              plan_recovery)
 from memckpt.store import ReplicaStore
 from memckpt.worker import RestoreInstruction, Worker, WorkerSpec
 
 log = logging.getLogger("memckpt")
 POLL_S = 0.1
-GRACE_S = 3.0  # how long survivors get to notice a failure and return before being killed
+STOP_PERSIST_TIMEOUT_S = 300.0  # stop anyway if persisting for a stop takes longer
+GRACE_S = 3.0
+STARTUP_TIMEOUT_S = 120.0  # a rank silent this long before its first step is hung  # how long survivors get to notice a failure and return before being killed
 
 
 def _affinity(node_id: str):
@@ -83,6 +88,8 @@ class Runtime:
         self.spares: dict[str, Any] = {}  # node -> idle warm worker
         self.events: list[dict[str, Any]] = []
         self._last_print = 0.0
+        self.control = Control(config.stop_file)
+        self._stop: Optional[tuple[int, str, float]] = None  # (step, action, requested at)
 
     # -- set-up ---------------------------------------------------------------------------------
     def _say(self, msg: str) -> None:
@@ -120,7 +127,8 @@ class Runtime:
             name=coordinator_name(cfg.job_name), namespace=COORDINATOR_NAMESPACE, num_cpus=0,
             max_restarts=-1, max_task_retries=-1,
             scheduling_strategy=_affinity(here),
-        ).remote(cfg.job_name, str(self.run_dir), cfg.workers.num_workers)
+        ).remote(cfg.job_name, str(self.run_dir), cfg.workers.num_workers, cfg.persistence,
+                  cfg.fingerprint())
 
     def initial_layout(self) -> tuple[dict[int, str], dict[int, tuple[str, ...]], dict[str, int]]:
         cfg = self.config
@@ -156,14 +164,18 @@ class Runtime:
         self._ensure_stores(list(capacity))
         self.ray.get([s.clear.remote() for s in self.stores.values()])  # a fresh job
         self.ray.get([s.ping.remote() for s in self.stores.values()])
-        gen, restarts, committed = 0, 0, None
-        restore: dict[int, RestoreInstruction] = {}
+        gen, restarts = 0, 0
         self._event("job_started", world_size=cfg.workers.num_workers,
                     assignment=assignment, holders=holders, fingerprint=cfg.fingerprint())
+        committed, restore = self._auto_resume(assignment)
+        self._install_signal_handlers()
         try:
             while True:
                 g = self._start_generation(gen, assignment, holders, restore, committed)
-                failure = self._monitor(g)
+                try:
+                    failure = self._monitor(g)
+                except _Stopped as stop:
+                    return self._finish(g, t_start, stopped_at=stop.step)
                 if failure is None:
                     return self._finish(g, t_start)
                 restarts += 1
@@ -171,15 +183,49 @@ class Runtime:
                     raise RecoveryError(
                         f"gave up after {cfg.failure.max_restarts} recoveries (failure.max_restarts); "
                         f"last failure: {failure['what']}")
-                plan = self._recover(g, failure, assignment, holders, capacity)
+                plan, persisted = self._recover(g, failure, assignment, holders, capacity)
                 assignment, holders, committed = plan.assignment, plan.holders, plan.step
-                restore = {r: RestoreInstruction(plan.step, plan.sources[r]) for r in assignment}
+                if persisted:
+                    restore = self._persisted_instructions(persisted, assignment)
+                else:
+                    restore = {r: RestoreInstruction(plan.step, plan.sources[r])
+                               for r in assignment if plan.sources[r]}
                 gen += 1
         except BaseException as e:
             self._event("job_failed", error=str(e))
             raise
         finally:
             self._teardown()
+
+    def _persisted(self, why: str) -> Optional[tuple[int, Any]]:
+        """The newest verified persisted checkpoint for this world size, events for the rest."""
+        if not self.config.persistence:
+            return None
+        from memckpt.persist import CheckpointStore
+        from memckpt.persister import persisted_restore
+        stores = [CheckpointStore(t) for t in self.config.persistence]
+        tier, manifest, reasons = persisted_restore(stores, self.config.workers.num_workers)
+        for reason in reasons:
+            self._say(f"skipping persisted checkpoint: {reason}")
+            self._event("checkpoint_skipped", reason=reason, why=why)
+        return None if manifest is None else (tier, manifest)
+
+    def _persisted_instructions(self, found: tuple[int, Any],
+                                ranks) -> dict[int, RestoreInstruction]:
+        tier, manifest = found
+        return {r: RestoreInstruction(manifest.step, ("persist",), tier, manifest.to_json())
+                for r in ranks}
+
+    def _auto_resume(self, assignment: dict[int, str]
+                     ) -> tuple[Optional[int], dict[int, RestoreInstruction]]:
+        """A new job on the roots of an earlier one resumes from its newest valid checkpoint."""
+        found = self._persisted("auto-resume")
+        if found is None:
+            return None, {}
+        tier, manifest = found
+        self._say(f"auto-resume: step {manifest.step} from {self.config.persistence[tier].uri}")
+        self._event("auto_resume", step=manifest.step, tier=self.config.persistence[tier].uri)
+        return manifest.step, self._persisted_instructions(found, assignment)
 
     def _start_generation(self, gen: int, assignment: dict[int, str],
                           holders: dict[int, tuple[str, ...]],
@@ -249,12 +295,14 @@ class Runtime:
             self._progress_and_faults(g)
             if now - last_hung_check > cfg.failure.heartbeat_interval_s:
                 last_hung_check = now
-                hung = ray.get(self.coordinator.hung.remote(cfg.failure.heartbeat_timeout_s))
+                hung = ray.get(self.coordinator.hung.remote(
+                    cfg.failure.heartbeat_timeout_s,
+                    max(STARTUP_TIMEOUT_S, cfg.failure.heartbeat_timeout_s)))
                 hung = [r for r in hung if r not in g.results]
                 if hung:
                     return self._failure(g, f"rank(s) {hung} stopped heart-beating (hung)",
                                          died=set(hung), hung=set(hung))
-            if errors and now - first_error_at > 0.5:
+            if errors and now - first_error_at > 0.5 and self._stopped_step(g) is None:
                 dead = self._unresponsive(g, [r for r in pending.values()])
                 if dead:
                     return self._failure(g, f"rank(s) {sorted(dead)} unreachable", died=dead)
@@ -265,7 +313,19 @@ class Runtime:
                 if _is_peer_failure(cause):
                     return self._failure(g, f"rank {rank} lost a peer: {cause}", died=set())
                 raise cause
+            if self._stopped_step(g) is not None and (pending or errors):
+                # a rank stopped after persisting the requested step; the others follow
+                # at their next step or fail in a collective with it: both are expected
+                ray.wait(list(pending), num_returns=len(pending), timeout=GRACE_S)
+                raise _Stopped(self._stopped_step(g))
+        if self._stopped_step(g) is not None:
+            raise _Stopped(self._stopped_step(g))
         return None
+
+    @staticmethod
+    def _stopped_step(g: Generation) -> Optional[int]:
+        steps = [r["stopped"] for r in g.results.values() if r.get("stopped") is not None]
+        return max(steps) if steps else None
 
     def _unresponsive(self, g: Generation, ranks: list[int]) -> set[int]:
         ray = self.ray
@@ -290,8 +350,40 @@ class Runtime:
         return {"what": what, "died": sorted(died), "hung": sorted(hung), "detected_at": t,
                 "fault_at": fault_time}
 
+    def _check_stop(self, committed: Optional[int]) -> None:
+        """Stop file / SIGTERM: every rank persists the same committed step (chosen by the
+        coordinator at commit time), then the job stops (or, for -N, goes on)."""
+        cfg = self.config
+        if self._stop is None:
+            request = self.control.requested()
+            if request is None:
+                return
+            at, action = request
+            at = max(at, (committed or 0) + 1) if action == STOP and at == 0 else at
+            self._stop = (at, action, time.time())
+            self._say(f"{'stop' if action == STOP else 'persist'} requested: persisting the "
+                      f"first step committed at or after {at}")
+            self.ray.get(self.coordinator.request_stop.remote(at, action))
+        at, action, since = self._stop
+        state = self.ray.get(self.coordinator.stop_state.remote())
+        step = state["step"] if state else None
+        if step is None:
+            return
+        persisted = self.ray.get(self.coordinator.persisted.remote())
+        done = all(persisted.get(str(t), -1) >= step for t in range(len(cfg.persistence)))
+        if not done and time.time() - since < STOP_PERSIST_TIMEOUT_S:
+            return
+        if not done:
+            self._event("persist_timeout", step=step)
+        self._stop = None
+        self.ray.get(self.coordinator.clear_stop.remote())
+        if action == STOP:
+            raise _Stopped(step)
+        self._say(f"persisted step {step}; training goes on")
+
     def _progress_and_faults(self, g: Generation) -> None:
         prog = self.ray.get(self.coordinator.progress.remote())
+        self._check_stop(prog["committed"])
         step = prog["max_step"]
         now = time.time()
         if self.recoveries and "resume" not in self.recoveries[-1]["phases_s"] \
@@ -332,7 +424,8 @@ class Runtime:
 
     # -- recovery -------------------------------------------------------------------------------
     def _recover(self, g: Generation, failure: dict[str, Any], assignment: dict[int, str],
-                 holders: dict[int, tuple[str, ...]], capacity: dict[str, int]) -> RecoveryPlan:
+                 holders: dict[int, tuple[str, ...]], capacity: dict[str, int]
+                 ) -> tuple[RecoveryPlan, Optional[tuple[int, Any]]]:
         ray, cfg = self.ray, self.config
         t0 = time.time()
         for rank in failure["hung"]:  # a stopped process ignores polite kills
@@ -363,17 +456,37 @@ class Runtime:
         self._ensure_stores(list(cap))
         inventory = self._inventory(list(cap))
         committed = ray.get(self.coordinator.committed.remote())
-        plan = plan_recovery(assignment, holders, list(cap), cap, inventory, cfg.placement.replicas,
-                             committed)
+        persisted = None
+        try:
+            plan = plan_recovery(assignment, holders, list(cap), cap, inventory,
+                                 cfg.placement.replicas, committed)
+        except RecoveryError as lost:
+            persisted = self._persisted("RAM copies lost")
+            if persisted is None and committed is None and not any(inventory.values()):
+                # nothing was ever snapshotted: start over from scratch
+                plan = plan_from_scratch(assignment, holders, list(cap), cap,
+                                         cfg.placement.replicas)
+                return self._record_plan(g, failure, plan, t0, t_killed, cap), None
+            if persisted is None:
+                raise
+            plan = plan_from_persisted(assignment, holders, list(cap), cap, cfg.placement.replicas,
+                                       persisted[1].step, str(lost))
+            self._say(f"{lost}; falling back to persisted step {plan.step}")
+            self._event("fallback_to_persisted", step=plan.step, reason=str(lost),
+                        tier=cfg.persistence[persisted[0]].uri)
+        return self._record_plan(g, failure, plan, t0, t_killed, cap), persisted
+
+    def _record_plan(self, g: Generation, failure: dict[str, Any], plan: RecoveryPlan, t0: float,
+                     t_killed: float, cap: dict[str, int]) -> RecoveryPlan:
+        ray = self.ray
         ray.get([self.stores[n].discard_after.remote(plan.step) for n in cap])
         ray.get([self.stores[n].set_generation.remote(g.gen + 1) for n in cap])
         t_plan = time.time()
         record = {
             "what": failure["what"], "died_ranks": failure["died"],
-            "dead_nodes": sorted(set(assignment.values()) - set(alive)),
+            "dead_nodes": sorted(set(self.worker_nodes.values()) - set(cap)),
             "resumed_step": plan.step, "moved_ranks": list(plan.moved),
-            "sources": {str(r): ("local" if s and s[0] == plan.assignment[r] else f"peer:{s[0][:12]}")
-                        for r, s in plan.sources.items()},
+            "sources": {str(r): _source_label(s, plan.assignment[r]) for r, s in plan.sources.items()},
             "notes": list(plan.notes), "gen": g.gen + 1, "fault_at": failure["fault_at"],
             "detected_at": failure["detected_at"],
             "phases_s": {"detect": (failure["detected_at"] - failure["fault_at"])
@@ -415,10 +528,19 @@ class Runtime:
         return out
 
     # -- the end --------------------------------------------------------------------------------
-    def _finish(self, g: Generation, t_start: float) -> dict[str, Any]:
+    def _install_signal_handlers(self) -> None:
+        try:
+            self.control.install_signal_handlers()
+        except ValueError:  # not the main thread: the caller handles signals
+            pass
+
+    def _finish(self, g: Generation, t_start: float,
+                stopped_at: Optional[int] = None) -> dict[str, Any]:
         prog = self.ray.get(self.coordinator.progress.remote())
         results = [g.results[r] for r in sorted(g.results)]
-        digest = hashlib.sha256("".join(r["digest"] or "" for r in results).encode()).hexdigest()
+        digest = None
+        if stopped_at is None and len(results) == len(g.workers):
+            digest = hashlib.sha256("".join(r["digest"] or "" for r in results).encode()).hexdigest()
         all_losses = self.ray.get(self.coordinator.all_losses.remote())
         losses = [v for _, v in sorted((int(k), v) for k, v in all_losses.items())]
         for rec in self.recoveries:
@@ -430,7 +552,13 @@ class Runtime:
             "rank_digests": [r["digest"] for r in results], "recoveries": self.recoveries,
             "faults": self.injector.fired, "results": [r["result"] for r in results],
             "committed": prog["committed"], "seconds": time.time() - t_start,
+            "stopped_at": stopped_at,
+            "persisted": self.ray.get(self.coordinator.persisted.remote()),
         }
+        if stopped_at is not None or self.control.signalled.is_set():
+            self._event("job_stopped", step=stopped_at)
+            self._say(f"stopped cleanly after persisting step {stopped_at}")
+            return summary
         self._event("job_finished", final_digest=digest, recoveries=len(self.recoveries))
         self._say(f"finished: {len(losses)} steps, {len(self.recoveries)} recoveries, "
                   f"final digest {digest[:16]}")
@@ -438,6 +566,12 @@ class Runtime:
 
     def _teardown(self) -> None:
         ray = self.ray
+        # A dead node's RAM folder only exists on that node; where nodes share a machine
+        # (a simulated cluster) free it here, since no store is left to do it.
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        job_root = resolve_ram_root(self.config.ram_root) / self.config.job_name
+        for node in set(self.stores) - alive:
+            remove_path(job_root / node)
         for w in list(self.workers.values()) + list(self.spares.values()):
             ray.kill(w, no_restart=True)
         for s in list(self.stores.values()):
@@ -451,6 +585,22 @@ class Runtime:
         except Exception:
             pass
         ray.kill(self.coordinator, no_restart=True)
+
+
+class _Stopped(Exception):
+    """The stop file or a signal asked the job to end after persisting ``step``."""
+
+    def __init__(self, step: Optional[int]) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+def _source_label(sources: tuple[str, ...], node: str) -> str:
+    if not sources:
+        return "scratch"
+    if sources == ("persist",):
+        return "persisted"
+    return "local" if sources and sources[0] == node else f"peer:{sources[0][:12]}"
 
 
 def _is_peer_failure(err: BaseException) -> bool:

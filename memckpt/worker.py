@@ -34,7 +34,9 @@ from memckpt.checkpointer import Checkpointer
 from memckpt.config import Config
 from memckpt.digest import state_digest
 from memckpt.errors import MemckptError, NoSnapshotError
+from memckpt.control import STOP
 from memckpt.faults import SIGNALS
+from memckpt.persister import Persister
 from memckpt.state import TrainState
 from memckpt.store import own_dir, scan
 
@@ -45,7 +47,9 @@ WINDOW = 4  # chunks in flight per holder
 @dataclass(frozen=True)
 class RestoreInstruction:
     step: int
-    sources: tuple[str, ...]  # node ids holding the shard, best first
+    sources: tuple[str, ...]  # node ids holding the shard, best first; or ("persist",)
+    tier: Optional[int] = None  # with ("persist",): the tier index and its manifest (JSON)
+    manifest: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class Replicator:
         self.bytes_sent = 0
         self.last_seconds = 0.0
         self.cancelled = False
+        self.on_committed: Optional[Callable[[int, Optional[str]], None]] = None
         self._thread = threading.Thread(target=self._loop, name="memckpt-replicator", daemon=True)
         self._thread.start()
 
@@ -85,6 +90,19 @@ class Replicator:
             except BaseException as e:  # surfaced on the training thread at the next step
                 self.error = e
                 return
+            finally:
+                self.queue.task_done()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued snapshot is replicated and committed."""
+        deadline = time.time() + timeout_s
+        while self.queue.unfinished_tasks and self.error is None:
+            if time.time() > deadline:
+                return False
+            time.sleep(0.01)
+        if self.error is not None:
+            raise self.error
+        return True
 
     def _replicate(self, ray, step: int) -> None:
         spec = self.spec
@@ -94,11 +112,15 @@ class Replicator:
             for node in spec.holders:
                 self._send(ray, spec.stores[node], step, raw, digest)
         self.last_seconds = time.perf_counter() - t0
-        committed = ray.get(spec.coordinator.shard_ready.remote(
+        committed, persist, action = ray.get(spec.coordinator.shard_ready.remote(
             spec.rank, spec.gen, step, list(spec.holders)))
         while committed is None or committed < step:
-            committed = ray.get(spec.coordinator.wait_commit.remote(spec.gen, step, 5.0))
+            committed, persist, action = ray.get(
+                spec.coordinator.wait_commit.remote(spec.gen, step, 5.0))
         self.ckpt.engine.set_committed(step)
+        if self.on_committed is not None:
+            # Called before the next step can commit, so this step's slot is still in RAM.
+            self.on_committed(step, action if persist == step else None)
 
     def _send(self, ray, store, step: int, raw: np.ndarray, digest: str) -> None:
         rank = self.spec.rank
@@ -128,6 +150,15 @@ class Replicator:
         self.queue.put(None)
 
 
+class StopTraining(BaseException):
+    """Raised from ``ctx.step`` once a requested stop step is persisted: the run ends
+    cleanly. A BaseException, so a training loop's ``except Exception`` lets it pass."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+
 class WorkerContext:
     """What a training function sees: its rank, restore, and the per-step call."""
 
@@ -142,14 +173,48 @@ class WorkerContext:
         self._ram_root = ram_root
         self.ckpt = Checkpointer(cfg, spec.rank, spec.world_size,
                                  directory=own_dir(ram_root, cfg.job_name, node_id),
-                                 gated=True, on_sealed=self._sealed)
+                                 gated=True, on_sealed=self._sealed, persist=False)
         self.replicator = Replicator(spec, self.ckpt)
+        self.persister: Optional[Persister] = None
+        self.stop_after: Optional[int] = None  # set once a requested stop step is persisted
+        if cfg.persistence:
+            self.persister = self._make_persister()
+        self.replicator.on_committed = self._committed
         self.last_step = -1
         self._state: Optional[TrainState] = None
         self.restore_seconds: dict[str, float] = {}
 
     def _sealed(self, step: int, _path: Path) -> None:
         self.replicator.queue.put(step)
+
+    # -- persistence (committed steps -> disk / S3, in the background) -----------------------
+    def _make_persister(self) -> Persister:
+        import ray
+        coord, rank = self.spec.coordinator, self.rank
+        return Persister(
+            self.config.persistence, rank,
+            reader=lambda step: self.ckpt.engine.reading(step, verify=False),
+            staging=self.ckpt.directory / "staging.bin",
+            folder_for=lambda tier, step: ray.get(coord.persist_folder.remote(tier, step)),
+            on_written=lambda tier, step, entry: ray.get(
+                coord.persist_ready.remote(tier, step, rank, entry)),
+            on_event=lambda kind, **f: coord.log_event.remote(kind, dict(f, rank=rank)))
+
+    def _committed(self, step: int, request: Optional[str]) -> None:
+        """A step committed; ``request`` is "stop"/"persist" when the driver asked every
+        rank to persist exactly this step (stop file, SIGTERM)."""
+        tiers = self.persister.due(step) if self.persister is not None else ()
+        if request is not None and self.persister is not None:
+            tiers = range(len(self.persister.tiers))
+        if tiers:
+            # Stage the copy here, while the step's slot is protected; a requested
+            # persist waits for an upload in progress to free the staging buffer, a
+            # scheduled one is skipped instead.
+            self.persister.submit(step, tiers, stage_now=True, wait=request is not None)
+        if request == STOP:
+            if self.persister is not None:
+                self.persister.flush(600.0)
+            self.stop_after = step
 
     # -- restore ------------------------------------------------------------------------------
     def restore(self, state: TrainState) -> int:
@@ -171,6 +236,8 @@ class WorkerContext:
     def _load(self, state: TrainState, instr: RestoreInstruction) -> int:
         import ray
         errors = []
+        if instr.sources == ("persist",):
+            return self._load_persisted(state, instr)
         for node in instr.sources:
             try:
                 if node == self.node_id:  # same node: read the shm file, no network
@@ -192,6 +259,15 @@ class WorkerContext:
         raise NoSnapshotError(f"rank {self.rank}: no source could provide step {instr.step}: "
                               + "; ".join(errors))
 
+    def _load_persisted(self, state: TrainState, instr: RestoreInstruction) -> int:
+        from memckpt.persist import CheckpointStore, Manifest
+        store = CheckpointStore(self.config.persistence[instr.tier])
+        manifest = Manifest.from_json(instr.manifest, store.describe())
+        region = store.read_shard(manifest, self.rank)  # verified
+        source = f"{store.describe()}@{manifest.step}"
+        self.restore_source = source
+        return self.ckpt.load_shard(state, fmt.open_shard(region, source), source)
+
     def _local_path(self, step: int) -> Path:
         node_root = own_dir(self._ram_root, self.config.job_name, self.node_id).parent
         for sub in ("own", "replicas"):
@@ -205,6 +281,8 @@ class WorkerContext:
         """Call after finishing ``step``: snapshot when due and report ``metrics``."""
         if self.replicator.error is not None:
             raise self.replicator.error
+        if self.stop_after is not None:
+            raise StopTraining(self.stop_after)
         self._maybe_fault(step)
         t0 = time.perf_counter()
         self._snapshot(state, step)
@@ -241,8 +319,18 @@ class WorkerContext:
     def digest(self) -> Optional[str]:
         return state_digest(self._state) if self._state is not None else None
 
+    def finish(self, timeout_s: float = 600.0) -> None:
+        """The function returned: commit the last snapshot everywhere and persist it if due."""
+        self.ckpt.wait()
+        self.replicator.drain(timeout_s)
+        if self.persister is not None:
+            self.persister.flush(timeout_s)
+
     def close(self) -> None:
         self.replicator.close()
+        if self.persister is not None:
+            self.persister.flush(60.0)
+            self.persister.close()
         self.ckpt.close()
 
 
@@ -311,8 +399,12 @@ class Worker:
                                         timeout=datetime.timedelta(
                                             seconds=spec.config.failure.collective_timeout_s))
             self.ctx = WorkerContext(spec, self.node_id)
-            result = train_fn(self.ctx)
-            self.ctx.ckpt.wait()
+            try:
+                result = train_fn(self.ctx)
+            except StopTraining as stop:
+                return {"rank": spec.rank, "digest": None, "result": None, "stopped": stop.step,
+                        "restore": self.ctx.restore_seconds, "source": None}
+            self.ctx.finish()
             return {"rank": spec.rank, "digest": self.ctx.digest(), "result": result,
                     "restore": self.ctx.restore_seconds,
                     "source": getattr(self.ctx, "restore_source", None)}

@@ -15,7 +15,7 @@ import argparse
 
 from memckpt.demo.local import DEFAULT_SIZE, DEFAULT_STEPS, default_kill_at, run_local
 
-FAULTS = ("worker", "node", "store", "coordinator", "none")  # memckpt.demo.ray_demo.FAULTS
+FAULTS = ("worker", "node", "store", "coordinator", "cluster", "none")
 RAY_STEPS = 30
 
 SIZES = ("tiny", "mini", "small")  # memckpt.demo.model.PRESETS, without importing torch here
@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fault", choices=FAULTS, default="worker",
                         help="multi-node demo: what to kill mid-run (default worker; none is "
                              "the uninterrupted reference run)")
+    parser.add_argument("--s3", metavar="URI",
+                        help="with --fault cluster: also persist to this s3://bucket/prefix "
+                             "(endpoint and credentials from the AWS environment)")
     parser.add_argument("--no-compare", dest="compare", action="store_false",
                         help="multi-node demo: skip the uninterrupted reference run")
     parser.add_argument("--steps", type=_positive_int, default=None, metavar="N",
@@ -66,6 +69,15 @@ def _validate(args: argparse.Namespace) -> None:
     if args.kill_at is not None and not 1 <= args.kill_at <= args.steps - 1:
         parser.error(f"argument --kill-at: {args.kill_at} is out of range: kill between step 1 "
                      f"and step {args.steps - 1} (--steps is {args.steps})")
+    if args.s3 and (args.local or args.fault != "cluster"):
+        parser.error("argument --s3: only with --fault cluster")
+    if args.s3:
+        from memckpt.config import PersistTier
+        from memckpt.errors import ConfigError
+        try:
+            PersistTier(args.s3)
+        except ConfigError as e:
+            parser.error(f"argument --s3: {e}")
     if args.tiny and args.size not in (None, "tiny"):
         parser.error(f"argument --tiny: not allowed with --size {args.size}")
 
@@ -79,7 +91,8 @@ def _run_ray(args: argparse.Namespace) -> int:
     from memckpt.demo.ray_demo import run_ray_demo
     size = "tiny" if args.tiny else (args.size or "mini")
     return run_ray_demo(fault=args.fault, steps=args.steps, kill_at=args.kill_at, size=size,
-                        summary=args.summary, compare=args.compare, seed=args.seed)
+                        summary=args.summary, compare=args.compare, seed=args.seed,
+                        s3=args.s3)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -15,13 +15,13 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from memckpt.demo.cli import FAULTS  # noqa: F401 (one list of faults)
 
 
-def demo_config(job_name: str, nodes: int = 3, replicas: int = 1):
+def demo_config(job_name: str, nodes: int = 3, replicas: int = 1, persist: tuple = ()):
     import memckpt
     return memckpt.Config(
         job_name=job_name,
+        persistence=tuple(memckpt.PersistTier(uri, every=5, keep_last=2) for uri in persist),
         workers=memckpt.WorkersConfig(num_workers=nodes, workers_per_node=1, cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=replicas),
         snapshot_every=1,
@@ -44,9 +44,29 @@ def injector_for(fault: str, kill_at: int, cluster) -> "Any":
     return inj
 
 
+def _whole_cluster_drill(job, kill_at: int, run_root: Path, s3: Optional[str]) -> dict:
+    """Persist to a folder (and S3), lose every node mid-run, resume on a new cluster."""
+    import memckpt
+    from memckpt.faults import FaultInjector
+    from memckpt.localcluster import local_cluster
+
+    tiers = (str(run_root / "persisted"),) + ((s3,) if s3 else ())
+    with local_cluster(nodes=3) as cluster:
+        inj = FaultInjector(node_killer=lambda _: [cluster.remove_node(n) for n in list(cluster.nodes)])
+        inj.kill_node(rank=0, at_step=kill_at)
+        try:
+            memckpt.run(job, demo_config("demo", persist=tiers), run_dir=run_root / "lost",
+                        injector=inj)
+        except memckpt.MemckptError as e:
+            print(f"whole cluster lost at step {kill_at}: {e}", flush=True)
+    print("starting a new cluster; the job resumes from the persisted tier", flush=True)
+    with local_cluster(nodes=3):
+        return memckpt.run(job, demo_config("demo", persist=tiers), run_dir=run_root / "resumed")
+
+
 def run_ray_demo(fault: str = "worker", steps: int = 30, kill_at: Optional[int] = None,
                  size: str = "mini", summary: Optional[str] = None, compare: bool = True,
-                 seed: int = 0) -> int:
+                 seed: int = 0, s3: Optional[str] = None) -> int:
     import memckpt
     from memckpt.demo.job import GPTJob
     from memckpt.localcluster import local_cluster
@@ -61,9 +81,12 @@ def run_ray_demo(fault: str = "worker", steps: int = 30, kill_at: Optional[int] 
           f"{steps} steps, snapshot every step, ring placement (1 replica on the next node); "
           f"fault: {fault}" + (f" at step {kill_at}" if fault != "none" else ""), flush=True)
     try:
+        if fault == "cluster":
+            result = _whole_cluster_drill(job, kill_at, run_root, s3)
         with local_cluster(nodes=3) as cluster:
-            result = memckpt.run(job, demo_config("demo"), run_dir=run_root / "faulted",
-                                 injector=injector_for(fault, kill_at, cluster))
+            if fault != "cluster":
+                result = memckpt.run(job, demo_config("demo"), run_dir=run_root / "faulted",
+                                     injector=injector_for(fault, kill_at, cluster))
             for rec in result["recoveries"]:
                 ph = rec["phases_s"]
                 print(f"recovered from '{rec['what']}': resumed at step {rec['resumed_step']}, "

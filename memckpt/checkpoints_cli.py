@@ -1,0 +1,77 @@
+"""``memckpt ls ROOT`` and ``memckpt export ROOT --step N --weights-only OUT``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from memckpt.errors import ConfigError, NoSnapshotError
+
+
+def _store(root: str):
+    from memckpt.config import PersistTier
+    from memckpt.persist import CheckpointStore
+    try:
+        return CheckpointStore(PersistTier(root))
+    except ConfigError as e:
+        raise ConfigError(f"ROOT {e.message}") from None
+
+
+def add_ls_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("root", metavar="ROOT", help="a persistence root: a directory or s3://bucket/prefix")
+    parser.add_argument("--verify", action="store_true",
+                        help="also read every shard and check its checksums (slower)")
+    parser.add_argument("--json", action="store_true", help="print JSON rows")
+
+
+def ls_main(args: argparse.Namespace) -> int:
+    store = _store(args.root)
+    rows = []
+    for info in store.list_checkpoints():
+        status, reason = ("complete" if info.complete else "incomplete"), info.reason
+        if info.complete and args.verify:
+            problem = store.check(info.manifest)
+            status, reason = ("corrupt", problem) if problem else ("verified", None)
+        rows.append({"step": info.step, "folder": info.folder, "bytes": info.bytes,
+                     "status": status, "reason": reason})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"no checkpoints under {store.describe()}")
+        return 0
+    print(f"{'step':>10}  {'size':>10}  status      folder")
+    for r in rows:
+        size = f"{r['bytes'] / 2**20:.1f} MiB"
+        print(f"{str(r['step']):>10}  {size:>10}  {r['status']:<10}  {r['folder']}"
+              + (f"  ({r['reason']})" if r["reason"] else ""))
+    return 0
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("root", metavar="ROOT", help="a persistence root: a directory or s3://bucket/prefix")
+    parser.add_argument("--step", type=int, help="the step to export (default: the newest valid)")
+    parser.add_argument("--weights-only", metavar="OUT", required=True,
+                        help="write the model's parameters here (.safetensors or .pt)")
+    parser.add_argument("--model", help="with several models in the state, which one")
+
+
+def export_main(args: argparse.Namespace) -> int:
+    from memckpt.persist import export_weights
+    store = _store(args.root)
+    if args.step is None:
+        manifest, reasons = store.latest_valid()
+        if manifest is None:
+            raise NoSnapshotError(f"no valid checkpoint under {store.describe()}: "
+                                  + ("; ".join(reasons) or "it is empty"))
+    else:
+        infos = [i for i in store.list_checkpoints() if i.step == args.step and i.complete]
+        if not infos:
+            steps = [i.step for i in store.list_checkpoints() if i.complete]
+            raise NoSnapshotError(f"no complete checkpoint of step {args.step} under "
+                                  f"{store.describe()}; complete steps: {steps}")
+        manifest = infos[0].manifest
+    fmt = "pt" if args.weights_only.endswith((".pt", ".pth", ".bin")) else "safetensors"
+    keys = export_weights(manifest, args.weights_only, fmt=fmt, store=store, model=args.model)
+    print(f"exported {len(keys)} tensors of step {manifest.step} to {args.weights_only} ({fmt})")
+    return 0

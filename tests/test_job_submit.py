@@ -1,0 +1,147 @@
+"""End to end as a user runs it: a real head with its dashboard on loopback (held by
+``python -m memckpt.localcluster`` in its own process), jobs submitted with
+``ray job submit``, drills from other processes with ``memckpt status`` / ``kill``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.timeout(900)]
+
+JOB_PY = """from memckpt.demo.job import GPTJob
+train = GPTJob(steps={steps}, size="tiny", seed=3, step_delay_s={delay})
+"""
+CONFIG_PY = """import memckpt
+config = memckpt.Config(
+    job_name={name!r},
+    workers=memckpt.WorkersConfig(num_workers=3, cpus_per_worker=1),
+    placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
+    failure=memckpt.FailurePolicy(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+                                  max_restarts={max_restarts}, collective_timeout_s=30.0),
+    chaos={chaos},
+)
+"""
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    d = tmp_path_factory.mktemp("head")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    log = open(d / "cluster.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "memckpt.localcluster", "--nodes", "3",
+                             "--ready-file", str(d / "ready.json")], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while not (d / "ready.json").exists():
+        assert proc.poll() is None, (d / "cluster.log").read_text()[-3000:]
+        assert time.time() < deadline, "local cluster did not come up"
+        time.sleep(0.2)
+    info = json.loads((d / "ready.json").read_text())
+    info["env"] = env
+    while True:  # the head's job agent comes up after the cluster: wait for a trivial job
+        ping = subprocess.run(["ray", "job", "submit", "--address", info["dashboard_url"], "--",
+                               "python", "-c", "print('ready')"], env=env, capture_output=True,
+                              text=True, timeout=120)
+        if ping.returncode == 0:
+            break
+        assert time.time() < deadline, ping.stdout[-2000:] + ping.stderr[-2000:]
+        time.sleep(2)
+    yield info
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    log.close()
+
+
+def job_dir(tmp_path: Path, name: str, steps: int = 12, delay: float = 0.0, chaos: str = "()",
+            max_restarts: int = 3) -> Path:
+    wd = tmp_path / name
+    wd.mkdir()
+    (wd / "job.py").write_text(JOB_PY.format(steps=steps, delay=delay))
+    (wd / "config.py").write_text(CONFIG_PY.format(name=name, chaos=chaos,
+                                                   max_restarts=max_restarts))
+    return wd
+
+
+def submit(head, wd: Path, summary: Path, wait: bool = True) -> subprocess.CompletedProcess:
+    cmd = ["ray", "job", "submit", "--address", head["dashboard_url"], "--working-dir", str(wd)]
+    if not wait:
+        cmd.append("--no-wait")
+    cmd += ["--", "memckpt", "run", "job.py:train", "--config", "config.py",
+            "--summary", str(summary), "--run-dir", str(summary.with_suffix(".run"))]
+    return subprocess.run(cmd, env=head["env"], capture_output=True, text=True, timeout=600)
+
+
+def job_status(head, job_id: str) -> str:
+    res = subprocess.run(["ray", "job", "status", "--address", head["dashboard_url"], job_id],
+                         env=head["env"], capture_output=True, text=True, timeout=60)
+    out = res.stdout + res.stderr
+    for state in ("SUCCEEDED", "FAILED", "STOPPED", "RUNNING", "PENDING"):
+        if state.lower() in out.lower():
+            return state
+    return out
+
+
+def test_submitted_job_recovers_and_matches_reference(head, tmp_path):
+    ref = submit(head, job_dir(tmp_path, "ref"), tmp_path / "ref.json")
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    chaos = "(memckpt.ChaosEvent(step=6, target='worker', rank=1, signal='KILL'),)"
+    drill = submit(head, job_dir(tmp_path, "drill", chaos=chaos), tmp_path / "drill.json")
+    assert drill.returncode == 0, drill.stdout[-3000:] + drill.stderr[-3000:]
+    assert "succeeded" in (drill.stdout + drill.stderr).lower()
+    assert "failure detected" in drill.stdout  # the job's logs stream to the submitter
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("ref.json", "drill.json"))
+    assert len(b["recoveries"]) == 1 and b["recoveries"][0]["died_ranks"] == [1]
+    assert b["losses"] == a["losses"] and b["final_digest"] == a["final_digest"]
+
+
+def test_impossible_recovery_fails_the_job_with_the_reason(head, tmp_path):
+    chaos = "(memckpt.ChaosEvent(step=4, target='worker', rank=0, signal='KILL'),)"
+    res = submit(head, job_dir(tmp_path, "give-up", chaos=chaos, max_restarts=0),
+                 tmp_path / "s.json")
+    assert res.returncode != 0
+    assert "gave up after 0 recoveries" in res.stdout + res.stderr
+    assert "failure.max_restarts" in res.stdout + res.stderr
+
+
+def test_status_and_kill_from_another_terminal(head, tmp_path):
+    wd = job_dir(tmp_path, "drill-cli", steps=30, delay=0.3)
+    res = submit(head, wd, tmp_path / "cli.json", wait=False)
+    assert res.returncode == 0, res.stderr
+    job_id = re.search(r"raysubmit_[A-Za-z0-9]+", res.stdout + res.stderr).group(0)
+    memckpt = [sys.executable, "-m", "memckpt.cli"]
+    deadline = time.time() + 180
+    while True:  # wait until the job is training
+        st = subprocess.run(memckpt + ["status", "--job", "drill-cli", "--address",
+                                       head["address"], "--json"],
+                            env=head["env"], capture_output=True, text=True, timeout=60)
+        if st.returncode == 0 and json.loads(st.stdout)["committed"] not in (None, 0):
+            break
+        assert time.time() < deadline, st.stdout + st.stderr
+        time.sleep(1)
+    human = subprocess.run(memckpt + ["status", "--job", "drill-cli", "--address",
+                                      head["address"]], env=head["env"], capture_output=True,
+                           text=True, timeout=60)
+    assert "placement" in human.stdout and "rank 2" in human.stdout
+    kill = subprocess.run(memckpt + ["kill", "--worker", "2", "--job", "drill-cli", "--address",
+                                     head["address"]], env=head["env"], capture_output=True,
+                          text=True, timeout=60)
+    assert kill.returncode == 0 and "SIGKILL to rank 2" in kill.stdout, kill.stderr
+    while job_status(head, job_id) in ("RUNNING", "PENDING"):
+        assert time.time() < deadline + 300
+        time.sleep(2)
+    assert job_status(head, job_id) == "SUCCEEDED"
+    summary = json.loads((tmp_path / "cli.json").read_text())
+    assert [r["died_ranks"] for r in summary["recoveries"]] == [[2]]
+    bad = subprocess.run(memckpt + ["kill", "--worker", "9", "--job", "no-such-job",
+                                    "--address", head["address"]], env=head["env"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "no running memckpt job named 'no-such-job'" in bad.stderr
