@@ -70,7 +70,8 @@ class Checkpointer:
 
     def _sealed(self, step: int, path: Path) -> None:
         if self.persister is not None and not self.engine.gated:  # sealed == committed here
-            self.persister.submit(step, self.persister.due(step), stage_now=True)
+            self.persister.submit(step, self.persister.due(step), stage_now=True,
+                                  wait=self.config.failure.on_fall_behind == "wait")
         if self._on_sealed is not None:
             self._on_sealed(step, path)
 

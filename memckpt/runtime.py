@@ -542,13 +542,15 @@ class Runtime:
         if stopped_at is None and len(results) == len(g.workers):
             digest = hashlib.sha256("".join(r["digest"] or "" for r in results).encode()).hexdigest()
         all_losses = self.ray.get(self.coordinator.all_losses.remote())
-        losses = [v for _, v in sorted((int(k), v) for k, v in all_losses.items())]
+        by_step = sorted((int(k), v) for k, v in all_losses.items())
+        losses = [v for _, v in by_step]
         for rec in self.recoveries:
             fetch = [r["restore"].get("fetch_and_load_s", 0.0) for r in results if r.get("restore")]
             rec["phases_s"]["fetch_and_load_max"] = max(fetch, default=0.0)
         summary = {
             "job": self.config.job_name, "world_size": self.config.workers.num_workers,
-            "steps": len(losses), "losses": losses, "final_digest": digest,
+            "steps": len(losses), "first_step": by_step[0][0] if by_step else None,
+            "losses": losses, "final_digest": digest,
             "rank_digests": [r["digest"] for r in results], "recoveries": self.recoveries,
             "faults": self.injector.fired, "results": [r["result"] for r in results],
             "committed": prog["committed"], "seconds": time.time() - t_start,

@@ -207,10 +207,11 @@ class WorkerContext:
         if request is not None and self.persister is not None:
             tiers = range(len(self.persister.tiers))
         if tiers:
-            # Stage the copy here, while the step's slot is protected; a requested
-            # persist waits for an upload in progress to free the staging buffer, a
-            # scheduled one is skipped instead.
-            self.persister.submit(step, tiers, stage_now=True, wait=request is not None)
+            # Stage the copy here, while the step's slot is protected. If an upload still
+            # holds the staging buffer, a requested persist waits; a scheduled one follows
+            # failure.on_fall_behind (wait: hold the next commit; skip: skip this step).
+            wait = request is not None or self.config.failure.on_fall_behind == "wait"
+            self.persister.submit(step, tiers, stage_now=True, wait=wait)
         if request == STOP:
             if self.persister is not None:
                 self.persister.flush(600.0)

@@ -71,14 +71,16 @@ def test_lost_ram_copies_fall_back_to_persisted(full_cluster, reference, tmp_pat
         full_cluster.remove_node(holder)
 
     full_cluster.add_node()  # room for the displaced ranks: 2 survivors x 2 CPUs would do too
-    inj = FaultInjector(node_killer=kill_with_holder).kill_node(rank=1, at_step=7)
+    inj = FaultInjector(node_killer=kill_with_holder).kill_node(rank=1, at_step=11)
     run_dir = tmp_path / "run"
     result = memckpt.run(JOB, config("p-lost", tmp_path / "root"), run_dir=run_dir,
                          injector=inj, quiet=True)
     assert result["losses"] == reference["losses"]
     assert result["final_digest"] == reference["final_digest"]
     (rec,) = result["recoveries"]
-    assert rec["resumed_step"] == 6  # the newest persisted step before the failure
+    # the newest persisted step when the nodes died (every 2 steps): 6 is certain by then
+    # (the "wait" policy holds commits behind uploads), 8 or 10 may be complete too
+    assert rec["resumed_step"] in (6, 8, 10)
     assert set(rec["sources"].values()) == {"persisted"}
     kinds = [e["event"] for e in events(run_dir)]
     assert "fallback_to_persisted" in kinds
@@ -119,5 +121,6 @@ def test_whole_cluster_lost_then_new_job_auto_resumes(tmp_path, reference):
     finally:
         second.shutdown()
     assert "auto_resume" in [e["event"] for e in events(tmp_path / "second")]
-    assert result["losses"][8:] == reference["losses"][8:]  # steps 9..12 redone identically
+    assert result["first_step"] == 9
+    assert result["losses"] == reference["losses"][8:]  # steps 9..12 redone identically
     assert result["final_digest"] == reference["final_digest"]
