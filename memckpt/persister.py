@@ -60,6 +60,8 @@ class Persister:
         self._pending: Optional[_Job] = None
         self._busy = False
         self._closed = False
+        self._writing: Optional[int] = None  # the tier the thread is writing to
+        self._failing: set[int] = set()  # tiers whose last attempt failed (retryable)
         self.last_persisted: dict[int, int] = {}  # tier -> step
         self._thread = threading.Thread(target=self._loop, name="memckpt-persister", daemon=True)
         self._thread.start()
@@ -73,18 +75,24 @@ class Persister:
 
         ``stage_now`` copies the snapshot into the staging buffer on the calling thread
         (call it while the step's slot is guaranteed in RAM). If an upload still uses the
-        buffer, ``wait`` waits for it; otherwise this step is skipped and said so.
+        buffer, ``wait`` waits for it; otherwise this step is skipped and said so. An
+        upload to a tier that is failing (retrying with backoff) is never waited for nor
+        a reason to skip: this newer step supersedes it, and the thread stages it from
+        its slot (if still in RAM), so storage being down never holds the caller.
         """
         tiers = tuple(tiers)
         if not tiers:
             return False
         with self._cond:
-            if stage_now:
-                if self._busy and not wait:
+            if stage_now and self._busy:
+                if not wait and not self._stuck():
                     self.on_event("persist_skipped", step=step,
                                   reason="the previous step is still being written")
                     return False
-                self._cond.wait_for(lambda: not self._busy or self._closed)
+                self._cond.wait_for(lambda: not self._busy or self._stuck() or self._closed)
+                if self._busy:  # the upload in progress is failing: supersede it
+                    stage_now = False
+            if stage_now:
                 if self._pending is not None:
                     self.on_event("persist_superseded", step=self._pending.step, by=step)
                     self._pending = None
@@ -107,6 +115,10 @@ class Persister:
                 self._cond.wait(left)
         return True
 
+    def _stuck(self) -> bool:
+        """The upload in progress goes to a tier whose last attempt failed (under the lock)."""
+        return self._busy and self._writing in self._failing
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -127,7 +139,7 @@ class Persister:
                 self.on_event("persist_failed", step=job.step, error=str(e))
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._busy, self._writing = False, None
                     self._cond.notify_all()
 
     def _stage(self, step: int) -> Optional[memoryview]:
@@ -152,10 +164,14 @@ class Persister:
         for tier in job.tiers:
             store = self.stores[tier]
             delay = 1.0
+            with self._cond:
+                self._writing = tier
+                self._cond.notify_all()  # a waiting submit re-checks whether this tier fails
             while True:
                 t0 = time.perf_counter()
                 try:
                     if store.is_committed(job.step):
+                        self._healthy(tier)
                         break  # already persisted (e.g. again at shutdown)
                     entry = store.write_shard(job.step, self.rank, data, verify=False,
                                               folder=self.folder_for(tier, job.step), replace=True)
@@ -164,6 +180,7 @@ class Persister:
                     self.on_event("shard_persisted", step=job.step,
                                   tier=store.describe(), bytes=entry.size,
                                   seconds=time.perf_counter() - t0)
+                    self._healthy(tier)
                     break
                 except PersistError as e:
                     if not e.retryable:
@@ -173,11 +190,17 @@ class Persister:
                     self.on_event("persist_retry", step=job.step,
                                   tier=store.describe(), error=str(e), retry_in_s=delay)
                     with self._cond:  # a newer step supersedes this one
+                        self._failing.add(tier)
+                        self._cond.notify_all()  # a submit waiting for this upload stops waiting
                         self._cond.wait_for(lambda: self._pending is not None or self._closed,
                                             timeout=delay)
                         if self._pending is not None or self._closed:
                             return
                     delay = min(BACKOFF_MAX_S, delay * 2)
+
+    def _healthy(self, tier: int) -> None:
+        with self._cond:
+            self._failing.discard(tier)
 
     def describe(self) -> list[str]:
         return [s.describe() for s in self.stores]

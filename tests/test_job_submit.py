@@ -40,25 +40,31 @@ def head(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "memckpt.localcluster", "--nodes", "3",
                              "--ready-file", str(d / "ready.json")], env=env, stdout=log,
                             stderr=subprocess.STDOUT)
-    deadline = time.time() + 120
-    while not (d / "ready.json").exists():
-        assert proc.poll() is None, (d / "cluster.log").read_text()[-3000:]
-        assert time.time() < deadline, "local cluster did not come up"
-        time.sleep(0.2)
-    info = json.loads((d / "ready.json").read_text())
-    info["env"] = env
-    while True:  # the head's job agent comes up after the cluster: wait for a trivial job
-        ping = subprocess.run(["ray", "job", "submit", "--address", info["dashboard_url"], "--",
-                               "python", "-c", "print('ready')"], env=env, capture_output=True,
-                              text=True, timeout=120)
-        if ping.returncode == 0:
-            break
-        assert time.time() < deadline, ping.stdout[-2000:] + ping.stderr[-2000:]
-        time.sleep(2)
-    yield info
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
-    log.close()
+    try:
+        deadline = time.time() + 120
+        while not (d / "ready.json").exists():
+            assert proc.poll() is None, (d / "cluster.log").read_text()[-3000:]
+            assert time.time() < deadline, "local cluster did not come up"
+            time.sleep(0.2)
+        info = json.loads((d / "ready.json").read_text())
+        info["env"] = env
+        deadline = time.time() + 300  # on a loaded machine the job agent can take minutes
+        while True:  # the head's job agent comes up after the cluster: wait for a trivial job
+            ping = subprocess.run(["ray", "job", "submit", "--address", info["dashboard_url"],
+                                   "--", "python", "-c", "print('ready')"], env=env,
+                                  capture_output=True, text=True, timeout=120)
+            if ping.returncode == 0:
+                break
+            assert time.time() < deadline, ping.stdout[-2000:] + ping.stderr[-2000:]
+            time.sleep(2)
+        yield info
+    finally:  # also when start-up failed: never leak a cluster holding the dashboard port
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
 
 
 def job_dir(tmp_path: Path, name: str, steps: int = 12, delay: float = 0.0, chaos: str = "()",
