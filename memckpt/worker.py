@@ -207,9 +207,10 @@ class WorkerContext:
         if request is not None and self.persister is not None:
             tiers = range(len(self.persister.tiers))
         if tiers:
-            # Stage the copy here, while the step's slot is protected. If an upload still
-            # holds the staging buffer, a requested persist waits; a scheduled one follows
-            # failure.on_fall_behind (wait: hold the next commit; skip: skip this step).
+            # Stage the copy here, while the step's slot is protected. If a healthy upload
+            # still holds the staging buffer, a requested persist waits; a scheduled one
+            # follows failure.on_fall_behind (wait: hold the next commit; skip: skip this
+            # step). An upload retrying against a failing tier is superseded, never waited on.
             wait = request is not None or self.config.failure.on_fall_behind == "wait"
             self.persister.submit(step, tiers, stage_now=True, wait=wait)
         if request == STOP:
