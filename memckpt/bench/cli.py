@@ -1,0 +1,36 @@
+"""``memckpt bench BENCHMARK ...``: one sub-command per benchmark.
+
+Add a benchmark by writing a module with ``add_arguments(parser)`` and
+``main(args) -> int`` and naming it in :data:`BENCHMARKS`; it becomes
+``memckpt bench NAME``. Exit codes follow ``memckpt``: 0 measured, 1 a
+measurement failed, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Callable
+
+# name -> (module with `add_arguments(parser)` and `main(args) -> int`, one-line help)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "snapshot": ("memckpt.bench.snapshot",
+                 "per-step stall of a snapshot: memckpt (sync, overlap) vs memcpy vs torch.save"),
+    "recovery": ("memckpt.bench.recovery",
+                 "recovery after a killed worker / node vs restart + torch.load; transfer; step time"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", required=True, title="benchmarks")
+    for name, (module, help_text) in BENCHMARKS.items():
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_bench_main=mod.main)
+
+
+def main(args: argparse.Namespace) -> int:
+    handler: Callable[[argparse.Namespace], int] = args._bench_main
+    return handler(args)
