@@ -1,0 +1,65 @@
+"""Smoke test of ``memckpt bench recovery``: a 4 MiB state, one repeat, every row present."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from memckpt.bench import recovery
+
+EXPECTED = {
+    ("recovery", "memckpt-worker"), ("recovery", "memckpt-node"),
+    ("recovery", "restart+torch.load"), ("transfer", "memckpt-peer-fetch"),
+    ("transfer", "memckpt-replication"), ("transfer", "raw-ray-put-get"),
+    ("step-time", "gpt-tiny-snapshot-every-step"), ("step-time", "gpt-tiny-no-snapshot"),
+}
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_recovery_bench_rows(tmp_path):
+    rows = recovery.run_recovery_bench(4, 1, directory=str(tmp_path / "disk"), kill_at=3,
+                                       steps_after=2, compute_iters=2, gpt_size="tiny",
+                                       gpt_steps=7, log=lambda _msg: None)
+    by = {(r["benchmark"], r["method"]): r for r in rows}
+    assert set(by) == EXPECTED
+    for r in rows:
+        assert r["median_s"] > 0, r
+        assert r["state_bytes"] > 0, r
+        assert all(v is None or v >= 0 for v in r["phases_s"].values()), r
+    for method in ("memckpt-worker", "memckpt-node"):
+        r = by[("recovery", method)]
+        ph = r["phases_s"]
+        for phase in ("detect", "stop", "plan", "resume", "total", "fetch_and_load_max"):
+            assert ph[phase] is not None and ph[phase] > 0, (method, phase, ph)
+        assert abs(r["state_bytes"] - 4 * 2**20) < 0.1 * 4 * 2**20
+        assert r["speedup_vs_restart"] > 0
+    assert set(by[("recovery", "memckpt-worker")]["sources"][0].values()) == {"local"}
+    assert any(v.startswith("peer:") for v in by[("recovery", "memckpt-node")]["sources"][0].values())
+    base = by[("recovery", "restart+torch.load")]["phases_s"]
+    for phase in ("detect", "stop", "start_actors", "torch_load", "first_step", "total"):
+        assert base[phase] > 0, (phase, base)
+    for method in ("memckpt-peer-fetch", "memckpt-replication"):
+        r = by[("transfer", method)]
+        assert r["throughput_Bps"] > 0 and r["ratio_to_raw"] > 0
+        assert r["state_bytes"] >= 4 * 2**20  # a whole shard moved
+    assert by[("step-time", "gpt-tiny-snapshot-every-step")]["slowdown"] is not None
+    table = recovery.format_table(rows)
+    assert table.startswith("| benchmark | method | state | median |")
+    assert len(table.splitlines()) == len(rows) + 2
+    json.dumps(rows, default=str)  # the rows are JSON-able
+    assert "targets:" in recovery.report(rows)
+
+
+def test_cli_arguments():
+    parser = argparse.ArgumentParser()
+    recovery.add_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.state_mb, args.repeats, args.json) == (1024, 3, None)
+    args = parser.parse_args(["--state-mb", "16", "--repeats", "2", "--json", "x.json"])
+    assert (args.state_mb, args.repeats, args.json) == (16, 2, "x.json")
+    for bad in (["--state-mb", "0"], ["--repeats", "0"], ["--state-mb", "abc"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)

@@ -1,0 +1,78 @@
+"""Smoke test of ``memckpt bench snapshot``: a tiny state, every method, the JSON rows, bad usage."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from memckpt import cli
+from memckpt.bench.snapshot import METHODS, parse_size
+
+
+@pytest.fixture
+def memckpt_main(monkeypatch):
+    """``memckpt.cli.main``; other sub-commands are left out while their modules do not exist yet."""
+    if importlib.util.find_spec("memckpt.demo.cli") is None:
+        monkeypatch.setattr(cli, "COMMANDS", {"bench": cli.COMMANDS["bench"]})
+    return cli.main
+
+
+@pytest.mark.timeout(120)
+def test_snapshot_bench_writes_every_method(memckpt_main, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    rc = memckpt_main(["bench", "snapshot", "--sizes", "2M", "--repeats", "2", "--json", str(out),
+                       "--dir", str(tmp_path / "disk"), "--ram-root", str(tmp_path / "ram")])
+    assert rc == 0
+    rows = json.loads(out.read_text())
+    assert sorted(r["method"] for r in rows) == sorted(METHODS)
+    for r in rows:
+        assert r["stall_s"] > 0, r
+        assert r["repeats"] == 2 and len(r["stalls_s"]) == 2
+        assert abs(r["state_bytes"] - 2 * 2**20) <= 0.1 * 2 * 2**20, r
+        assert r["peak_rss_bytes"] > r["state_bytes"]
+        assert r["ratio_to_memcpy"] > 0
+    by = {r["method"]: r for r in rows}
+    assert by["memcpy"]["ratio_to_memcpy"] == pytest.approx(1.0)
+    assert by["memckpt"]["allocations_flat"] is True
+    assert by["memckpt-overlap"]["allocations_flat"] is True
+    printed = capsys.readouterr().out
+    assert "| method | state size | median stall | × memcpy | × memckpt | peak RSS |" in printed
+    for m in METHODS:
+        assert f"| {m} |" in printed
+    assert not list((tmp_path / "ram").rglob("*.shard")), "slots must be freed after the run"
+    assert not list((tmp_path / "disk").iterdir()), "torch.save-disk must remove its file"
+
+
+@pytest.mark.parametrize("argv", [["--sizes", "0"], ["--sizes", "abc"], ["--sizes", "1G,"],
+                                  ["--repeats", "0"], ["--mode", "async"]])
+def test_bad_arguments_exit_with_usage(memckpt_main, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        memckpt_main(["bench", "snapshot", *argv])
+    assert exc.value.code != 0
+    err = capsys.readouterr().err
+    assert "usage:" in err and "error:" in err
+
+
+def test_help_lists_the_options(memckpt_main, capsys):
+    with pytest.raises(SystemExit) as exc:
+        memckpt_main(["bench", "snapshot", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for opt in ("--sizes", "--repeats", "--json", "--mode", "--dir"):
+        assert opt in out
+
+
+def test_bench_needs_a_benchmark(memckpt_main, capsys):
+    with pytest.raises(SystemExit) as exc:
+        memckpt_main(["bench"])
+    assert exc.value.code != 0
+    assert "snapshot" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,expected", [("512K", 512 * 2**10), ("100M", 100 * 2**20),
+                                           ("1G", 2**30), ("4g", 4 * 2**30), ("1.5GiB", 3 * 2**29),
+                                           ("100MB", 100 * 2**20), ("1048576", 2**20)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
