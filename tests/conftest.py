@@ -1,4 +1,4 @@
-"""Shared fixtures for the unit tests (no Ray)."""
+"""Shared fixtures: a shared-memory temp dir; a local multi-node Ray cluster per module."""
 
 from __future__ import annotations
 
@@ -19,3 +19,20 @@ def ram_root():
     path = tempfile.mkdtemp(prefix="memckpt-test-", dir=_shm_base())
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A 3-node local Ray cluster (2 CPUs a node, a 0-CPU head), one per test module."""
+    from memckpt.localcluster import LocalCluster
+    c = LocalCluster(nodes=3, cpus_per_node=2)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture
+def full_cluster(cluster):
+    """The module's cluster with 3 worker nodes again (a test may have removed some)."""
+    while len(cluster.nodes) < 3:
+        cluster.add_node()
+    return cluster

@@ -41,7 +41,7 @@ def test_snapshot_bench_writes_every_method(memckpt_main, tmp_path, capsys):
     assert "| method | state size | median stall | × memcpy | × memckpt | peak RSS |" in printed
     for m in METHODS:
         assert f"| {m} |" in printed
-    assert not list((tmp_path / "ram").rglob("*.shard")), "slots must be freed after the run"
+    assert not list((tmp_path / "ram").iterdir()), "slots must be freed after the run"
     assert not list((tmp_path / "disk").iterdir()), "torch.save-disk must remove its file"
 
 

@@ -30,21 +30,6 @@ def config(name: str, root, every: int = 2, **extra) -> memckpt.Config:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from memckpt.localcluster import LocalCluster
-    c = LocalCluster(nodes=3, cpus_per_node=2)
-    yield c
-    c.shutdown()
-
-
-@pytest.fixture
-def full_cluster(cluster):
-    while len(cluster.nodes) < 3:
-        cluster.add_node()
-    return cluster
-
-
-@pytest.fixture(scope="module")
 def reference(cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("ref-root")
     return memckpt.run(JOB, config("p-ref", root), run_dir=tmp_path_factory.mktemp("ref"),

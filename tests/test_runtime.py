@@ -35,22 +35,6 @@ def config(name: str, **failure) -> memckpt.Config:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    from memckpt.localcluster import LocalCluster
-    c = LocalCluster(nodes=3, cpus_per_node=2)
-    yield c
-    c.shutdown()
-
-
-@pytest.fixture
-def full_cluster(cluster):
-    """The shared cluster with 3 worker nodes again (a test may have removed some)."""
-    while len(cluster.nodes) < 3:
-        cluster.add_node()
-    return cluster
-
-
-@pytest.fixture(scope="module")
 def reference(cluster, tmp_path_factory):
     result = memckpt.run(JOB, config("reference"), run_dir=tmp_path_factory.mktemp("ref"),
                          quiet=True)
