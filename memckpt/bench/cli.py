@@ -16,6 +16,8 @@ from typing import Callable
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "snapshot": ("memckpt.bench.snapshot",
                  "per-step stall of a snapshot: memckpt (sync, overlap) vs memcpy vs torch.save"),
+    "persist": ("memckpt.bench.persist",
+                "persistence throughput: memckpt's disk / S3 tier vs a raw write of the same bytes"),
     "recovery": ("memckpt.bench.recovery",
                  "recovery after a killed worker / node vs restart + torch.load; transfer; step time"),
 }

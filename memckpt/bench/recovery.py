@@ -25,6 +25,12 @@ moment every rank has finished its first step after the restore, and split into
 the phases the runtime records (detect, stop, plan, resume, fetch_and_load_max)
 plus, for the slowest rank, where its resume went (start, build, fetch, verify,
 load, re-snapshot, first step). Each figure is the median over ``--repeats``.
+
+The machine may be shared: every measurement records the CPU share other
+processes took meanwhile (``foreign_cpu``; the report warns above 10%), and
+``--wait-quiet SECONDS`` waits for a quieter machine before each one. The
+nodes are simulated on one machine, so a removed node's shared-memory files
+are deleted with it (its RAM would be gone on a real cluster).
 """
 
 from __future__ import annotations
@@ -505,13 +511,25 @@ class _Bench:
         self.state_bytes = state_nbytes(self.d, self.n)
         self.disk, self.ram_root, self.run_root = disk, ram_root, run_root
         self.wait_quiet_s = 0.0
+        self.retries = 0
+        self._runs = 0
 
     def measure(self, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
         """Run one measurement (after waiting for a quiet machine if asked) and note how much
-        CPU other processes took meanwhile."""
-        wait_quiet(self.wait_quiet_s, self.log)
-        load = ForeignLoad().start()
-        out = fn(*args)
+        CPU other processes took meanwhile. A measurement that fails is run once more (a shared
+        machine can run short of memory); the retry is logged and counted."""
+        for attempt in range(2):
+            wait_quiet(self.wait_quiet_s, self.log)
+            load = ForeignLoad().start()
+            try:
+                out = fn(*args)
+                break
+            except Exception as e:  # noqa: BLE001
+                if attempt:
+                    raise
+                self.log(f"measurement failed ({type(e).__name__}: {str(e)[:200]}); once more")
+                self.retries += 1
+                self._restore_nodes()
         out["foreign_cpu"] = load.stop()
         if (out["foreign_cpu"] or 0) > BUSY_THRESHOLD:
             self.log(f"  (other processes used {100 * out['foreign_cpu']:.0f}% of the CPU meanwhile)")
@@ -536,6 +554,18 @@ class _Bench:
         # A removed node's store never clears its shm files: free them here.
         shutil.rmtree(self.ram_root / name, ignore_errors=True)
 
+    def _name(self, base: str) -> str:
+        self._runs += 1  # a retried run gets a fresh job name
+        return f"{base}-{self._runs}"
+
+    def _kill_node(self, name: str, node: str) -> None:
+        """Remove a node, and with it (in the background) its RAM: on one machine its shm
+        files would otherwise hold ~4x the state until the job ends."""
+        import threading
+        self.cluster.remove_node(node)
+        threading.Thread(target=shutil.rmtree, args=(self.ram_root / name / node,),
+                         kwargs={"ignore_errors": True}, daemon=True).start()
+
     def _restore_nodes(self) -> None:
         while len(self.cluster.nodes) < NODES:
             self.cluster.add_node()
@@ -548,10 +578,10 @@ class _Bench:
         import memckpt
         from memckpt.faults import FaultInjector
 
-        name = f"bench-recovery-{kind}-{rep}"
+        name = self._name(f"bench-recovery-{kind}-{rep}")
         job = RecoveryJob(steps=self.kill_at + self.steps_after, state_bytes=self.state_bytes_target,
                           layers=self.layers, compute_iters=self.compute_iters)
-        inj = FaultInjector(node_killer=self.cluster.remove_node)
+        inj = FaultInjector(node_killer=lambda node: self._kill_node(name, node))
         if kind == "worker":
             inj.kill_worker(rank=1, at_step=self.kill_at)
         else:
@@ -678,7 +708,7 @@ class _Bench:
         import memckpt
         from memckpt.demo.job import GPTJob
 
-        name = f"bench-steptime-{'on' if snapshots else 'off'}-{rep}"
+        name = self._name(f"bench-steptime-{'on' if snapshots else 'off'}-{rep}")
         job = StepTimedJob(GPTJob(steps=steps, size=size, seed=0))
         # No failure here: warm spares would only add start-up work.
         cfg = self.config(name, cpus_per_worker=1, warm_spares=False,
@@ -832,6 +862,7 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
         for r in rows:
             r["machine"] = info
             r["repeats"] = repeats
+            r["retried_measurements"] = b.retries
         return rows
     finally:
         if own and cluster is not None:

@@ -325,6 +325,15 @@ def _ckpt(mode: str, ram_root: Optional[str]):
                                snapshot_mode=mode))
 
 
+def _free(ckpt) -> None:
+    """Close and delete the slots; close(unlink=True) leaves the empty job directory."""
+    ckpt.close(unlink=True)
+    try:
+        ckpt.directory.parent.rmdir()
+    except OSError:
+        pass
+
+
 def measure_memckpt_sync(state, repeats: int, quiet: Quiet, ram_root: Optional[str], rss_base: int,
                          rss_state: int, state_bytes: int) -> dict[str, Any]:
     """Checkpointer.step() in sync mode. Between repeats the background seal is awaited
@@ -364,7 +373,7 @@ def measure_memckpt_sync(state, repeats: int, quiet: Quiet, ram_root: Optional[s
             if shard.step != step:
                 raise RuntimeError(f"memckpt holds step {shard.step}, expected {step}")
     finally:
-        ckpt.close(unlink=True)
+        _free(ckpt)
     return {"times": times,
             "rss_after_warmup_bytes": rss_warm,
             "rss_over_state": round((rss_warm - rss_base) / state_bytes, 3),
@@ -459,7 +468,7 @@ def measure_memckpt_overlap(state, opt, repeats: int, quiet: Quiet, ram_root: Op
     finally:
         if handle is not None:
             handle.remove()
-        ckpt.close(unlink=True)
+        _free(ckpt)
     slowdown = max(0.0, median(computes) - compute_alone)
     return {"times": [s + w for s, w in zip(steps, waits)],
             "step_s": median(steps), "hook_wait_s": median(waits),
