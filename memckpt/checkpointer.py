@@ -57,7 +57,7 @@ class Checkpointer:
                       "fingerprint": config.fingerprint()},
             gated=gated, on_complete=self._sealed)
         self._on_sealed = on_sealed
-        self._hooked: set[int] = set()
+        self._hooks: dict[int, Any] = {}  # id(optimizer) -> its pre-hook handle
         self.control = Control(config.stop_file)
         self.should_stop = False  # set when a stop file or signal asked the loop to end
         self.persister: Optional[Persister] = None
@@ -120,9 +120,9 @@ class Checkpointer:
         # The next parameter update must not start before the background copy has read
         # the parameters and optimizer state it is about to change.
         for opt in state.optimizers.values():
-            if id(opt) not in self._hooked:
-                opt.register_step_pre_hook(lambda *_: self.engine.wait_copy())
-                self._hooked.add(id(opt))
+            if id(opt) not in self._hooks:
+                self._hooks[id(opt)] = opt.register_step_pre_hook(
+                    lambda *_: self.engine.wait_copy())
 
     def wait_copy(self) -> None:
         """Overlap mode: block until parameters may be mutated (before manual edits)."""
@@ -210,6 +210,9 @@ class Checkpointer:
 
     def close(self, unlink: bool = False) -> None:
         """Stop background work; ``unlink`` also frees the RAM snapshots (job finished)."""
+        for handle in self._hooks.values():  # the optimizers no longer wait on this engine
+            handle.remove()
+        self._hooks.clear()
         if self.persister is not None:  # it reads the slots: let it finish first
             self.engine.wait()
             self.persister.flush(600.0)

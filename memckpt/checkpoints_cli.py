@@ -14,7 +14,8 @@ def _store(root: str):
     try:
         return CheckpointStore(PersistTier(root))
     except ConfigError as e:
-        raise ConfigError(f"ROOT {e.message}") from None
+        fix = e.message.split(" is invalid: ", 1)[-1]
+        raise ConfigError(f"ROOT {root!r} is invalid: {fix}") from None
 
 
 def add_ls_arguments(parser: argparse.ArgumentParser) -> None:

@@ -426,3 +426,17 @@ def test_shard_of_another_rank_is_refused(ram_root, tmp_path):
         other.restore(_make_state(seed=4), source=tmp_path / "r1.shard")
     ckpt.close(unlink=True)
     other.close(unlink=True)
+
+
+def test_close_removes_the_overlap_hook_from_the_optimizer(ram_root):
+    """A closed Checkpointer must not keep gating (or be kept alive by) the optimizer."""
+    import memckpt
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = memckpt.Checkpointer(memckpt.Config(job_name="hooks", ram_root=ram_root,
+                                               snapshot_mode="overlap"))
+    ckpt.step(memckpt.TrainState(model, opt), 1)
+    assert len(opt._optimizer_step_pre_hooks) == 1
+    ckpt.close(unlink=True)
+    assert len(opt._optimizer_step_pre_hooks) == 0
+    opt.step()  # no hook left to call into the closed engine
