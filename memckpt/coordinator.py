@@ -4,7 +4,10 @@ It knows no tensor bytes. Workers tell it when their shard of a step and its
 replicas are in place (``shard_ready``); once every rank has, the step is
 committed. It also takes heartbeats (a silent rank is *hung*), per-step metrics,
 fire-once chaos claims and events, which it appends as JSON lines to
-``<run_dir>/events.jsonl``.
+``<run_dir>/events.jsonl``. Per step it appends rank 0's loss to ``losses.jsonl``
+and, once every rank has reported the step, each rank's snapshot stall to
+``steps.jsonl`` (what ``memckpt report`` draws), and records the Ray metrics of
+``memckpt.metrics``.
 
 It is no single point of failure: its small state is written to Ray's GCS
 key-value store on every change, so when its process is killed Ray restarts it
@@ -17,8 +20,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Optional
+
+from memckpt.metrics import JobMetrics
 
 COORDINATOR_NAMESPACE = "memckpt"
 
@@ -51,6 +57,9 @@ class Coordinator:
         self.heartbeats: dict[int, tuple[float, int]] = {}
         self.metrics: dict[str, dict[str, float]] = {}  # rank -> latest report (not persisted)
         self.losses: dict[str, float] = {}  # step -> loss, appended to losses.jsonl
+        self._stalls: dict[int, dict[int, float]] = {}  # step -> rank -> stall_s, until complete
+        self._pace: deque[tuple[float, int]] = deque(maxlen=64)  # rank 0's (time, step)
+        self.job_metrics = JobMetrics(job)
         self.s: dict[str, Any] = {
             "gen": -1, "assignment": {}, "holders": {}, "committed": None, "ready": {},
             "workers": {}, "fired": [], "stores": {}, "stop": None, "persisted": {},
@@ -82,6 +91,7 @@ class Coordinator:
         record = {"time": time.time(), "event": kind, **fields}
         with open(self.run_dir / "events.jsonl", "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
+        self.job_metrics.event(kind, fields)
 
     # -- membership ---------------------------------------------------------------------------
     async def configure(self, gen: int, assignment: dict[int, str], holders: dict[int, list[str]],
@@ -93,6 +103,8 @@ class Coordinator:
                           committed=committed, ready={}, workers={}, stores=stores)
             self.heartbeats.clear()
             self.metrics.clear()
+            self._stalls.clear()
+            self._pace.clear()
             self._save()
             self._cond.notify_all()
 
@@ -237,8 +249,31 @@ class Coordinator:
             self.losses[str(step)] = metrics["loss"]
             with open(self.run_dir / "losses.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": metrics["loss"], "gen": gen}) + "\n")
-        self.metrics[str(rank)] = dict(metrics, step=step, time=time.time())
-        self.heartbeats[rank] = (time.time(), step)
+        now = time.time()
+        self.metrics[str(rank)] = dict(metrics, step=step, time=now)
+        self.heartbeats[rank] = (now, step)
+        if rank == 0:
+            self._pace.append((now, step))
+        if "stall_s" in metrics:
+            self._record_stall(rank, gen, step, metrics["stall_s"], now)
+        self.job_metrics.step(rank, metrics)
+        self.job_metrics.progress(self._newest_step(), self.s["committed"])
+
+    def _record_stall(self, rank: int, gen: int, step: int, stall_s: float, now: float) -> None:
+        """One line per step in steps.jsonl, once every rank reported it (ranks report in
+        order, so an older step still incomplete then never will be: dropped)."""
+        got = self._stalls.setdefault(step, {})
+        got[rank] = stall_s
+        if len(got) < self.world_size:
+            return
+        for old in [s for s in self._stalls if s <= step]:
+            del self._stalls[old]
+        with open(self.run_dir / "steps.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "gen": gen, "time": now,
+                                "stall_s": [got[r] for r in sorted(got)]}) + "\n")
+
+    def _newest_step(self) -> int:
+        return max((int(m.get("step", -1)) for m in self.metrics.values()), default=-1)
 
     async def claim(self, key: str) -> bool:
         """Fire-once: True the first time ``key`` is claimed in this job."""
@@ -273,14 +308,24 @@ class Coordinator:
                 pass
 
     async def log_event(self, kind: str, fields: dict[str, Any]) -> None:
+        if kind == "failure_detected":  # where the job was: the start of what a resume redoes
+            fields = dict(fields, reached_step=self._newest_step(), committed=self.s["committed"])
         self.event(kind, **fields)
 
     async def progress(self) -> dict[str, Any]:
         steps = [m.get("step", -1) for m in self.metrics.values()]
+        newest = max(steps, default=-1)
+        stalls = [m["stall_s"] for m in self.metrics.values() if "stall_s" in m]
+        recent = [(t, s) for t, s in self._pace if t > time.time() - 5.0]  # the last 5 s
+        rate = None
+        if len(recent) > 1 and recent[-1][0] > recent[0][0]:
+            rate = (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
         return {"gen": self.s["gen"], "committed": self.s["committed"],
                 "min_step": min(steps) if len(steps) == self.world_size else -1,
-                "max_step": max(steps, default=-1),
-                "last_loss": self.losses.get(str(max(steps, default=-1)))}
+                "max_step": newest, "last_loss": self.losses.get(str(newest)),
+                "steps_per_s": rate,
+                "stall_ms": max(stalls) * 1000 if stalls else None,
+                "lag": newest - (self.s["committed"] or 0) if newest >= 0 else None}
 
     async def all_losses(self) -> dict[str, float]:
         return self.losses
