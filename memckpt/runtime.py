@@ -393,11 +393,11 @@ class Runtime:
             phases["resume"] = now - self._recovery_started
             fault_at = self.recoveries[-1].get("fault_at") or self._recovery_started
             phases["total"] = now - fault_at
+            self._event("recovery_finished", step=self.recoveries[-1]["resumed_step"],
+                        gen=g.gen, phases_s=phases)
         if not self.quiet and now - self._last_print > 1.0 and step >= 0:
             self._last_print = now
-            loss = prog["last_loss"]
-            self._say(f"gen {g.gen} step {step} loss {loss if loss is None else round(loss, 4)} "
-                      f"committed {prog['committed']}")
+            self._say(progress_line(g.gen, prog))
         pending = self.ray.get(self.coordinator.pending_faults.remote())
         for fault in self.injector.faults:
             if fault.key in pending:
@@ -595,6 +595,15 @@ class _Stopped(Exception):
     def __init__(self, step: Optional[int]) -> None:
         super().__init__(step)
         self.step = step
+
+
+def progress_line(gen: int, prog: dict[str, Any]) -> str:
+    """The driver's once-a-second line, from ``Coordinator.progress()``."""
+    def num(v: Optional[float], fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+    return (f"gen {gen} step {prog['max_step']} loss {num(prog['last_loss'], '.4f')} "
+            f"{num(prog.get('steps_per_s'), '.1f')} steps/s committed {num(prog['committed'], 'd')} "
+            f"stall {num(prog.get('stall_ms'), '.1f')} ms lag {num(prog.get('lag'), 'd')}")
 
 
 def _source_label(sources: tuple[str, ...], node: str) -> str:
