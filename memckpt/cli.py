@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
                "add_export_arguments", "export_main"),
     "demo": ("memckpt.demo.cli", "run the demo job: train, inject a fault, recover"),
     "bench": ("memckpt.bench.cli", "measure memckpt against torch.save and friends"),
+    "report": ("memckpt.report", "draw a run's timeline: loss, failures, rollbacks, stalls"),
 }
 
 
