@@ -50,3 +50,11 @@ class FallBehindError(MemckptError):
 
 class RecoveryError(MemckptError):
     """Recovery is impossible (every copy of some shard is lost, restarts exhausted)."""
+
+
+class StaleGenerationError(MemckptError):
+    """A replica write from a generation of workers that recovery has replaced."""
+
+
+class GenerationEnded(MemckptError):
+    """Recovery replaced this group of workers: the training function must return."""

@@ -3,8 +3,8 @@
 One utility serves the tests, the CLI (``memckpt kill``), the demo and the
 config's chaos schedule. Signals are delivered by a tiny Ray task pinned to the
 victim's node, so it works on a real multi-machine cluster as well as on a
-simulated one. A node is killed by killing its raylet (the parent of every
-worker process on it): its workers, store and object store die with it.
+simulated one. A node is killed by SIGKILLing its raylet and every process
+under it (its workers, store and object store) at once.
 """
 
 from __future__ import annotations
@@ -35,10 +35,35 @@ def _signal_task(pid: int, signum: int) -> bool:
         return False
 
 
-def _kill_raylet_task() -> int:
-    raylet = os.getppid()
-    os.kill(raylet, signal.SIGKILL)
-    return raylet
+def kill_process_tree(root_pid: int, spare: Optional[int] = None) -> list[int]:
+    """SIGKILL ``root_pid`` and every process below it, the children first (``spare``:
+    a pid to leave for last, the caller itself). Returns the pids signalled.
+
+    A node dies all at once: killing only its raylet would leave its worker processes
+    running on until they notice (seconds), still training and streaming replicas."""
+    import psutil
+    try:
+        root = psutil.Process(root_pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return []
+    killed = []
+    for p in procs:
+        if p.pid == spare:
+            continue
+        try:
+            p.kill()
+            killed.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return killed
+
+
+def _kill_node_task() -> int:
+    me = os.getpid()
+    killed = kill_process_tree(os.getppid(), spare=me)  # the raylet is this task's parent
+    os.kill(me, signal.SIGKILL)
+    return len(killed)
 
 
 def send_signal(node_id: str, pid: int, sig: str = "KILL", timeout_s: float = 30.0) -> bool:
@@ -50,9 +75,9 @@ def send_signal(node_id: str, pid: int, sig: str = "KILL", timeout_s: float = 30
 
 
 def kill_node(node_id: str) -> None:
-    """Hard-kill a node: SIGKILL its raylet, taking its workers and store down with it."""
+    """Hard-kill a node: SIGKILL its raylet and every process under it (workers, store)."""
     import ray
-    task = ray.remote(num_cpus=0, max_retries=0)(_kill_raylet_task)
+    task = ray.remote(num_cpus=0, max_retries=0)(_kill_node_task)
     ref = task.options(scheduling_strategy=_on_node(node_id)).remote()
     try:
         ray.get(ref, timeout=30)

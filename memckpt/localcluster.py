@@ -58,8 +58,15 @@ class LocalCluster:
         return node.node_id
 
     def remove_node(self, node_id: str) -> None:
-        """Kill every process of that node at once (no graceful shutdown)."""
-        self.cluster.remove_node(self.nodes.pop(node_id), allow_graceful=False)
+        """Kill every process of that node at once (no graceful shutdown): its raylet's
+        whole process tree (workers, store actor, agents) first, then Ray's bookkeeping."""
+        from ray._private import ray_constants
+
+        from memckpt.faults import kill_process_tree
+        node = self.nodes.pop(node_id)
+        for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+            kill_process_tree(info.process.pid)
+        self.cluster.remove_node(node, allow_graceful=False)
 
     def shutdown(self) -> None:
         import ray

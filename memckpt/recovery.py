@@ -24,6 +24,9 @@ class RecoveryPlan:
     holders: dict[int, tuple[str, ...]]  # rank -> replica holders from now on
     moved: tuple[int, ...] = ()  # ranks that changed node
     notes: tuple[str, ...] = field(default=())
+    # ranks whose shard at `step` already sits on their (new) node and on all their new
+    # holders: nothing to copy again after the restore
+    placed: frozenset[int] = frozenset()
 
 
 def newest_common_step(ranks: Sequence[int], inventory: Inventory,
@@ -120,7 +123,10 @@ def plan_recovery(assignment: Mapping[int, str], holders: Mapping[int, Sequence[
         notes.append(f"only {len(alive)} nodes alive: rank(s) {short} keep fewer than "
                      f"{replicas} replicas until nodes are added")
     moved = tuple(r for r in ranks if new_assignment[r] != assignment[r])
-    return RecoveryPlan(step, new_assignment, sources, new_holders, moved, tuple(notes))
+    placed = frozenset(r for r in ranks
+                       if all(step in live_inv.get(n, {}).get(r, ())
+                              for n in (new_assignment[r], *new_holders[r])))
+    return RecoveryPlan(step, new_assignment, sources, new_holders, moved, tuple(notes), placed)
 
 
 def plan_from_persisted(assignment: Mapping[int, str], holders: Mapping[int, Sequence[str]],

@@ -188,7 +188,8 @@ class Runtime:
                 if persisted:
                     restore = self._persisted_instructions(persisted, assignment)
                 else:
-                    restore = {r: RestoreInstruction(plan.step, plan.sources[r])
+                    restore = {r: RestoreInstruction(plan.step, plan.sources[r],
+                                                     placed=r in plan.placed)
                                for r in assignment if plan.sources[r]}
                 gen += 1
         except BaseException as e:
@@ -435,7 +436,12 @@ class Runtime:
                 pass
         for rank in failure["died"]:
             ray.kill(g.workers[rank], no_restart=True)
-        # Survivors see their collectives fail and return; one still stuck is killed.
+        # Survivors end this generation at once: a rank waiting for a commit that can no
+        # longer come is woken (abort); one in a collective sees it fail. One still stuck
+        # after the grace period is killed.
+        for rank, w in g.workers.items():
+            if rank not in failure["died"]:
+                w.abort.remote(g.gen)
         ready, stuck = ray.wait(list(g.refs), num_returns=len(g.refs), timeout=GRACE_S)
         for ref in g.refs:  # collect every outcome so none is reported as unhandled
             try:

@@ -90,6 +90,7 @@ class SnapshotEngine:
         self._copy_done = threading.Event()
         self._copy_done.set()
         self._error: Optional[BaseException] = None
+        self._aborted: Optional[BaseException] = None  # raised by every later snapshot
         self._newest: Optional[int] = None  # index of the slot written last (maybe in flight)
         self._pin = torch.cuda.is_available()
         self._stream = torch.cuda.Stream() if self._pin else None
@@ -150,6 +151,8 @@ class SnapshotEngine:
         with self._cond:
             while True:
                 self._raise_background_error()
+                if self._aborted is not None:
+                    raise self._aborted
                 newest_busy = self._inflight is not None and not self._inflight.done()
                 target = 0 if self._newest is None else 1 - self._newest
                 if self.gated and self._newest is not None and not newest_busy:
@@ -229,6 +232,13 @@ class SnapshotEngine:
                     slot.complete, slot.step = False, None
             done = [i for i, s in enumerate(self.slots) if s.complete]
             self._newest = max(done, key=lambda i: self.slots[i].step) if done else None
+
+    def abort(self, error: BaseException) -> None:
+        """Fail the snapshot the training thread waits in (and every later one) with
+        ``error``: the commit it waits for will never come (recovery took over)."""
+        with self._cond:
+            self._aborted = error
+            self._cond.notify_all()
 
     def set_committed(self, step: int) -> None:
         """Record that ``step`` is committed everywhere (gated mode)."""

@@ -6,9 +6,9 @@ It keeps two kinds of shards, all in shared-memory files under
 * ``own/rank<r>/slot{0,1}.shard``: written by the node's own workers (their
   snapshot slots). They outlive a killed worker; the store only reads them.
 * ``replicas/rank<r>/slot{0,1}.shard``: copies of peer ranks' shards, streamed
-  in bounded chunks, verified against their checksum before they are
-  acknowledged. Bytes are copied into the store's own memory: an object put
-  by a worker dies with the worker.
+  by the owning worker over TCP straight into the file (:mod:`memckpt.transport`),
+  verified against their checksum before they are acknowledged. Bytes land in
+  the store's own memory: an object put by a worker dies with the worker.
 
 Because everything lives in files, a restarted store process adopts what the
 previous one held. Replica slots per rank: receiving step t overwrites the slot
@@ -22,21 +22,19 @@ import os
 import struct
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import psutil
 
 from memckpt import shard as fmt
 from memckpt.buffers import RamRegion, remove_path, resolve_ram_root
-from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError, PlacementError
+from memckpt.transport import ShardServer
+from memckpt.errors import (ChecksumError, MemckptError, NoSnapshotError, PlacementError,
+                            StaleGenerationError)
 
 SLOTS = ("slot0.shard", "slot1.shard")
 RAM_HEADROOM = 256 << 20  # keep this much RAM free for the node's other processes
-
-
-class StaleGenerationError(MemckptError):
-    """A replica write from a generation of workers that recovery has replaced."""
 
 
 def node_dir(ram_root: Path, job: str, node_id: str) -> Path:
@@ -105,6 +103,7 @@ class ReplicaStore:
         self._lock = threading.Lock()
         self._open: dict[tuple[int, int], RamRegion] = {}  # (rank, step) being received
         self.generation = -1  # writes from older generations of workers are refused
+        self._server: Optional[ShardServer] = None
 
     def set_generation(self, gen: int) -> None:
         """Fence off an older generation's in-flight replication (called during recovery)."""
@@ -164,14 +163,46 @@ class ReplicaStore:
                 "placement.replicas, use fewer ranks per node, or add RAM")
 
     def write(self, rank: int, step: int, offset: int, chunk: np.ndarray, gen: int = -1) -> int:
+        """Copy one chunk of a begun shard in (the Ray-call path; see :meth:`receive`)."""
+        done = 0
+
+        def fill(view: memoryview) -> None:
+            nonlocal done
+            np.frombuffer(view, dtype=np.uint8)[:] = chunk[done: done + len(view)]
+            done += len(view)
+        return self.receive(rank, step, offset, len(chunk), fill, gen)
+
+    def receive(self, rank: int, step: int, offset: int, nbytes: int,
+                fill: Callable[[memoryview], None], gen: int = -1) -> int:
+        """Let ``fill`` write bytes ``offset .. offset+nbytes`` of a begun shard straight into
+        its file (a socket's ``recv_into``, or a copy). ``fill`` is called on consecutive
+        parts of that range, in order."""
         self._fence(gen)
         region = self._open.get((rank, step))
         if region is None:
             raise MemckptError(f"replica of rank {rank} step {step} was not begun on this store")
-        region.array[offset: offset + len(chunk)] = chunk
-        if offset == 0:  # the copied prefix says complete: keep it incomplete until verified
+        if offset + nbytes > len(region.array):
+            raise MemckptError(f"replica of rank {rank} step {step}: bytes {offset}..{offset + nbytes}"
+                               f" exceed the announced {len(region.array)}")
+        view = memoryview(region.array)[offset: offset + nbytes]
+        head = min(nbytes, fmt.PREFIX.size) if offset == 0 else 0
+        if head:
+            # The sender's prefix says "complete": flag it incomplete before any more bytes
+            # arrive, so a transfer cut short is never listed (peek_step) as a good shard.
+            fill(view[:head])
             struct.pack_into("<I", region.array, 12, fmt.STATE_WRITING)
-        return len(chunk)
+        fill(view[head:])
+        return nbytes
+
+    def address(self, host: Optional[str] = None) -> tuple[str, int]:
+        """Where workers stream shards to (:mod:`memckpt.transport`); started on first use."""
+        with self._lock:
+            if self._server is None:
+                if host is None:
+                    import ray
+                    host = ray.util.get_node_ip_address()
+                self._server = ShardServer(self, host)
+            return self._server.address
 
     def finish(self, rank: int, step: int, gen: int = -1) -> str:
         """Verify the received shard and mark it complete; returns its checksum."""
@@ -229,4 +260,7 @@ class ReplicaStore:
         """Free everything this node holds for the job (the job finished)."""
         with self._lock:
             self._open.clear()
+            if self._server is not None:
+                self._server.close()
+                self._server = None
         remove_path(self.root)

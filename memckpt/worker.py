@@ -10,8 +10,9 @@ The user's function receives a :class:`WorkerContext`::
             ctx.step(state, step, loss=loss)    # snapshot + replicate + report
 
 The step pays only for the local copy into this node's RAM. A background
-replicator streams each sealed snapshot to the rank's replica holders in
-bounded chunks, reports it to the coordinator and learns when it is committed.
+replicator streams each sealed snapshot to the rank's replica holders over TCP
+(:mod:`memckpt.transport`), reports it to the coordinator and learns when it is
+committed.
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ from memckpt.buffers import RamRegion, resolve_ram_root
 from memckpt.checkpointer import Checkpointer
 from memckpt.config import Config
 from memckpt.digest import state_digest
-from memckpt.errors import MemckptError, NoSnapshotError
+from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnapshotError
 from memckpt.control import STOP
 from memckpt.faults import SIGNALS
 from memckpt.persister import Persister
 from memckpt.state import TrainState
 from memckpt.store import own_dir, scan
+from memckpt.transport import ShardSender
 
-CHUNK_BYTES = 16 << 20  # replication chunk; bounds object-store use per transfer
-WINDOW = 4  # chunks in flight per holder
+RETRIES = 5  # tries per replica holder before the replication fails
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class RestoreInstruction:
     sources: tuple[str, ...]  # node ids holding the shard, best first; or ("persist",)
     tier: Optional[int] = None  # with ("persist",): the tier index and its manifest (JSON)
     manifest: Optional[str] = None
+    placed: bool = False  # the step is already on this rank's node and all its holders
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class Replicator:
         self.last_seconds = 0.0
         self.cancelled = False
         self.on_committed: Optional[Callable[[int, Optional[str]], None]] = None
+        self._senders: dict[str, ShardSender] = {}  # node id -> connection to its store
         self._thread = threading.Thread(target=self._loop, name="memckpt-replicator", daemon=True)
         self._thread.start()
 
@@ -110,11 +113,13 @@ class Replicator:
         with self.ckpt.engine.reading(step, verify=False) as shard:
             raw, digest = shard.raw, shard.header["data_xxh3"]
             for node in spec.holders:
-                self._send(ray, spec.stores[node], step, raw, digest)
+                self._send(ray, node, step, raw, digest)
         self.last_seconds = time.perf_counter() - t0
         committed, persist, action = ray.get(spec.coordinator.shard_ready.remote(
             spec.rank, spec.gen, step, list(spec.holders)))
         while committed is None or committed < step:
+            if self.cancelled:  # recovery ended this generation: no commit will come
+                return
             committed, persist, action = ray.get(
                 spec.coordinator.wait_commit.remote(spec.gen, step, 5.0))
         self.ckpt.engine.set_committed(step)
@@ -122,32 +127,39 @@ class Replicator:
             # Called before the next step can commit, so this step's slot is still in RAM.
             self.on_committed(step, action if persist == step else None)
 
-    def _send(self, ray, store, step: int, raw: np.ndarray, digest: str) -> None:
-        rank = self.spec.rank
-        for attempt in range(5):  # a restarting store comes back within seconds
-            gen = self.spec.gen
+    def _send(self, ray, node: str, step: int, raw: np.ndarray, digest: str) -> None:
+        """Stream the shard to ``node``'s store over this rank's connection to it."""
+        rank, store = self.spec.rank, self.spec.stores[node]
+        for attempt in range(RETRIES):  # a restarting store comes back within seconds
             try:
-                if not ray.get(store.begin.remote(rank, step, len(raw), digest, gen)):
-                    return  # the holder already has this exact shard
-                pending = []
-                for off in range(0, len(raw), CHUNK_BYTES):
-                    if self.cancelled:
-                        return
-                    pending.append(store.write.remote(rank, step, off, raw[off: off + CHUNK_BYTES],
-                                                      gen))
-                    if len(pending) >= WINDOW:
-                        ray.get(pending.pop(0))
-                ray.get(pending)
-                ray.get(store.finish.remote(rank, step, gen))
-                self.bytes_sent += len(raw)
+                sender = self._senders.get(node)
+                if sender is None:
+                    sender = ShardSender(ray.get(store.address.remote()))
+                    self._senders[node] = sender
+                if sender.send(rank, step, raw, digest, self.spec.gen, lambda: self.cancelled):
+                    self.bytes_sent += len(raw)
                 return
-            except ray.exceptions.RayActorError:
+            except (OSError, ray.exceptions.RayActorError) as e:
+                self._drop(node)
+                if self.cancelled:
+                    return
+                last = e
                 time.sleep(0.5 * (attempt + 1))
-        raise MemckptError(f"rank {rank}: replica holder unreachable for step {step} after retries")
+            except ChecksumError as e:  # corrupted on the way: send it again
+                last = e
+        raise MemckptError(f"rank {rank}: replica holder {node[:12]} unreachable for step {step} "
+                           f"after {RETRIES} tries: {last}")
+
+    def _drop(self, node: str) -> None:
+        sender = self._senders.pop(node, None)
+        if sender is not None:
+            sender.close()
 
     def close(self) -> None:
         self.cancelled = True  # a stale generation must not keep writing to stores
         self.queue.put(None)
+        for node in list(self._senders):
+            self._drop(node)
 
 
 class StopTraining(BaseException):
@@ -231,7 +243,11 @@ class WorkerContext:
             self.restore_seconds["fetch_and_load_s"] = time.perf_counter() - t0
             self.ckpt.engine.discard_newer(step)
             self.ckpt.engine.set_committed(step)
-        self._snapshot(state, step)
+        if not (instr is not None and instr.placed and step in self.ckpt.engine.steps()):
+            # Copy the restored state out again so this rank's copies match the placement.
+            # Skipped when its own slot and every holder already have this step: a process
+            # restarted on its node (the usual failure) then resumes without re-copying.
+            self._snapshot(state, step)
         self.last_step = step
         return step
 
@@ -328,6 +344,15 @@ class WorkerContext:
         if self.persister is not None:
             self.persister.flush(timeout_s)
 
+    def abort(self) -> None:
+        """Recovery replaced this generation: make the training function return at its next
+        ``ctx.step`` (or at once, if it waits there for a commit that cannot come)."""
+        err = GenerationEnded(f"rank {self.rank}: generation {self.generation} was ended by "
+                              "recovery")
+        self.replicator.cancelled = True
+        self.replicator.error = self.replicator.error or err
+        self.ckpt.engine.abort(err)
+
     def close(self) -> None:
         self.replicator.close()
         if self.persister is not None:
@@ -374,6 +399,12 @@ class Worker:
 
     def address(self) -> tuple[str, int]:
         return self.ip, free_port()
+
+    def abort(self, gen: int) -> None:
+        """End generation ``gen``'s training function (recovery: a peer is gone)."""
+        ctx, spec = self.ctx, self.spec
+        if ctx is not None and spec is not None and spec.gen == gen:
+            ctx.abort()
 
     def info(self) -> dict[str, Any]:
         return {"rank": self.spec.rank if self.spec else None, "pid": os.getpid(),

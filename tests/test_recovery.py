@@ -293,3 +293,32 @@ def test_plan_is_deterministic_and_leaves_inputs_alone():
     again = plan_recovery(shuffled_assign, RING, ["A", "C"], {"C": 1, "B": 2, "A": 2},
                           shuffled_inv, replicas=1, committed=6)
     assert again == plans[0]
+
+
+# ---- which ranks need no re-copy after the restore ---------------------------------------
+
+def test_process_death_needs_no_recopy():
+    """A dead worker process (every node alive): every copy is where placement wants it."""
+    plan = plan_recovery(ASSIGN, RING, NODES, {n: 1 for n in NODES}, ring_inventory(), 1)
+    assert plan.step == 6 and plan.placed == frozenset({0, 1, 2})
+
+
+def test_node_death_recopies_only_what_moved_or_lost_a_holder():
+    """Node B dies: rank 1 moves to C (its holder) and needs a new holder; rank 0 lost its
+    holder B. Only rank 2 (on C, holder A) keeps both copies in place."""
+    inv = ring_inventory()
+    del inv["B"]
+    alive = ["A", "C"]
+    plan = plan_recovery(ASSIGN, RING, alive, {"A": 2, "C": 2}, inv, 1)
+    assert plan.assignment[1] == "C"
+    assert plan.placed == frozenset({2})
+
+
+def test_a_copy_of_only_an_older_step_is_not_placed():
+    inv = ring_inventory()
+    inv["B"][0] = [5]  # rank 0's holder B missed step 6 ...
+    inv["A"][0] = [5, 6]
+    inv["C"][0] = [6]  # ... which survives elsewhere
+    plan = plan_recovery(ASSIGN, RING, NODES, {n: 1 for n in NODES}, inv, 1)
+    assert plan.step == 6
+    assert 0 not in plan.placed and {1, 2} <= plan.placed

@@ -1,0 +1,201 @@
+"""Shard data plane: a worker streams a sealed shard straight into a peer store's file.
+
+Ray's object transfer between nodes copies a shard several times on its way
+(into the sender's object store, across, out of the receiver's object store,
+into the store's file) and each copy takes CPU the training step needs. Here a
+worker keeps one TCP connection per replica holder and ``sendall``s the shard
+from its snapshot slot; the store ``recv_into``s it directly into the replica's
+shared-memory file, verifies the checksum and acknowledges. Control (which
+store, which generation) stays on Ray; only the bytes take this path.
+
+Protocol, per shard, on a connection that carries many shards in turn::
+
+    client -> {"rank", "step", "nbytes", "checksum", "gen"}   (length-prefixed JSON)
+    server -> {"ok": true, "send": bool} | {"ok": false, "error", "message"}
+    client -> nbytes raw bytes                                (only if "send")
+    server -> {"ok": true, "checksum"} | {"ok": false, "error", "message"}
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+from typing import Any, Callable, Optional, Protocol
+
+import numpy as np
+
+from memckpt.errors import (ChecksumError, MemckptError, NoSnapshotError, PlacementError,
+                            StaleGenerationError)
+
+_LEN = struct.Struct("<I")
+RECV_CHUNK = 16 << 20  # the receiver re-checks its generation fence between chunks
+SOCKET_BUFFER = 4 << 20
+MAX_HEADER = 1 << 20
+
+# Errors a store may answer with, re-raised as the same type on the sender.
+_ERRORS: dict[str, type[MemckptError]] = {
+    cls.__name__: cls for cls in (MemckptError, ChecksumError, NoSnapshotError, PlacementError,
+                                  StaleGenerationError)}
+
+
+class Receiver(Protocol):
+    """What the server needs from a store (see :class:`memckpt.store.ReplicaStore`)."""
+
+    def begin(self, rank: int, step: int, nbytes: int, checksum: str, gen: int = -1) -> bool: ...
+
+    def receive(self, rank: int, step: int, offset: int, nbytes: int,
+                fill: Callable[[memoryview], None], gen: int = -1) -> int: ...
+
+    def finish(self, rank: int, step: int, gen: int = -1) -> str: ...
+
+
+# -- framing ------------------------------------------------------------------------------------
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("peer closed the connection mid-message")
+        got += n
+
+
+def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
+    data = json.dumps(msg, separators=(",", ":")).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_msg(sock: socket.socket) -> dict[str, Any]:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > MAX_HEADER:
+        raise ConnectionError(f"message of {n} bytes is not a memckpt shard header")
+    return json.loads(_recv_exact(sock, n))
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+
+
+def _refusal(e: MemckptError) -> dict[str, Any]:
+    return {"ok": False, "error": type(e).__name__, "message": str(e)}
+
+
+def _raise_from(reply: dict[str, Any]) -> None:
+    if not reply.get("ok"):
+        raise _ERRORS.get(reply.get("error", ""), MemckptError)(reply.get("message", "store error"))
+
+
+# -- server (inside a store) --------------------------------------------------------------------
+class ShardServer:
+    """Accepts shard streams for ``store`` on ``host``; one thread per connection."""
+
+    def __init__(self, store: Receiver, host: str) -> None:
+        self.store = store
+        self._sock = socket.create_server((host, 0), backlog=64)
+        self.address: tuple[str, int] = (host, self._sock.getsockname()[1])
+        self._closed = False
+        threading.Thread(target=self._accept, name="memckpt-shard-server", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            _tune(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="memckpt-shard-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while True:
+                try:
+                    req = recv_msg(conn)
+                except (ConnectionError, OSError, ValueError):
+                    return  # the sender went away (or a stale generation's connection closed)
+                try:
+                    self._one(conn, req)
+                except (ConnectionError, OSError):
+                    return  # mid-shard: the slot stays incomplete, nobody trusts it
+
+    def _one(self, conn: socket.socket, req: dict[str, Any]) -> None:
+        """Serve one shard: go-ahead (or refusal), bytes, verified acknowledgement."""
+        rank, step, nbytes, gen = int(req["rank"]), int(req["step"]), int(req["nbytes"]), int(req["gen"])
+        try:
+            wanted = self.store.begin(rank, step, nbytes, req["checksum"], gen)
+        except MemckptError as e:
+            return send_msg(conn, _refusal(e))
+        send_msg(conn, {"ok": True, "send": wanted})
+        if wanted:
+            send_msg(conn, self._receive(conn, rank, step, nbytes, gen))
+
+    def _receive(self, conn: socket.socket, rank: int, step: int, nbytes: int,
+                 gen: int) -> dict[str, Any]:
+        error: Optional[MemckptError] = None
+        for off in range(0, nbytes, RECV_CHUNK):
+            n = min(RECV_CHUNK, nbytes - off)
+            if error is not None:  # keep the stream in step: read and drop the rest
+                _recv_into(conn, memoryview(bytearray(n)))
+                continue
+            try:
+                self.store.receive(rank, step, off, n, lambda view: _recv_into(conn, view), gen)
+            except MemckptError as e:  # refused before reading: drop this chunk, then the rest
+                error = e
+                _recv_into(conn, memoryview(bytearray(n)))
+        if error is None:
+            try:
+                return {"ok": True, "checksum": self.store.finish(rank, step, gen)}
+            except MemckptError as e:
+                error = e
+        return _refusal(error)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+# -- client (inside a worker) -------------------------------------------------------------------
+class ShardSender:
+    """One connection to one store; ``send`` streams a shard and waits for the verified ack."""
+
+    def __init__(self, address: tuple[str, int], timeout_s: float = 120.0) -> None:
+        self.address = tuple(address)
+        self._sock = socket.create_connection(self.address, timeout=timeout_s)
+        _tune(self._sock)
+
+    def send(self, rank: int, step: int, raw: np.ndarray, checksum: str, gen: int,
+             cancelled: Callable[[], bool] = lambda: False) -> bool:
+        """Stream ``raw``; True if sent, False if the store already held this exact shard.
+        Raises the store's error (checksum mismatch, stale generation, no RAM) or OSError."""
+        send_msg(self._sock, {"rank": rank, "step": step, "nbytes": len(raw),
+                              "checksum": checksum, "gen": gen})
+        go = recv_msg(self._sock)
+        _raise_from(go)
+        if not go["send"]:
+            return False
+        view = memoryview(raw).cast("B")
+        for off in range(0, len(view), RECV_CHUNK):
+            if cancelled():
+                self.close()  # the store drops the half-received slot
+                raise ConnectionError("replication cancelled")
+            self._sock.sendall(view[off: off + RECV_CHUNK])
+        _raise_from(recv_msg(self._sock))
+        return True
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass

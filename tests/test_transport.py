@@ -1,0 +1,133 @@
+"""The shard data plane over real TCP sockets into a real ReplicaStore (no Ray).
+
+Shards are real snapshots (the ``shards`` fixture of test_store); what lands in
+the store must verify, and every refusal must reach the sender as the store's
+own error type without desynchronising the connection.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from memckpt import shard as fmt
+from memckpt.errors import ChecksumError, PlacementError, StaleGenerationError
+from memckpt.store import ReplicaStore, scan
+from memckpt.transport import ShardSender, send_msg
+from _shards import shards  # noqa: F401 (fixture)
+
+JOB, NODE = "t", "nodeA"
+
+
+@pytest.fixture
+def store(ram_root):
+    s = ReplicaStore(ram_root=ram_root, job=JOB, node_id=NODE)
+    yield s
+    s.clear()
+
+
+@pytest.fixture
+def sender(store):
+    snd = ShardSender(store.address("127.0.0.1"), timeout_s=30)
+    yield snd
+    snd.close()
+
+
+def _held(store: ReplicaStore, rank: int, step: int) -> np.ndarray:
+    path = scan(store.replicas)[rank][step]
+    return np.fromfile(path, dtype=np.uint8)
+
+
+def test_streamed_shard_lands_verified_and_byte_identical(store, sender, shards):
+    for step in (1, 2):
+        raw, digest = shards[step]
+        assert sender.send(0, step, raw, digest, gen=0) is True
+        held = _held(store, 0, step)
+        assert np.array_equal(held, raw)
+        assert fmt.open_shard(held, "held", verify=True).step == step
+    assert store.inventory() == {0: [1, 2]}
+
+
+def test_one_connection_carries_many_ranks_and_resends(store, sender, shards):
+    raw, digest = shards[3]
+    assert sender.send(1, 3, raw, digest, gen=0) is True
+    assert sender.send(1, 3, raw, digest, gen=0) is False  # already held intact: not resent
+    assert sender.send(2, 3, raw, digest, gen=0) is True
+    assert store.inventory() == {1: [3], 2: [3]}
+
+
+def test_flipped_byte_is_refused_and_connection_stays_usable(store, sender, shards):
+    raw, digest = shards[1]
+    bad = raw.copy()
+    bad[-1] ^= 0xFF  # last data byte
+    with pytest.raises(ChecksumError):
+        sender.send(0, 1, bad, digest, gen=0)
+    assert store.inventory() == {}  # nothing unverified is listed
+    assert sender.send(0, 1, raw, digest, gen=0) is True
+    assert np.array_equal(_held(store, 0, 1), raw)
+
+
+def test_stale_generation_is_refused_by_type(store, sender, shards):
+    raw, digest = shards[1]
+    store.set_generation(3)
+    with pytest.raises(StaleGenerationError, match="generation 2"):
+        sender.send(0, 1, raw, digest, gen=2)
+    assert sender.send(0, 1, raw, digest, gen=3) is True
+
+
+def test_generation_change_mid_stream_drops_the_shard(store, shards, monkeypatch):
+    """Recovery fences a new generation while an old one is still streaming: the rest of
+    the bytes are drained, the shard is refused, and the slot is never listed."""
+    import memckpt.transport as tr
+    monkeypatch.setattr(tr, "RECV_CHUNK", 4096)
+    raw, digest = shards[2]
+    assert len(raw) > 3 * 4096
+    real_receive, fenced = store.receive, []
+
+    def receive(rank, step, offset, nbytes, fill, gen=-1):
+        if offset == 4096 and not fenced:  # recovery starts generation 1 mid-stream
+            fenced.append(store.set_generation(1))
+        return real_receive(rank, step, offset, nbytes, fill, gen)
+
+    monkeypatch.setattr(store, "receive", receive)
+    snd = ShardSender(store.address("127.0.0.1"), timeout_s=30)
+    try:
+        with pytest.raises(StaleGenerationError):
+            snd.send(0, 2, raw, digest, gen=0)
+        assert store.inventory() == {}
+        assert snd.send(0, 2, raw, digest, gen=1) is True  # the stream is still in step
+    finally:
+        snd.close()
+
+
+def test_sender_dying_mid_shard_leaves_nothing_listed(store, shards):
+    raw, digest = shards[1]
+    sock = socket.create_connection(store.address("127.0.0.1"), timeout=30)
+    send_msg(sock, {"rank": 0, "step": 1, "nbytes": len(raw), "checksum": digest, "gen": 0})
+    sock.recv(1024)  # the go-ahead
+    sock.sendall(memoryview(raw)[: len(raw) // 2])
+    sock.close()  # the worker died half-way
+    assert 0 not in store.inventory()
+    snd = ShardSender(store.address("127.0.0.1"), timeout_s=30)
+    try:  # the half-written slot is reused for a complete copy
+        assert snd.send(0, 1, raw, digest, gen=0) is True
+    finally:
+        snd.close()
+    assert store.inventory() == {0: [1]}
+
+
+def test_cancelled_send_stops_and_closes(store, sender, shards):
+    raw, digest = shards[1]
+    with pytest.raises(ConnectionError, match="cancelled"):
+        sender.send(0, 1, raw, digest, gen=0, cancelled=lambda: True)
+    assert store.inventory() == {}
+
+
+def test_lack_of_ram_reaches_the_sender(store, sender, shards, monkeypatch):
+    import memckpt.store as st
+    raw, digest = shards[1]
+    monkeypatch.setattr(st, "RAM_HEADROOM", 1 << 60)
+    with pytest.raises(PlacementError, match="lacks RAM"):
+        sender.send(0, 1, raw, digest, gen=0)
