@@ -13,7 +13,9 @@ EXPECTED = {
     ("recovery", "memckpt-worker"), ("recovery", "memckpt-node"),
     ("recovery", "restart+torch.load"), ("transfer", "memckpt-peer-fetch"),
     ("transfer", "memckpt-replication"), ("transfer", "raw-ray-put-get"),
-    ("step-time", "gpt-tiny-snapshot-every-step"), ("step-time", "gpt-tiny-no-snapshot"),
+    ("transfer", "raw-tcp-2way"),
+    ("step-time", "gpt-tiny-snapshot-every-step"), ("step-time", "gpt-tiny-local-snapshot-only"),
+    ("step-time", "gpt-tiny-no-snapshot"),
 }
 
 
@@ -46,6 +48,9 @@ def test_recovery_bench_rows(tmp_path):
         assert r["throughput_Bps"] > 0 and r["ratio_to_raw"] > 0
         assert r["state_bytes"] >= 4 * 2**20  # a whole shard moved
     assert by[("step-time", "gpt-tiny-snapshot-every-step")]["slowdown"] is not None
+    for method in ("memckpt-worker", "memckpt-node"):
+        split = by[("recovery", method)]["resume_split_s"]
+        assert set(split) >= {"start", "build", "fetch", "load", "resnapshot", "first_snapshot"}
     table = recovery.format_table(rows)
     assert table.startswith("| benchmark | method | state | median |")
     assert len(table.splitlines()) == len(rows) + 2
