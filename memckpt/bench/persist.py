@@ -47,6 +47,14 @@ def _shard(size: int, ram_root: str) -> tuple[Any, Any]:
     return raw, ckpt
 
 
+def write_fsync(path: Path, data) -> None:
+    """The raw disk limit: one ``write`` of ``data`` (bytes-like) + ``fsync``."""
+    with open(path, "wb") as f:
+        f.write(memoryview(data))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _time(fn, repeats: int) -> float:
     return median(_timed(fn) for _ in range(repeats))
 
@@ -73,10 +81,7 @@ def run_persist_bench(sizes: list[int], repeats: int = 3, directory: Optional[st
                 store.commit(1, 1, [entry], "bench")
 
             def raw_disk() -> None:
-                with open(base / "raw.bin", "wb") as f:
-                    f.write(memoryview(raw))
-                    f.flush()
-                    os.fsync(f.fileno())
+                write_fsync(base / "raw.bin", raw)
 
             for name, fn in (("raw-disk-write", raw_disk), ("memckpt-disk", memckpt_disk)):
                 rows.append({"benchmark": "persist", "method": name, "state_bytes": len(raw),

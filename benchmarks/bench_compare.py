@@ -1,0 +1,19 @@
+#!/usr/bin/env python
+"""Side-by-side benchmark: the same code as ``memckpt bench compare``.
+
+    python benchmarks/bench_compare.py [--parts stall,lost_work,recovery,scaling]
+        [--sizes 100M,1G] [--recovery-sizes 1G] [--json PATH] [--plot PNG]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run from a checkout without installing: the package sits next to this directory.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from memckpt.bench.compare import _cli  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(_cli())

@@ -1,0 +1,132 @@
+"""Smoke test of ``memckpt bench compare``: tiny sizes, every part, every method, the JSON rows,
+the table and the PNG, so the benchmark never rots. Two tests (stall + lost work, and
+recovery) so each stays short."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from memckpt import cli
+from memckpt.bench import compare, plot
+
+STALL = {"none", "memcpy", "raw-disk-write", "memckpt-local", "memckpt-none", "memckpt",
+         "torch.save", "dcp-async", "ray-train-none", "ray-train"}
+LOST = {"memckpt-local", "memckpt", "torch.save", "dcp-async", "ray-train"}
+SCALING = {"memckpt-none", "memckpt-k1", "memckpt-k1-memory", "memckpt-k2", "memckpt-k2-memory"}
+FIELDS = ("benchmark", "method", "state_bytes", "median", "unit")
+
+
+def _common(rows):
+    for r in rows:
+        for f in FIELDS:
+            assert f in r, (f, r)
+        assert r["benchmark"] in compare.PARTS
+        assert r["median"] > 0, r
+        assert r["state_bytes"] > 0, r
+    json.dumps(rows)  # JSON-able
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_stall_and_lost_work(tmp_path, capsys):
+    out, png = tmp_path / "rows.json", tmp_path / "plot.png"
+    rc = cli.main(["bench", "compare", "--parts", "stall,lost_work", "--sizes", "2M",
+                   "--steps", "2", "--step-s", "0.02", "--raytrain-poll-s", "0.1",
+                   "--dir", str(tmp_path / "disk"), "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    rows = json.loads(out.read_text())
+    _common(rows)
+    stall = {r["method"]: r for r in rows if r["benchmark"] == "stall"}
+    assert set(stall) == STALL
+    memcpy = stall["memcpy"]["median"]
+    for m, r in stall.items():
+        assert abs(r["state_bytes"] - 2 * 2**20) < 0.1 * 2 * 2**20, r
+        if m in compare.BASELINES:
+            assert r["median"] == r["step_s"]
+            continue
+        assert r["median"] >= r["blocking_s"] > 0  # stall includes at least the blocking part
+        assert r["x_memcpy"] == pytest.approx(r["median"] / memcpy)
+        if m not in compare.LIMITS:
+            assert r["x_memckpt"] == pytest.approx(r["median"] / stall["memckpt"]["median"])
+    assert stall["memckpt"]["store_bytes"]  # read from the stores
+    lost = {r["method"]: r for r in rows if r["benchmark"] == "lost_work"}
+    assert set(lost) == LOST
+    for r in lost.values():
+        assert r["unit"] == "steps" and r["interval_steps"] >= 1
+        assert r["overhead_at_interval"] <= compare.OVERHEAD_BUDGET + 1e-9
+        assert r["median"] >= r["interval_steps"] / 2
+    printed = capsys.readouterr().out
+    assert printed.startswith("machine:")
+    assert "| benchmark | method | state | median | × memcpy | × memckpt | details |" in printed
+    assert "targets:" in printed
+    _png_size(png)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_recovery_and_scaling(tmp_path):
+    rows = compare.run_compare(("recovery", "scaling"), compare.parse_sizes("4M"), steps=2,
+                               step_s=0.02, directory=str(tmp_path), recovery_compute_iters=2,
+                               kill_at=3, nodes=3, raytrain_poll_s=0.1, log=lambda _m: None)
+    _common(rows)
+    scaling = {(r["method"], r["nodes"]) for r in rows if r["benchmark"] == "scaling"}
+    assert {m for m, _ in scaling} == SCALING
+    assert {n for _, n in scaling} == {2, 3}
+    for r in rows:
+        if r["method"].endswith("-memory"):
+            assert r["unit"] == "bytes"
+            assert r["x_state"] == pytest.approx(r["expected_x_state"], rel=0.2)
+
+    rec = {r["method"]: r for r in rows if r["benchmark"] == "recovery"}
+    assert set(rec) == set(compare.RECOVERY_METHODS)
+    fastest = min(rec[m]["median"] for m in compare.ALTERNATIVES)
+    for m in ("memckpt-worker", "memckpt-node"):
+        assert rec[m]["speedup_vs_fastest_alternative"] == pytest.approx(fastest / rec[m]["median"])
+    assert set(rec["memckpt-worker"]["sources"][0].values()) == {"local"}
+    assert rec["memckpt-node"]["fraction_of_limit"] > 0
+    for m in compare.ALTERNATIVES:
+        assert rec[m]["phases_s"]["total"] == pytest.approx(rec[m]["median"])
+        assert rec[m]["phases_s"]["torch_load"] > 0
+    png = plot.plot_compare(rows, tmp_path / "rec.png")
+    _png_size(png)
+
+
+def _png_size(path):
+    from PIL import Image
+    assert path.exists() and path.stat().st_size < 400_000
+    with Image.open(path) as im:
+        assert im.size == (plot.WIDTH_PX, plot.HEIGHT_PX)
+
+
+def test_arguments():
+    parser = argparse.ArgumentParser()
+    compare.add_arguments(parser)
+    args = parser.parse_args([])
+    assert args.parts == compare.PARTS and args.steps == 5
+    for bad in (["--parts", "stall,bogus"], ["--step-s", "0"], ["--sizes", "1G,"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+
+
+def test_from_json_rederives(tmp_path, capsys):
+    """Per-part runs merge: ratios and lost work are derived again from the measured rows."""
+    machine = {"cpus": 2, "ram_bytes": 1 << 34, "cuda": False, "torch": "x", "python": "3"}
+    def row(m, step, blocking, harness="process"):
+        return {"benchmark": "stall", "method": m, "size": "1G", "state_bytes": 1 << 30,
+                "harness": harness, "step_s": step, "blocking_s": blocking, "compute_s": 1.0,
+                "machine": machine}
+    a = [row("none", 1.0, 0.0), row("memcpy", 0.1, 0.1), row("torch.save", 3.0, 2.0),
+         row("memckpt-none", 1.0, 0.0, "memckpt.run"), row("memckpt", 1.12, 0.11, "memckpt.run")]
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    assert cli.main(["bench", "compare", "--from-json", str(tmp_path / "a.json"),
+                     "--json", str(tmp_path / "all.json")]) == 0
+    rows = json.loads((tmp_path / "all.json").read_text())
+    by = {(r["benchmark"], r["method"]): r for r in rows}
+    assert by[("stall", "memckpt")]["median"] == pytest.approx(0.12)
+    assert by[("stall", "torch.save")]["x_memckpt"] == pytest.approx(2.0 / 0.12)
+    assert by[("lost_work", "memckpt")]["interval_steps"] == 3  # 0.12 / (5% of 1 s)
+    assert by[("lost_work", "torch.save")]["interval_steps"] == 40
+    assert "NOT met" in capsys.readouterr().out
