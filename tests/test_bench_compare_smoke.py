@@ -12,9 +12,10 @@ import pytest
 from memckpt import cli
 from memckpt.bench import compare, plot
 
+# Ray Train with its controller polling every 0.1 s (not Ray's default 2 s) carries the poll
 STALL = {"none", "memcpy", "raw-disk-write", "memckpt-local", "memckpt-none", "memckpt",
-         "torch.save", "dcp-async", "ray-train-none", "ray-train"}
-LOST = {"memckpt-local", "memckpt", "torch.save", "dcp-async", "ray-train"}
+         "torch.save", "dcp-async", "ray-train-none-poll0.1s", "ray-train-poll0.1s"}
+LOST = {"memckpt-local", "memckpt", "torch.save", "dcp-async", "ray-train-poll0.1s"}
 SCALING = {"memckpt-none", "memckpt-k1", "memckpt-k1-memory", "memckpt-k2", "memckpt-k2-memory"}
 FIELDS = ("benchmark", "method", "state_bytes", "median", "unit")
 
@@ -44,10 +45,11 @@ def test_stall_and_lost_work(tmp_path, capsys):
     memcpy = stall["memcpy"]["median"]
     for m, r in stall.items():
         assert abs(r["state_bytes"] - 2 * 2**20) < 0.1 * 2 * 2**20, r
-        if m in compare.BASELINES:
+        if compare.is_baseline(m):
             assert r["median"] == r["step_s"]
             continue
-        assert r["median"] >= r["blocking_s"] > 0  # stall includes at least the blocking part
+        assert r["blocking_s"] > 0
+        assert r["median"] >= r.get("own_blocking_s", r["blocking_s"])  # at least what it blocks
         assert r["x_memcpy"] == pytest.approx(r["median"] / memcpy)
         if m not in compare.LIMITS:
             assert r["x_memckpt"] == pytest.approx(r["median"] / stall["memckpt"]["median"])
@@ -70,16 +72,15 @@ def test_stall_and_lost_work(tmp_path, capsys):
 def test_recovery_and_scaling(tmp_path):
     rows = compare.run_compare(("recovery", "scaling"), compare.parse_sizes("4M"), steps=2,
                                step_s=0.02, directory=str(tmp_path), recovery_compute_iters=2,
-                               kill_at=3, nodes=3, raytrain_poll_s=0.1, log=lambda _m: None)
+                               kill_at=3, nodes=(3,), raytrain_poll_s=0.1, log=lambda _m: None)
     _common(rows)
     scaling = {(r["method"], r["nodes"]) for r in rows if r["benchmark"] == "scaling"}
     assert {m for m, _ in scaling} == SCALING
-    assert {n for _, n in scaling} == {2, 3}
+    assert {n for _, n in scaling} == {3}
     for r in rows:
         if r["method"].endswith("-memory"):
             assert r["unit"] == "bytes"
             assert r["x_state"] == pytest.approx(r["expected_x_state"], rel=0.2)
-
     rec = {r["method"]: r for r in rows if r["benchmark"] == "recovery"}
     assert set(rec) == set(compare.RECOVERY_METHODS)
     fastest = min(rec[m]["median"] for m in compare.ALTERNATIVES)
@@ -106,7 +107,8 @@ def test_arguments():
     compare.add_arguments(parser)
     args = parser.parse_args([])
     assert args.parts == compare.PARTS and args.steps == 5
-    for bad in (["--parts", "stall,bogus"], ["--step-s", "0"], ["--sizes", "1G,"]):
+    for bad in (["--parts", "stall,bogus"], ["--step-s", "0"], ["--sizes", "1G,"],
+                ["--nodes", "1,2"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
 

@@ -6,7 +6,9 @@ Four parts (``--parts``, default all), each measured in this run, medians over r
              state), with a fixed simulated forward+backward per step (``--step-s``, the same
              matmuls for every method). Stall = max(step-time increase over the same harness
              without checkpoints, the blocking part of the call): background work that steals
-             the CPU shows up. Methods: none, memckpt-local (RAM copy only), memckpt
+             the CPU shows up; the blocking part counts beyond the same harness's call
+             without a checkpoint (Ray Train's report() alone waits for its controller's
+             2 s poll). Methods: none, memckpt-local (RAM copy only), memckpt
              (memckpt.run, replication to a peer node's store every step), torch.save (local
              disk + fsync), dcp-async (the blocking part of dcp.async_save, incl. waiting for
              the previous save), ray-train (torch.save into a dir + ray.train.report); the
@@ -23,7 +25,7 @@ Four parts (``--parts``, default all), each measured in this run, medians over r
              (memckpt.bench.recovery), restart every worker + torch.load, the same with DCP
              (dcp.save / dcp.load), and Ray Train restoring from its storage_path; the peer
              restore is also shown against a raw Ray transfer of the same bytes
-  scaling    memckpt on 2..``--nodes`` simulated nodes (one rank each, 1 torch thread,
+  scaling    memckpt on ``--nodes`` simulated nodes (2,3,4) (one rank each, 1 torch thread,
              ``--scaling-size`` per rank), k = 1 and k = 2 replicas: stall, and the bytes each
              node's store holds (measured from the stores)
 
@@ -59,8 +61,30 @@ STALL_METHODS = ("none", "memcpy", "raw-disk-write", "memckpt-local", "memckpt-n
                  "torch.save", "dcp-async", "ray-train-none", "ray-train")
 BASELINES = {"none", "memckpt-none", "ray-train-none"}
 LIMITS = {"memcpy", "raw-disk-write"}
-HARNESS_BASE = {"memckpt": "memckpt-none", "ray-train": "ray-train-none"}  # else "none"
 CHECKPOINT_METHODS = ("memckpt-local", "memckpt", "torch.save", "dcp-async", "ray-train")
+
+
+def base_method(m: str) -> str:
+    """Ray Train measured with a non-default controller poll is named ray-train-pollXs."""
+    return "ray-train" if m.startswith("ray-train-poll") else \
+        "ray-train-none" if m.startswith("ray-train-none") else m
+
+
+def is_baseline(m: str) -> bool:
+    return base_method(m) in BASELINES
+
+
+def harness_base(m: str) -> str:
+    """The same harness without checkpoints: what a method's step-time increase is against."""
+    if m == "memckpt":
+        return "memckpt-none"
+    if m.startswith("ray-train"):
+        return "ray-train-none" + m[len("ray-train"):]
+    return "none"
+
+
+def raytrain_suffix(poll_s: Optional[float]) -> str:
+    return "" if poll_s is None or poll_s == 2.0 else f"-poll{poll_s:g}s"
 RECOVERY_METHODS = ("memckpt-worker", "memckpt-node", "restart+torch.load", "restart+dcp.load",
                     "ray-train-restore")
 ALTERNATIVES = ("restart+torch.load", "restart+dcp.load", "ray-train-restore")
@@ -163,8 +187,9 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
                         r = alt.raytrain_stall(size, steps, warmup, compute_n, checkpoint=ck,
                                                storage=storage, local_dir=directory,
                                                name=f"cmp-rt-{label.lower()}-{int(ck)}-{os.getpid()}")
-                    methods["ray-train" if ck else "ray-train-none"] = r
-                    raw[label]["harness"]["ray-train" if ck else "ray-train-none"] = "TorchTrainer"
+                    name = ("ray-train" if ck else "ray-train-none") + raytrain_suffix(raytrain_poll_s)
+                    methods[name] = r
+                    raw[label]["harness"][name] = "TorchTrainer"
             else:
                 log(f"stall {label}: not enough free RAM for Ray Train: skipped")
     finally:
@@ -181,9 +206,7 @@ def stall_rows(label: str, raw: dict[str, Any], steps: int,
                raytrain_poll_s: Optional[float]) -> list[dict[str, Any]]:
     methods, state_bytes = raw["methods"], raw["state_bytes"]
     rows = []
-    for m in STALL_METHODS:
-        if m not in methods:
-            continue
+    for m in sorted(methods, key=lambda m: (STALL_METHODS.index(base_method(m)), m)):
         r = methods[m]
         row: dict[str, Any] = {
             "benchmark": "stall", "method": m, "size": label, "state_bytes": state_bytes,
@@ -209,7 +232,7 @@ def derive_stall(rows: list[dict[str, Any]]) -> None:
     """Fill stall, ratios and fractions of the limit into the stall rows (in place)."""
     by = {(r["size"], r["method"]): r for r in rows if r["benchmark"] == "stall"}
     for (size, m), r in by.items():
-        if m in BASELINES:
+        if is_baseline(m):
             r["median"] = r["step_s"]
             r["figure"] = "step time (baseline)"
             r["stall_s"] = 0.0
@@ -217,25 +240,29 @@ def derive_stall(rows: list[dict[str, Any]]) -> None:
             r["median"] = r["stall_s"] = r["blocking_s"]
             r["figure"] = "copy time (limit)" if m == "memcpy" else "write + fsync time (limit)"
         else:
-            base = by.get((size, HARNESS_BASE.get(m, "none")))
+            base = by.get((size, harness_base(m)))
             increase = r["step_s"] - base["step_s"] if base else None
+            # what the call blocks beyond the same call without a checkpoint (Ray Train's
+            # report(metrics) alone waits for the controller's poll too)
+            own = r["blocking_s"] - (base["blocking_s"] if base else 0.0)
             r["step_increase_s"] = increase
+            r["own_blocking_s"] = own
             r["base_step_s"] = base["step_s"] if base else None
-            r["median"] = r["stall_s"] = max(increase if increase is not None else 0.0,
-                                             r["blocking_s"])
-            r["figure"] = "stall = max(step-time increase, blocking part)"
+            r["median"] = r["stall_s"] = max(increase if increase is not None else 0.0, own,
+                                             r.get("write_s") or 0.0)
+            r["figure"] = "stall = max(step-time increase, blocking part beyond the baseline's)"
         r["unit"] = "s"
         r["median_s"] = r["median"]
     for (size, m), r in by.items():
         memcpy, disk = by.get((size, "memcpy")), by.get((size, "raw-disk-write"))
         ref = by.get((size, "memckpt")) or by.get((size, "memckpt-local"))
-        if m in BASELINES:
+        if is_baseline(m):
             continue
         r["x_memcpy"] = r["stall_s"] / memcpy["stall_s"] if memcpy else None
         r["x_memckpt"] = r["stall_s"] / ref["stall_s"] if ref and m not in LIMITS else None
         if m.startswith("memckpt"):
             r["fraction_of_limit"] = memcpy["stall_s"] / r["stall_s"] if memcpy else None
-        if disk and m in ("torch.save", "dcp-async", "ray-train"):
+        if disk and base_method(m) in ("torch.save", "dcp-async", "ray-train"):
             r["x_disk_write"] = r["stall_s"] / disk["stall_s"]
 
 
@@ -245,7 +272,7 @@ def lost_work_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     expected recomputed steps per failure (N/2 + steps until a checkpoint is recoverable)."""
     out = []
     for r in rows:
-        if r["benchmark"] != "stall" or r["method"] not in CHECKPOINT_METHODS:
+        if r["benchmark"] != "stall" or base_method(r["method"]) not in CHECKPOINT_METHODS:
             continue
         base = r.get("base_step_s")
         if not base:
@@ -289,8 +316,11 @@ def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path
     try:
         _connect(cluster)
         for label, size in sizes:
-            if not _fits(rec.memory_needed(size)):
-                log(f"recovery {label}: needs ~{rec.memory_needed(size) / _GIB:.0f} GiB free: skipped")
+            # 2 ranks x (live state + 2 own slots + 2 replica slots) + a peer fetch's copy;
+            # recovery.memory_needed adds a removed node's files, which are freed here at once
+            need = 11 * size + 4 * _GIB
+            if not _fits(need):
+                log(f"recovery {label}: needs ~{need / _GIB:.0f} GiB free: skipped")
                 continue
             b = rec._Bench(cluster, size, rec.DEFAULT_LAYERS, kill_at, 2, compute_iters, disk,
                            ram_root, run_root, log)
@@ -381,17 +411,17 @@ def derive_recovery(rows: list[dict[str, Any]]) -> None:
 
 
 # -- scaling --------------------------------------------------------------------------------------
-def measure_scaling(size: int, label: str, max_nodes: int, steps: int, warmup: int,
+def measure_scaling(size: int, label: str, node_counts: list[int], steps: int, warmup: int,
                     compute_n: int, ram_root: str, log: Callable[[str], None]) -> list[dict[str, Any]]:
     from memckpt.bench import alternatives as alt
     from memckpt.localcluster import LocalCluster
-    log(f"scaling: starting a local {max_nodes}-node cluster")
-    cluster = LocalCluster(nodes=max_nodes, cpus_per_node=2, object_store_mb=512)
+    log(f"scaling: starting a local {max(node_counts)}-node cluster")
+    cluster = LocalCluster(nodes=max(node_counts), cpus_per_node=2, object_store_mb=512)
     run_dir = Path(tempfile.mkdtemp(prefix="memckpt-compare-runs-"))
     rows: list[dict[str, Any]] = []
     try:
         _connect(cluster)
-        for nodes in range(2, max_nodes + 1):
+        for nodes in sorted(node_counts):
             base = None
             for k in (0, 1, 2):
                 if k >= nodes:
@@ -452,7 +482,7 @@ def run_compare(parts: tuple[str, ...] = PARTS, sizes: Optional[list[tuple[str, 
                 directory: Optional[str] = None, ram_root: Optional[str] = None,
                 recovery_sizes: Optional[list[tuple[str, int]]] = None, recovery_repeats: int = 1,
                 recovery_compute_iters: int = 40, kill_at: int = 4,
-                nodes: int = 4, scaling_size: Optional[tuple[str, int]] = None,
+                nodes: tuple[int, ...] = (2, 3, 4), scaling_size: Optional[tuple[str, int]] = None,
                 scaling_steps: Optional[int] = None,
                 raytrain_poll_s: Optional[float] = None,
                 log: Callable[[str], None] = _log) -> list[dict[str, Any]]:
@@ -481,7 +511,7 @@ def run_compare(parts: tuple[str, ...] = PARTS, sizes: Optional[list[tuple[str, 
             rows += measure_recovery(recovery_sizes, recovery_repeats, disk, raytrain_poll_s,
                                      recovery_compute_iters, kill_at, log)
         if "scaling" in parts:
-            rows += measure_scaling(scaling_size[1], scaling_size[0], nodes, scaling_steps or steps,
+            rows += measure_scaling(scaling_size[1], scaling_size[0], list(nodes), scaling_steps or steps,
                                     warmup, compute_n, str(ram), log)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
@@ -512,7 +542,7 @@ def _x(v: Optional[float]) -> str:
 def _detail(r: dict[str, Any]) -> str:
     b, m = r["benchmark"], r["method"]
     if b == "stall":
-        if m in BASELINES:
+        if is_baseline(m):
             return f"{r['harness']}, no checkpoint"
         parts = [f"blocking {_human_s(r['blocking_s'])}"]
         if r.get("step_increase_s") is not None:
@@ -523,7 +553,7 @@ def _detail(r: dict[str, Any]) -> str:
             parts.append(f"replication {_human_s(r['replicate_s'])} behind")
         if r.get("persist_s"):
             parts.append(f"write done {_human_s(r['persist_s'])} after the call")
-        if r.get("report_s") is not None and m == "ray-train":
+        if r.get("report_s") is not None and base_method(m) == "ray-train":
             parts.append(f"torch.save {_human_s(r['write_s'])} + report {_human_s(r['report_s'])}")
         return "; ".join(parts)
     if b == "lost_work":
@@ -618,6 +648,16 @@ def _parts(text: str) -> tuple[str, ...]:
     return out
 
 
+def _node_counts(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 2:
+        raise argparse.ArgumentTypeError(f"invalid node counts {text!r}: e.g. 2,3,4 (each >= 2)")
+    return out
+
+
 def _seconds(text: str) -> float:
     try:
         v = float(text)
@@ -640,8 +680,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recovery-sizes", type=parse_sizes, default=None, metavar="LIST",
                         help="recovery: state per rank (default: the largest of --sizes)")
     parser.add_argument("--recovery-repeats", type=_positive_int, default=1, metavar="N")
-    parser.add_argument("--nodes", type=_positive_int, default=4, metavar="N",
-                        help="scaling: up to N simulated nodes, from 2 (default 4)")
+    parser.add_argument("--nodes", type=_node_counts, default=(2, 3, 4), metavar="LIST",
+                        help="scaling: simulated node counts, each >= 2 (default 2,3,4; k=2 from 3)")
     parser.add_argument("--scaling-size", type=parse_sizes, default=None, metavar="SIZE",
                         help="scaling: state per rank (default: the smallest of --sizes)")
     parser.add_argument("--raytrain-poll-s", type=_seconds, default=None, metavar="S",
@@ -656,9 +696,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.nodes < 2:
-        print("memckpt bench compare: --nodes must be >= 2", file=sys.stderr)
-        return 2
     if args.from_json:
         rows = []
         for p in args.from_json:

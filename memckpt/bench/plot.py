@@ -26,8 +26,7 @@ def plot_compare(rows: list[dict[str, Any]], path: str | Path) -> Path:
     (a_stall, a_rec), (a_lost, a_scale) = axes
 
     # stall vs state size, log-log
-    stall = [r for r in _rows(rows, "stall") if r["method"] not in ("none", "memckpt-none",
-                                                                   "ray-train-none")]
+    stall = [r for r in _rows(rows, "stall") if r.get("stall_s")]  # not the baselines
     for m in dict.fromkeys(r["method"] for r in stall):
         pts = sorted((r["state_bytes"] / 2**20, r["stall_s"]) for r in stall if r["method"] == m)
         style = "--" if m in ("memcpy", "raw-disk-write") else "-"
