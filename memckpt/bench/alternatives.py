@@ -347,6 +347,8 @@ def _raytrain_stall_loop(config: dict[str, Any]) -> None:
         shutil.rmtree(work, ignore_errors=True)
     w = config["warmup"]
     res.update({k: v[w:] for k, v in parts.items()})
+    from memckpt.state import TrainState
+    res["state_bytes"] = TrainState(model=model, optimizer=opt).capture(0).nbytes
     Path(config["out"]).write_text(json.dumps(res))
 
 

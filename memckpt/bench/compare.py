@@ -106,8 +106,12 @@ def _med(xs: list[float]) -> float:
 
 
 # -- stall ----------------------------------------------------------------------------------------
+PLAIN = ("none", "memcpy", "raw-disk-write", "memckpt-local", "torch.save", "dcp-async")
+SELECTABLE = PLAIN[1:] + ("memckpt", "ray-train")  # --methods (the baselines come along)
+
+
 def _plain_in_subprocess(size: int, steps: int, warmup: int, compute_n: int, directory: Path,
-                         ram_root: str) -> dict[str, Any]:
+                         ram_root: str, methods: tuple[str, ...] = PLAIN) -> dict[str, Any]:
     """The plain-process methods at one size in a fresh process (memory returned afterwards)."""
     import memckpt
     env = dict(os.environ)
@@ -115,7 +119,6 @@ def _plain_in_subprocess(size: int, steps: int, warmup: int, compute_n: int, dir
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     fd, out = tempfile.mkstemp(prefix="memckpt-compare-", suffix=".json")
     os.close(fd)
-    methods = ("none", "memcpy", "raw-disk-write", "memckpt-local", "torch.save", "dcp-async")
     cmd = [sys.executable, "-m", "memckpt.bench.alternatives", "--size", str(size), "--steps",
            str(steps), "--warmup", str(warmup), "--compute-n", str(compute_n), "--dir",
            str(directory), "--ram-root", ram_root, "--methods", ",".join(methods), "--out", out]
@@ -151,14 +154,21 @@ def _fits(need: int) -> bool:
 
 def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute_n: int,
                   directory: Path, ram_root: str, raytrain_poll_s: Optional[float],
-                  log: Callable[[str], None]) -> list[dict[str, Any]]:
+                  log: Callable[[str], None],
+                  only: tuple[str, ...] = SELECTABLE) -> list[dict[str, Any]]:
     from memckpt.bench import alternatives as alt
     from memckpt.localcluster import LocalCluster
     raw: dict[str, dict[str, Any]] = {}
+    plain = tuple(m for m in PLAIN if m == "none" or m in only)
     for label, size in sizes:
-        log(f"stall {label}: plain methods in a fresh process")
-        raw[label] = _plain_in_subprocess(size, steps, warmup, compute_n, directory, ram_root)
-        raw[label]["harness"] = {m: "process" for m in raw[label]["methods"]}
+        raw[label] = {"methods": {}, "harness": {}, "state_bytes": None}
+        if len(plain) > 1:
+            log(f"stall {label}: plain methods in a fresh process")
+            raw[label] = _plain_in_subprocess(size, steps, warmup, compute_n, directory, ram_root,
+                                              plain)
+            raw[label]["harness"] = {m: "process" for m in raw[label]["methods"]}
+    if "memckpt" not in only and "ray-train" not in only:
+        return [r for label, _ in sizes for r in stall_rows(label, raw[label], steps, raytrain_poll_s)]
     log("stall: starting a local 2-node cluster (2 CPUs each) for memckpt.run and Ray Train")
     cluster = LocalCluster(nodes=2, cpus_per_node=alt.TORCH_THREADS, object_store_mb=512)
     run_dir = Path(tempfile.mkdtemp(prefix="memckpt-compare-runs-"))
@@ -168,7 +178,9 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
         for label, size in sizes:
             methods = raw[label]["methods"]
             # memckpt: live state + 2 own slots on node 0, 2 replica slots on node 1
-            if _fits(int(5.3 * size) + 3 * _GIB):
+            if "memckpt" not in only:
+                pass
+            elif _fits(int(5.3 * size) + 3 * _GIB):
                 for snap in (False, True):
                     name = f"cmp-stall-{label.lower()}-{'on' if snap else 'off'}-{os.getpid()}"
                     log(f"stall {label}: memckpt.run, snapshots {'on' if snap else 'off'}")
@@ -177,10 +189,13 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
                                           replicas=1, ram_root=ram_root, run_dir=run_dir, name=name,
                                           cpus_per_worker=alt.TORCH_THREADS)
                     methods["memckpt" if snap else "memckpt-none"] = r
+                    raw[label]["state_bytes"] = raw[label]["state_bytes"] or r["state_bytes"]
                     raw[label]["harness"]["memckpt" if snap else "memckpt-none"] = "memckpt.run"
             else:
                 log(f"stall {label}: not enough free RAM for memckpt with a replica: skipped")
-            if _fits(int(2.2 * size) + 3 * _GIB):
+            if "ray-train" not in only:
+                pass
+            elif _fits(int(2.2 * size) + 3 * _GIB):
                 for ck in (False, True):
                     log(f"stall {label}: Ray Train, checkpoint {'on' if ck else 'off'}")
                     with alt.raytrain_poll(raytrain_poll_s):
@@ -189,6 +204,7 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
                                                name=f"cmp-rt-{label.lower()}-{int(ck)}-{os.getpid()}")
                     name = ("ray-train" if ck else "ray-train-none") + raytrain_suffix(raytrain_poll_s)
                     methods[name] = r
+                    raw[label]["state_bytes"] = raw[label]["state_bytes"] or r.get("state_bytes")
                     raw[label]["harness"][name] = "TorchTrainer"
             else:
                 log(f"stall {label}: not enough free RAM for Ray Train: skipped")
@@ -483,7 +499,7 @@ def run_compare(parts: tuple[str, ...] = PARTS, sizes: Optional[list[tuple[str, 
                 recovery_sizes: Optional[list[tuple[str, int]]] = None, recovery_repeats: int = 1,
                 recovery_compute_iters: int = 40, kill_at: int = 4,
                 nodes: tuple[int, ...] = (2, 3, 4), scaling_size: Optional[tuple[str, int]] = None,
-                scaling_steps: Optional[int] = None,
+                scaling_steps: Optional[int] = None, methods: tuple[str, ...] = SELECTABLE,
                 raytrain_poll_s: Optional[float] = None,
                 log: Callable[[str], None] = _log) -> list[dict[str, Any]]:
     from memckpt.bench.recovery import _disk_dir
@@ -506,7 +522,7 @@ def run_compare(parts: tuple[str, ...] = PARTS, sizes: Optional[list[tuple[str, 
             log(f"simulated forward+backward: {compute_n} matmuls 256x256 = {compute_alone:.3f} s")
         if "stall" in parts:
             rows += measure_stall(sizes, steps, warmup, compute_n, disk, str(ram), raytrain_poll_s,
-                                  log)
+                                  log, methods)
         if "recovery" in parts:
             rows += measure_recovery(recovery_sizes, recovery_repeats, disk, raytrain_poll_s,
                                      recovery_compute_iters, kill_at, log)
@@ -628,10 +644,10 @@ def report(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no rows"
     m = rows[0]["machine"]
+    step = max(rows, key=lambda r: r.get("compute_alone_s") or 0)
     head = (f"machine: {m['cpus']} CPUs, {m['ram_bytes'] / _GIB:.0f} GiB RAM, "
             f"{'CUDA' if m['cuda'] else 'CPU only'}, torch {m['torch']}, Python {m['python']}; "
-            f"simulated step {rows[0].get('compute_alone_s', 0):.2f} s "
-            f"({rows[0].get('compute_matmuls')} matmuls)")
+            f"simulated step {step['compute_alone_s']:.2f} s ({step['compute_matmuls']} matmuls)")
     text = [head, "", format_table(rows)]
     checks = check_targets(rows)
     if checks:
@@ -645,6 +661,14 @@ def _parts(text: str) -> tuple[str, ...]:
     bad = [p for p in out if p not in PARTS]
     if not out or bad:
         raise argparse.ArgumentTypeError(f"invalid parts {text!r}: choose from {','.join(PARTS)}")
+    return out
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    out = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in out if p not in SELECTABLE]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"invalid methods {text!r}: choose from {','.join(SELECTABLE)}")
     return out
 
 
@@ -673,6 +697,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"what to measure, comma-separated (default {','.join(PARTS)})")
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
                         metavar="LIST", help=f"stall: state sizes (default {DEFAULT_SIZES})")
+    parser.add_argument("--methods", type=_methods, default=SELECTABLE, metavar="LIST",
+                        help=f"stall: methods to measure (default all: {','.join(SELECTABLE)}; "
+                             "each comes with its harness's no-checkpoint baseline)")
     parser.add_argument("--steps", type=_positive_int, default=5, metavar="N",
                         help="stall: timed steps per method, after 2 warm-up steps (default 5)")
     parser.add_argument("--step-s", type=_seconds, default=DEFAULT_STEP_S, metavar="S",
@@ -707,7 +734,7 @@ def main(args: argparse.Namespace) -> int:
                                recovery_sizes=args.recovery_sizes,
                                recovery_repeats=args.recovery_repeats, nodes=args.nodes,
                                scaling_size=args.scaling_size[0] if args.scaling_size else None,
-                               raytrain_poll_s=args.raytrain_poll_s)
+                               raytrain_poll_s=args.raytrain_poll_s, methods=args.methods)
         except Exception as e:  # noqa: BLE001 (a failed measurement is reported, exit 1)
             print(f"memckpt bench compare: measurement failed: {type(e).__name__}: {e}",
                   file=sys.stderr)
