@@ -647,7 +647,8 @@ def report(rows: list[dict[str, Any]]) -> str:
     step = max(rows, key=lambda r: r.get("compute_alone_s") or 0)
     head = (f"machine: {m['cpus']} CPUs, {m['ram_bytes'] / _GIB:.0f} GiB RAM, "
             f"{'CUDA' if m['cuda'] else 'CPU only'}, torch {m['torch']}, Python {m['python']}; "
-            f"simulated step {step['compute_alone_s']:.2f} s ({step['compute_matmuls']} matmuls)")
+            f"simulated step {step.get('compute_alone_s') or 0:.2f} s "
+            f"({step.get('compute_matmuls') or 0} matmuls)")
     text = [head, "", format_table(rows)]
     checks = check_targets(rows)
     if checks:
