@@ -255,7 +255,8 @@ class Runtime:
             refs[w.run.remote(self.train_fn, master, spec)] = rank
         self._event("generation_started", gen=gen, assignment=assignment, workers=how,
                     restore={r: i.step for r, i in restore.items()})
-        self._top_up_spares(set(self.stores) - set(self.spares))
+        if gen == 0:  # after a recovery: once it is over (a new process competes for the CPU)
+            self._top_up_spares(set(self.stores) - set(self.spares))
         return Generation(gen, workers, refs, info)
 
     def _new_worker(self, node: str, spare: bool = False) -> Any:
@@ -396,6 +397,7 @@ class Runtime:
             phases["total"] = now - fault_at
             self._event("recovery_finished", step=self.recoveries[-1]["resumed_step"],
                         gen=g.gen, phases_s=phases)
+            self._top_up_spares(set(self.stores) - set(self.spares))
         if not self.quiet and now - self._last_print > 1.0 and step >= 0:
             self._last_print = now
             self._say(progress_line(g.gen, prog))
@@ -492,6 +494,7 @@ class Runtime:
             "what": failure["what"], "died_ranks": failure["died"],
             "dead_nodes": sorted(set(self.worker_nodes.values()) - set(cap)),
             "resumed_step": plan.step, "moved_ranks": list(plan.moved),
+            "in_place_ranks": sorted(plan.placed),  # copies already placed: no re-copy
             "sources": {str(r): _source_label(s, plan.assignment[r]) for r, s in plan.sources.items()},
             "notes": list(plan.notes), "gen": g.gen + 1, "fault_at": failure["fault_at"],
             "detected_at": failure["detected_at"],
@@ -553,6 +556,9 @@ class Runtime:
         for rec in self.recoveries:
             fetch = [r["restore"].get("fetch_and_load_s", 0.0) for r in results if r.get("restore")]
             rec["phases_s"]["fetch_and_load_max"] = max(fetch, default=0.0)
+        if self.recoveries:  # what the last generation's ranks copied out again after restoring
+            self.recoveries[-1]["recopied_ranks"] = [
+                r["rank"] for r in results if "resnapshot_s" in (r.get("restore") or {})]
         summary = {
             "job": self.config.job_name, "world_size": self.config.workers.num_workers,
             "steps": len(losses), "first_step": by_step[0][0] if by_step else None,

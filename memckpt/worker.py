@@ -247,7 +247,10 @@ class WorkerContext:
             # Copy the restored state out again so this rank's copies match the placement.
             # Skipped when its own slot and every holder already have this step: a process
             # restarted on its node (the usual failure) then resumes without re-copying.
+            t0 = time.perf_counter()
             self._snapshot(state, step)
+            if instr is not None:
+                self.restore_seconds["resnapshot_s"] = time.perf_counter() - t0
         self.last_step = step
         return step
 

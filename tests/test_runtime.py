@@ -65,7 +65,12 @@ def test_sigkill_worker_restores_from_local_store(full_cluster, reference, tmp_p
     assert rec["died_ranks"] == [1] and rec["dead_nodes"] == []
     assert rec["resumed_step"] == KILL_AT - 1  # the step being taken when it died is redone
     assert set(rec["sources"].values()) == {"local"}  # process death: no network needed
+    # every copy of the resumed step is still where placement wants it: nothing re-copied
+    assert rec["in_place_ranks"] == [0, 1, 2] and rec["recopied_ranks"] == []
     assert rec["phases_s"]["detect"] < 1.0
+    # the survivors ended their generation when told (no grace-period kill): reused warm
+    (gen1,) = [e for e in events(tmp_path) if e["event"] == "generation_started" and e["gen"] == 1]
+    assert gen1["workers"] == {"0": "reused", "1": "spare", "2": "reused"}
     kinds = [e["event"] for e in events(tmp_path)]
     assert kinds.index("failure_detected") < kinds.index("recovery_plan") < kinds.index("job_finished")
 
@@ -79,6 +84,8 @@ def test_node_loss_restores_from_peer_replica(full_cluster, reference, tmp_path)
     assert rec["moved_ranks"] == [1]
     # rank 1 restarts on the node that held its replica, so its restore is local there
     assert rec["sources"]["1"] == "local"
+    # rank 1 moved and needs a new holder; rank 0's holder died: both copy out again
+    assert {0, 1} <= set(rec["recopied_ranks"]) and 1 not in rec["in_place_ranks"]
     assert rec["phases_s"]["detect"] < 3.0
 
 

@@ -309,3 +309,41 @@ def test_fall_behind_wait_blocks_until_the_reader_releases(ram_root):
     assert ckpt.engine.steps() == [3, 2]
     assert ckpt.stats.skipped == 0 and ckpt.stats.waited_s > 0
     ckpt.close(unlink=True)
+
+
+def test_abort_wakes_a_snapshot_waiting_for_a_commit(ram_root):
+    """Gated (multi-node) engine: step 3 waits for step 2's commit. When recovery ends the
+    generation, abort() must fail that wait at once (the commit will never come), leave
+    both held snapshots intact, and fail every later snapshot too."""
+    from memckpt.errors import GenerationEnded
+    from memckpt.snapshot import SnapshotEngine
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = memckpt.TrainState(model=model, optimizer=opt)
+    engine = SnapshotEngine(ram_root, gated=True)
+    for s in (1, 2):
+        _train(model, opt, s)
+        assert engine.snapshot(state.capture(s), s)
+        engine.wait()
+        if s == 1:
+            engine.set_committed(1)
+    outcome, done = {}, threading.Event()
+
+    def third():
+        try:
+            engine.snapshot(state.capture(3), 3)
+            outcome["error"] = None
+        except GenerationEnded as e:
+            outcome["error"] = e
+        done.set()
+
+    t = threading.Thread(target=third)
+    t.start()
+    assert not done.wait(0.3), "step 3 overwrote committed step 1 before step 2 committed"
+    engine.abort(GenerationEnded("generation 0 was ended by recovery"))
+    assert done.wait(5) and isinstance(outcome["error"], GenerationEnded)
+    t.join(5)
+    assert engine.steps() == [2, 1]
+    with pytest.raises(GenerationEnded):
+        engine.snapshot(state.capture(3), 3)
+    engine.close(unlink=True)
