@@ -1,6 +1,6 @@
 """Smoke test of ``memckpt bench compare``: tiny sizes, every part, every method, the JSON rows,
-the table and the PNG, so the benchmark never rots. Two tests (stall + lost work, and
-recovery) so each stays short."""
+the table and the PNG, so the benchmark never rots. Three tests (stall + lost work, recovery,
+scaling), so each stays short (about a minute here)."""
 
 from __future__ import annotations
 
@@ -69,10 +69,9 @@ def test_stall_and_lost_work(tmp_path, capsys):
 
 @pytest.mark.ray
 @pytest.mark.timeout(180)
-def test_recovery_and_scaling(tmp_path):
-    rows = compare.run_compare(("recovery", "scaling"), compare.parse_sizes("4M"), steps=2,
-                               step_s=0.02, directory=str(tmp_path), recovery_compute_iters=2,
-                               kill_at=3, nodes=(3,), raytrain_poll_s=0.1, log=lambda _m: None)
+def test_scaling(tmp_path):
+    rows = compare.run_compare(("scaling",), compare.parse_sizes("4M"), steps=2, step_s=0.02,
+                               directory=str(tmp_path), nodes=(3,), log=lambda _m: None)
     _common(rows)
     scaling = {(r["method"], r["nodes"]) for r in rows if r["benchmark"] == "scaling"}
     assert {m for m, _ in scaling} == SCALING
@@ -81,6 +80,15 @@ def test_recovery_and_scaling(tmp_path):
         if r["method"].endswith("-memory"):
             assert r["unit"] == "bytes"
             assert r["x_state"] == pytest.approx(r["expected_x_state"], rel=0.2)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_recovery(tmp_path):
+    rows = compare.run_compare(("recovery",), compare.parse_sizes("4M"), directory=str(tmp_path),
+                               recovery_compute_iters=2, kill_at=3, raytrain_poll_s=0.1,
+                               log=lambda _m: None)
+    _common(rows)
     rec = {r["method"]: r for r in rows if r["benchmark"] == "recovery"}
     assert set(rec) == set(compare.RECOVERY_METHODS)
     fastest = min(rec[m]["median"] for m in compare.ALTERNATIVES)

@@ -13,6 +13,11 @@ COLORS = {"memckpt": "#d62728", "memckpt-local": "#ff9896", "memcpy": "#7f7f7f",
           "ray-train-restore": "#9467bd", "memckpt-k1": "#d62728", "memckpt-k2": "#8c564b"}
 
 
+def _color(method: str) -> str:
+    from memckpt.bench.compare import base_method
+    return COLORS.get(method) or COLORS.get(base_method(method)) or "#bcbd22"
+
+
 def _rows(rows: list[dict[str, Any]], bench: str) -> list[dict[str, Any]]:
     return [r for r in rows if r["benchmark"] == bench]
 
@@ -29,8 +34,8 @@ def plot_compare(rows: list[dict[str, Any]], path: str | Path) -> Path:
     stall = [r for r in _rows(rows, "stall") if r.get("stall_s")]  # not the baselines
     for m in dict.fromkeys(r["method"] for r in stall):
         pts = sorted((r["state_bytes"] / 2**20, r["stall_s"]) for r in stall if r["method"] == m)
-        style = "--" if m in ("memcpy", "raw-disk-write") else "-"
-        a_stall.plot(*zip(*pts), style, marker="o", label=m, color=COLORS.get(m))
+        style = "--" if m in ("memcpy", "raw-disk-write") else ":" if "poll" in m else "-"
+        a_stall.plot(*zip(*pts), style, marker="o", label=m, color=_color(m))
     a_stall.set(xscale="log", yscale="log", xlabel="state (MiB)", ylabel="stall per step (s)",
                 title="Stall, checkpoint every step (dashed: physical limits)")
     if stall:
@@ -49,7 +54,7 @@ def plot_compare(rows: list[dict[str, Any]], path: str | Path) -> Path:
             if r:
                 xs.append(j + i * width)
                 ys.append(r["median"])
-        a_rec.bar(xs, ys, width, label=m, color=COLORS.get(m))
+        a_rec.bar(xs, ys, width, label=m, color=_color(m))
     a_rec.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"{s}/rank" for s in sizes])
     a_rec.set(ylabel="fault -> first resumed step (s)", title="Recovery after a killed worker")
     if methods:
@@ -60,7 +65,7 @@ def plot_compare(rows: list[dict[str, Any]], path: str | Path) -> Path:
     lost = _rows(rows, "lost_work")
     labels = [f"{r['method']}\n{r['size']}" for r in lost]
     a_lost.bar(range(len(lost)), [r["median"] for r in lost],
-               color=[COLORS.get(r["method"]) for r in lost])
+               color=[_color(r["method"]) for r in lost])
     for i, r in enumerate(lost):
         a_lost.annotate(f"every {r['interval_steps']}", (i, r["median"]), ha="center",
                         va="bottom", fontsize=7)
@@ -102,4 +107,8 @@ def plot_compare(rows: list[dict[str, Any]], path: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=DPI)
     plt.close(fig)
+    from PIL import Image  # a matplotlib dependency: a palette PNG is a third of the size
+    with Image.open(out) as im:
+        small = im.convert("RGB").quantize(colors=128)
+    small.save(out, optimize=True)
     return out
