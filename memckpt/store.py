@@ -248,10 +248,16 @@ class ReplicaStore:
         raise NoSnapshotError(f"node {self.node_id[:12]} holds no shard of rank {rank} at step {step}")
 
     def read(self, rank: int, step: int) -> np.ndarray:
-        """The verified bytes of ``rank``'s shard at ``step`` (for a peer's restore)."""
+        """The verified bytes of ``rank``'s shard at ``step`` (a Ray call; restores stream
+        them over :mod:`memckpt.transport` instead, see :meth:`serve_bytes`)."""
         path = self.locate(rank, step)
-        region = RamRegion.open(path)
-        return fmt.open_shard(region.array, str(path)).raw
+        return fmt.open_shard(self.serve_bytes(rank, step), str(path)).raw
+
+    def serve_bytes(self, rank: int, step: int) -> np.ndarray:
+        """``rank``'s shard file of ``step`` as held (complete by its prefix), unverified."""
+        path = self.locate(rank, step)
+        with self._lock:
+            return self._mapping(path, path.stat().st_size).array
 
     def discard_after(self, step: int) -> int:
         """Invalidate every held shard newer than ``step`` (after a rollback). Returns count."""

@@ -8,12 +8,18 @@ from its snapshot slot; the store ``recv_into``s it directly into the replica's
 shared-memory file, verifies the checksum and acknowledges. Control (which
 store, which generation) stays on Ray; only the bytes take this path.
 
-Protocol, per shard, on a connection that carries many shards in turn::
+A restore after a node failure pulls a shard the same way in the other direction
+(``fetch``): the store ``sendall``s its file, the worker receives it into one
+buffer and verifies it before loading.
 
-    client -> {"rank", "step", "nbytes", "checksum", "gen"}   (length-prefixed JSON)
-    server -> {"ok": true, "send": bool} | {"ok": false, "error", "message"}
-    client -> nbytes raw bytes                                (only if "send")
-    server -> {"ok": true, "checksum"} | {"ok": false, "error", "message"}
+Protocol, per shard, on a connection that carries many requests in turn::
+
+    put:   client -> {"rank", "step", "nbytes", "checksum", "gen"}   (length-prefixed JSON)
+           server -> {"ok": true, "send": bool} | {"ok": false, "error", "message"}
+           client -> nbytes raw bytes                                (only if "send")
+           server -> {"ok": true, "checksum"} | {"ok": false, "error", "message"}
+    fetch: client -> {"op": "fetch", "rank", "step"}
+           server -> {"ok": true, "nbytes"} + nbytes raw bytes | {"ok": false, ...}
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ class Receiver(Protocol):
                 fill: Callable[[memoryview], None], gen: int = -1) -> int: ...
 
     def finish(self, rank: int, step: int, gen: int = -1) -> str: ...
+
+    def serve_bytes(self, rank: int, step: int) -> np.ndarray: ...
 
 
 # -- framing ------------------------------------------------------------------------------------
@@ -128,7 +136,21 @@ class ShardServer:
                     return  # mid-shard: the slot stays incomplete, nobody trusts it
 
     def _one(self, conn: socket.socket, req: dict[str, Any]) -> None:
-        """Serve one shard: go-ahead (or refusal), bytes, verified acknowledgement."""
+        if req.get("op") == "fetch":
+            return self._send(conn, int(req["rank"]), int(req["step"]))
+        return self._put(conn, req)
+
+    def _send(self, conn: socket.socket, rank: int, step: int) -> None:
+        """Serve a held shard's bytes (unverified here: the fetching worker verifies)."""
+        try:
+            raw = self.store.serve_bytes(rank, step)
+        except MemckptError as e:
+            return send_msg(conn, _refusal(e))
+        send_msg(conn, {"ok": True, "nbytes": len(raw)})
+        conn.sendall(memoryview(raw).cast("B"))
+
+    def _put(self, conn: socket.socket, req: dict[str, Any]) -> None:
+        """Receive one shard: go-ahead (or refusal), bytes, verified acknowledgement."""
         rank, step, nbytes, gen = int(req["rank"]), int(req["step"]), int(req["nbytes"]), int(req["gen"])
         try:
             wanted = self.store.begin(rank, step, nbytes, req["checksum"], gen)
@@ -167,8 +189,9 @@ class ShardServer:
 
 
 # -- client (inside a worker) -------------------------------------------------------------------
-class ShardSender:
-    """One connection to one store; ``send`` streams a shard and waits for the verified ack."""
+class StoreConnection:
+    """One connection to one store: ``send`` streams a shard in and waits for the verified
+    ack; ``fetch`` pulls a held shard out."""
 
     def __init__(self, address: tuple[str, int], timeout_s: float = 120.0) -> None:
         self.address = tuple(address)
@@ -193,6 +216,16 @@ class ShardSender:
             self._sock.sendall(view[off: off + RECV_CHUNK])
         _raise_from(recv_msg(self._sock))
         return True
+
+    def fetch(self, rank: int, step: int) -> np.ndarray:
+        """The bytes of ``rank``'s shard of ``step`` held by the store (verify before use).
+        Raises the store's error (:class:`NoSnapshotError` if it holds none) or OSError."""
+        send_msg(self._sock, {"op": "fetch", "rank": rank, "step": step})
+        head = recv_msg(self._sock)
+        _raise_from(head)
+        out = np.empty(int(head["nbytes"]), dtype=np.uint8)
+        _recv_into(self._sock, memoryview(out))
+        return out
 
     def close(self) -> None:
         try:

@@ -22,7 +22,6 @@ import queue
 import socket
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -40,7 +39,7 @@ from memckpt.faults import SIGNALS
 from memckpt.persister import Persister
 from memckpt.state import TrainState
 from memckpt.store import own_dir, scan
-from memckpt.transport import ShardSender
+from memckpt.transport import StoreConnection
 
 RETRIES = 5  # tries per replica holder before the replication fails
 
@@ -78,7 +77,7 @@ class Replicator:
         self.last_seconds = 0.0
         self.cancelled = False
         self.on_committed: Optional[Callable[[int, Optional[str]], None]] = None
-        self._senders: dict[str, ShardSender] = {}  # node id -> connection to its store
+        self._senders: dict[str, StoreConnection] = {}  # node id -> connection to its store
         self._thread = threading.Thread(target=self._loop, name="memckpt-replicator", daemon=True)
         self._thread.start()
 
@@ -134,7 +133,7 @@ class Replicator:
             try:
                 sender = self._senders.get(node)
                 if sender is None:
-                    sender = ShardSender(ray.get(store.address.remote()))
+                    sender = StoreConnection(ray.get(store.address.remote()))
                     self._senders[node] = sender
                 if sender.send(rank, step, raw, digest, self.spec.gen, lambda: self.cancelled):
                     self.bytes_sent += len(raw)
@@ -274,16 +273,21 @@ class WorkerContext:
                     region = RamRegion.open(path)
                     source = f"local:{path}"
                     shard = fmt.open_shard(region.array, source)
-                else:
-                    raw = ray.get(self.spec.stores[node].read.remote(self.rank, instr.step))
+                else:  # a peer's store streams it over TCP; verified here before loading
+                    t0 = time.perf_counter()
+                    conn = StoreConnection(ray.get(self.spec.stores[node].address.remote()))
+                    try:
+                        raw = conn.fetch(self.rank, instr.step)
+                    finally:
+                        conn.close()
+                    self.restore_seconds["fetch_s"] = time.perf_counter() - t0
+                    self.restore_seconds["fetch_bytes"] = float(len(raw))
                     source = f"peer:{node}"
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", UserWarning)  # read-only buffer
-                        shard = fmt.open_shard(raw, source)
+                    shard = fmt.open_shard(raw, source)
                 step = self.ckpt.load_shard(state, shard, source)
                 self.restore_source = source
                 return step
-            except (MemckptError, ray.exceptions.RayError) as e:
+            except (MemckptError, OSError, ray.exceptions.RayError) as e:
                 errors.append(f"{node[:12]}: {e}")
         raise NoSnapshotError(f"rank {self.rank}: no source could provide step {instr.step}: "
                               + "; ".join(errors))

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from memckpt import shard as fmt
-from memckpt.errors import ChecksumError, PlacementError, StaleGenerationError
+from memckpt.errors import ChecksumError, NoSnapshotError, PlacementError, StaleGenerationError
 from memckpt.store import ReplicaStore, scan
-from memckpt.transport import ShardSender, send_msg
+from memckpt.transport import StoreConnection, send_msg
 from _shards import shards  # noqa: F401 (fixture)
 
 JOB, NODE = "t", "nodeA"
@@ -30,7 +30,7 @@ def store(ram_root):
 
 @pytest.fixture
 def sender(store):
-    snd = ShardSender(store.address("127.0.0.1"), timeout_s=30)
+    snd = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
     yield snd
     snd.close()
 
@@ -92,7 +92,7 @@ def test_generation_change_mid_stream_drops_the_shard(store, shards, monkeypatch
         return real_receive(rank, step, offset, nbytes, fill, gen)
 
     monkeypatch.setattr(store, "receive", receive)
-    snd = ShardSender(store.address("127.0.0.1"), timeout_s=30)
+    snd = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
     try:
         with pytest.raises(StaleGenerationError):
             snd.send(0, 2, raw, digest, gen=0)
@@ -110,7 +110,7 @@ def test_sender_dying_mid_shard_leaves_nothing_listed(store, shards):
     sock.sendall(memoryview(raw)[: len(raw) // 2])
     sock.close()  # the worker died half-way
     assert 0 not in store.inventory()
-    snd = ShardSender(store.address("127.0.0.1"), timeout_s=30)
+    snd = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
     try:  # the half-written slot is reused for a complete copy
         assert snd.send(0, 1, raw, digest, gen=0) is True
     finally:
@@ -131,3 +131,28 @@ def test_lack_of_ram_reaches_the_sender(store, sender, shards, monkeypatch):
     monkeypatch.setattr(st, "RAM_HEADROOM", 1 << 60)
     with pytest.raises(PlacementError, match="lacks RAM"):
         sender.send(0, 1, raw, digest, gen=0)
+
+
+def test_fetch_returns_the_held_shard_and_refuses_what_is_not_held(store, sender, shards):
+    raw, digest = shards[2]
+    assert sender.send(3, 2, raw, digest, gen=0) is True
+    got = sender.fetch(3, 2)
+    assert np.array_equal(got[: len(raw)], raw)
+    assert fmt.open_shard(got, "fetched", verify=True).step == 2
+    with pytest.raises(NoSnapshotError, match="rank 3 at step 1"):
+        sender.fetch(3, 1)
+    assert sender.fetch(3, 2).tobytes() == got.tobytes()  # the connection is still in step
+
+
+def test_fetched_corrupt_replica_fails_verification(store, sender, shards):
+    """The store streams what it holds; the restoring worker's check catches a flipped byte."""
+    raw, digest = shards[1]
+    assert sender.send(0, 1, raw, digest, gen=0) is True
+    path = scan(store.replicas)[0][1]
+    with open(path, "r+b") as f:
+        f.seek(len(raw) - 1)
+        last = f.read(1)
+        f.seek(len(raw) - 1)
+        f.write(bytes([last[0] ^ 0xFF]))
+    with pytest.raises(ChecksumError):
+        fmt.open_shard(sender.fetch(0, 1), "fetched", verify=True)

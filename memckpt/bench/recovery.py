@@ -15,8 +15,8 @@ head), so both sides see the same machine:
                      self-SIGKILL, then every worker killed, new Ray actors (cold
                      processes that import torch), torch.load + load_state_dict,
                      one step
-  peer fetch         vs a raw Ray transfer of the same bytes between the same two
-                     nodes (an actor ray.put()s, another ray.get()s): the path it takes
+  peer fetch         vs a raw TCP transfer of the same bytes between the same two
+                     nodes (sendall -> recv_into): the path it takes
   replication        vs raw TCP transfers of the same bytes between the same two
                      nodes, both ways at once (sendall -> recv_into): the path it takes
   step time          memckpt.demo.job.GPTJob with a snapshot + replication every
@@ -138,33 +138,15 @@ def _all_reduce_mean(loss, world_size: int):
 
 
 class _RestoreProbe:
-    """Times the pieces of ``ctx.restore`` in the worker: the peer fetch (the ``ray.get`` that
-    returns the shard's bytes) and the load into the model and optimizer. Only the calling
-    thread's calls count; both patches are undone on exit."""
+    """Times the load into the model and optimizer inside ``ctx.restore`` (the worker times
+    its peer fetch itself, in ``ctx.restore_seconds``). Undone on exit."""
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
-        self.fetch_s = 0.0
-        self.fetch_bytes = 0
         self.load_s = 0.0
 
     def __enter__(self) -> "_RestoreProbe":
-        import threading
-
-        import numpy as np
-        import ray
-
-        me, probe = threading.get_ident(), self
-        self._ray, self._get = ray, ray.get
-        self._load = self.ctx.ckpt.load_shard
-
-        def get(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            out = probe._get(*args, **kwargs)
-            if threading.get_ident() == me and isinstance(out, np.ndarray):
-                probe.fetch_s += time.perf_counter() - t0
-                probe.fetch_bytes += int(out.nbytes)
-            return out
+        probe, self._load = self, self.ctx.ckpt.load_shard
 
         def load_shard(state: Any, shard: Any, source: str) -> int:
             t0 = time.perf_counter()
@@ -173,12 +155,10 @@ class _RestoreProbe:
             finally:
                 probe.load_s += time.perf_counter() - t0
 
-        ray.get = get
         self.ctx.ckpt.load_shard = load_shard
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._ray.get = self._get
         self.ctx.ckpt.__dict__.pop("load_shard", None)
 
 
@@ -229,7 +209,8 @@ class RecoveryJob:
             "holders": list(ctx.spec.holders), "t_enter": t_enter, "t_built": t_built,
             "t_restored": t_restored, "first_step_done_at": marks[0] if marks else None,
             "step_marks": marks, "compute_s": compute_s, "replication": repl,
-            "fetch_s": probe.fetch_s, "fetch_bytes": probe.fetch_bytes, "load_s": probe.load_s,
+            "fetch_s": ctx.restore_seconds.get("fetch_s", 0.0),
+            "fetch_bytes": int(ctx.restore_seconds.get("fetch_bytes", 0)), "load_s": probe.load_s,
             "fetch_and_load_s": ctx.restore_seconds.get("fetch_and_load_s"),
         }
 
@@ -361,13 +342,6 @@ class RawSender:
     def ready(self) -> bool:
         return True
 
-    def put(self) -> tuple[list, float]:
-        import ray
-        t0 = time.perf_counter()
-        ref = ray.put(self.array)
-        return [ref], time.perf_counter() - t0
-
-
     def send_tcp(self, address: tuple[str, int]) -> float:
         """sendall the array to a :meth:`RawReceiver.receive_tcp`; returns connect -> ack."""
         import socket
@@ -405,17 +379,6 @@ class RawReceiver:
             conn.sendall(b"k")
         self.srv.close()
         return time.perf_counter() - t0
-
-    def pull(self, sender: Any) -> dict[str, float]:
-        import ray
-        t0 = time.perf_counter()
-        refs, put_s = ray.get(sender.put.remote())
-        t1 = time.perf_counter()
-        arr = ray.get(refs[0])
-        int(arr[::4096].sum())  # touch every page
-        t2 = time.perf_counter()
-        del arr, refs
-        return {"put_s": put_s, "put_call_s": t1 - t0, "get_s": t2 - t1, "total_s": t2 - t0}
 
 
 # -- other processes' load (the machine may be shared) -----------------------------------------
@@ -666,20 +629,29 @@ class _Bench:
         return sample
 
     # -- raw transfer -------------------------------------------------------------------------
-    def raw_transfer(self, src: str, dst: str, nbytes: int) -> dict[str, float]:
-        """One raw transfer of ``nbytes`` from node ``src`` to node ``dst``."""
-        (out,) = self.raw_transfers([(src, dst)], nbytes)
-        self.log(f"raw transfer {nbytes / 2**20:.0f} MiB {src[:8]} -> {dst[:8]}: put "
-                 f"{out['put_s']:.2f} s, get {out['get_s']:.2f} s")
-        return out
+    def raw_transfer(self, src: str, dst: str, nbytes: int) -> dict[str, Any]:
+        """One raw TCP transfer of ``nbytes`` from node ``src`` to node ``dst``: the limit of
+        a peer fetch (the holder's store streams the shard to the restoring worker)."""
+        (t,) = self.raw_tcp([(src, dst)], nbytes)
+        self.log(f"raw TCP transfer {nbytes / 2**20:.0f} MiB {src[:8]} -> {dst[:8]}: {t:.2f} s")
+        return {"bytes": nbytes, "total_s": t}
 
     def raw_transfer_2way(self, a: str, b: str, nbytes: int) -> dict[str, Any]:
         """Two raw TCP transfers at once, a -> b and b -> a: what the two ranks' replications
-        do in steady state (each streams its shard to the other's node over TCP)."""
+        do in steady state (each streams its shard to the other's node)."""
+        sent = self.raw_tcp([(a, b), (b, a)], nbytes)
+        self.log(f"raw TCP transfers {nbytes / 2**20:.0f} MiB both ways at once: "
+                 + ", ".join(f"{t:.2f} s" for t in sent))
+        return {"bytes": nbytes, "total_s": median(sent), "each": sent}
+
+    def raw_tcp(self, pairs: list[tuple[str, str]], nbytes: int) -> list[float]:
+        """Raw TCP transfers, all at once, between actors pinned to (src, dst) nodes:
+        sendall of a preallocated array into recv_into a preallocated buffer, timed from
+        connect to the receiver's ack; seconds per transfer."""
         ray = self.ray
         actors, runs = [], []
         try:
-            for src, dst in ((a, b), (b, a)):
+            for src, dst in pairs:
                 sender = ray.remote(RawSender).options(
                     num_cpus=0, scheduling_strategy=_affinity(src)).remote(nbytes)
                 receiver = ray.remote(RawReceiver).options(
@@ -695,30 +667,7 @@ class _Bench:
         finally:
             for x in actors:
                 ray.kill(x, no_restart=True)
-        out = {"bytes": nbytes, "total_s": median(sent), "each": sent}
-        self.log(f"raw TCP transfers {nbytes / 2**20:.0f} MiB both ways at once: "
-                 + ", ".join(f"{t:.2f} s" for t in sent))
-        return out
-
-    def raw_transfers(self, pairs: list[tuple[str, str]], nbytes: int) -> list[dict[str, float]]:
-        ray = self.ray
-        actors, pulls = [], []
-        try:
-            for src, dst in pairs:
-                sender = ray.remote(RawSender).options(
-                    num_cpus=0, scheduling_strategy=_affinity(src)).remote(nbytes)
-                receiver = ray.remote(RawReceiver).options(
-                    num_cpus=0, scheduling_strategy=_affinity(dst)).remote()
-                actors += [sender, receiver]
-                pulls.append((sender, receiver))
-            ray.get([a.ready.remote() for a in actors], timeout=600)
-            outs = ray.get([r.pull.remote(s) for s, r in pulls], timeout=600)
-        finally:
-            for a in actors:
-                ray.kill(a, no_restart=True)
-        for out in outs:
-            out["bytes"] = nbytes
-        return outs
+        return sent
 
     # -- the alternative ----------------------------------------------------------------------
     def restart_baseline(self, rep: int) -> dict[str, Any]:
@@ -1018,7 +967,6 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
                 "torch.load from local disk (page cache dropped) + load_state_dict, one step",
     })
     raw_total = _med([r["total_s"] for r in raw])
-    raw_get = _med([r["get_s"] for r in raw])
     raw_bytes = raw[0]["bytes"] if raw else None
     fetches = [s["peer_fetch"] for s in node if "peer_fetch" in s]
     if fetches:
@@ -1026,10 +974,11 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
         rows.append({
             "benchmark": "transfer", "method": "memckpt-peer-fetch", "state_bytes": fb,
             "median_s": fs, "phases_s": {"fetch": fs}, "throughput_Bps": fb / fs if fs else None,
-            "ratio_to_raw": (raw_total / fs) if fs and raw_total else None,
-            "ratio_to_raw_get_only": (raw_get / fs) if fs and raw_get else None,
+            "ratio_to_raw": (raw_total / fs * fb / raw_bytes) if fs and raw_total and raw_bytes
+            else None,
             "foreign_cpu": _max_foreign(node),
-            "note": "ray.get of the peer store's read(): store-side checksum + put + transfer",
+            "note": "the restoring worker's fetch from the holder's store: one TCP stream into a "
+                    "fresh buffer (verified afterwards, counted in verify)",
         })
     repl = [x for s in worker + node for x in s["replication"]]
     raw2_total = _med([r["total_s"] for r in raw2])
@@ -1054,13 +1003,12 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
         })
     if raw:
         rows.append({
-            "benchmark": "transfer", "method": "raw-ray-put-get", "state_bytes": raw_bytes,
+            "benchmark": "transfer", "method": "raw-tcp", "state_bytes": raw_bytes,
             "median_s": raw_total,
-            "phases_s": {"put": _med([r["put_s"] for r in raw]), "get": raw_get},
             "throughput_Bps": raw_bytes / raw_total if raw_total else None,
             "foreign_cpu": _max_foreign(raw),
-            "note": "actor on the source node ray.put()s a numpy array, actor on the destination "
-                    "node ray.get()s it and touches every page",
+            "note": "one raw TCP transfer from the holder's node to the restoring rank's node "
+                    "(sendall into recv_into a preallocated buffer)",
         })
     if raw2:
         rows.append({
@@ -1191,7 +1139,7 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[Optional[bool], str]
         if det is not None:
             out.append((det <= limit, f"{label} failure detected in {_human_s(det)} "
                                       f"(target ≤ {limit:.0f} s)"))
-    for method, label, raw in (("memckpt-peer-fetch", "peer fetch", "a raw Ray put+get"),
+    for method, label, raw in (("memckpt-peer-fetch", "peer fetch", "a raw TCP transfer"),
                                ("memckpt-replication", "replication",
                                 "raw TCP transfers running both ways at once")):
         r = by.get(method)
