@@ -15,6 +15,7 @@ EXPECTED = {
     ("transfer", "memckpt-replication"), ("transfer", "raw-tcp"),
     ("transfer", "raw-tcp-2way"),
     ("step-time", "gpt-tiny-snapshot-every-step"), ("step-time", "gpt-tiny-local-snapshot-only"),
+    ("step-time", "gpt-tiny-snapshot-every-step-persist-every-10"),
     ("step-time", "gpt-tiny-no-snapshot"),
 }
 

@@ -732,15 +732,21 @@ class _Bench:
 
     # -- step time ----------------------------------------------------------------------------
     def step_time(self, mode: str, rep: int, size: str, steps: int) -> dict[str, Any]:
-        """``mode``: "on" (snapshot + 1 replica every step), "local" (snapshot every step, no
-        replica: what the local copy and seal alone cost) or "off" (no snapshots)."""
+        """``mode``: "on" (snapshot + 1 replica every step), "persist" (the same plus a local
+        disk tier every 10 steps), "local" (snapshot every step, no replica: what the local
+        copy and seal alone cost) or "off" (no snapshots)."""
         import memckpt
         from memckpt.demo.job import GPTJob
 
         name = self._name(f"bench-steptime-{mode}-{rep}")
         job = StepTimedJob(GPTJob(steps=steps, size=size, seed=0))
         # No failure here: warm spares would only add start-up work.
-        extra = {"placement": memckpt.PlacementConfig("ring", 0)} if mode == "local" else {}
+        extra: dict[str, Any] = {}
+        if mode == "local":
+            extra["placement"] = memckpt.PlacementConfig("ring", 0)
+        elif mode == "persist":  # issue #4's question: the cost of a disk tier every 10 steps
+            extra["persistence"] = (memckpt.PersistTier(str(self.disk / name), every=10,
+                                                        keep_last=1),)
         cfg = self.config(name, cpus_per_worker=1, warm_spares=False,
                           snapshot_every=steps + 1 if mode == "off" else 1, **extra)
         try:
@@ -911,12 +917,13 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
             finally:
                 b._restore_nodes()
             base.append(b.measure(b.restart_baseline, rep))
-        on, local, off = [], [], []
+        on, persist, local, off = [], [], [], []
         for rep in range(repeats):
             on.append(b.measure(b.step_time, "on", rep, gpt_size, gpt_steps))
+            persist.append(b.measure(b.step_time, "persist", rep, gpt_size, gpt_steps))
             local.append(b.measure(b.step_time, "local", rep, gpt_size, gpt_steps))
             off.append(b.measure(b.step_time, "off", rep, gpt_size, gpt_steps))
-        rows = build_rows(b, worker, node, base, raw, raw2, on, local, off, gpt_size)
+        rows = build_rows(b, worker, node, base, raw, raw2, on, local, off, gpt_size, persist)
         info = machine_info()
         for r in rows:
             r["machine"] = info
@@ -932,7 +939,7 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
 
 
 def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2: list, on: list,
-               local: list, off: list, gpt_size: str) -> list[dict[str, Any]]:
+               local: list, off: list, gpt_size: str, persist: tuple = ()) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     base_total = _med([s["total_s"] for s in base])
 
@@ -1019,47 +1026,32 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
             "note": "two raw TCP transfers at once between the two training nodes, one each way "
                     "(sendall into recv_into a preallocated buffer; per-transfer time)",
         })
-    step_on = _med([x for s in on for x in s["intervals"]])
     step_off = _med([x for s in off for x in s["intervals"]])
-    in_on = _med([x for s in on for x in s["inside"]])
-    in_off = _med([x for s in off for x in s["inside"]])
     gpt_bytes = on[0]["state_bytes"] if on else None
-    rows.append({
-        "benchmark": "step-time", "method": f"gpt-{gpt_size}-snapshot-every-step",
-        "state_bytes": gpt_bytes, "median_s": step_on,
-        "phases_s": {"step": step_on, "in_ctx_step": in_on,
-                     "outside": (step_on - in_on) if step_on and in_on is not None else None},
-        "steps": sum(len(s["intervals"]) for s in on),
-        "waited_s_total": _med([s["waited_s"] for s in on]),  # per run, all snapshots
-        "replicate_s": _med([s["replicate_s"] for s in on]),
-        "foreign_cpu": _max_foreign(on),
-        "slowdown": (step_on / step_off - 1) if step_on and step_off else None,
-        "note": "memckpt.demo.job.GPTJob, 2 ranks (DDP + ZeRO over gloo, 1 CPU each), snapshot + "
-                "replication every step; wall time between consecutive ctx.step calls",
-    })
-    step_local = _med([x for s in local for x in s["intervals"]])
-    in_local = _med([x for s in local for x in s["inside"]])
-    rows.append({
-        "benchmark": "step-time", "method": f"gpt-{gpt_size}-local-snapshot-only",
-        "state_bytes": gpt_bytes, "median_s": step_local,
-        "phases_s": {"step": step_local, "in_ctx_step": in_local,
-                     "outside": (step_local - in_local) if step_local and in_local is not None
-                     else None},
-        "steps": sum(len(s["intervals"]) for s in local),
-        "slowdown": (step_local / step_off - 1) if step_local and step_off else None,
-        "foreign_cpu": _max_foreign(local),
-        "note": "the same job, snapshot every step but placement.replicas=0: the local copy and "
-                "seal without replication",
-    })
-    rows.append({
-        "benchmark": "step-time", "method": f"gpt-{gpt_size}-no-snapshot",
-        "state_bytes": gpt_bytes, "median_s": step_off,
-        "phases_s": {"step": step_off, "in_ctx_step": in_off,
-                     "outside": (step_off - in_off) if step_off and in_off is not None else None},
-        "steps": sum(len(s["intervals"]) for s in off),
-        "foreign_cpu": _max_foreign(off),
-        "slowdown": 0.0, "note": "the same job with snapshot_every larger than the step count",
-    })
+    job = "memckpt.demo.job.GPTJob, 2 ranks (DDP + ZeRO over gloo, 1 CPU each)"
+    for runs, method, note in (
+            (on, "snapshot-every-step", f"{job}, snapshot + replication every step; wall time "
+                                        "between consecutive ctx.step calls"),
+            (persist, "snapshot-every-step-persist-every-10",
+             "the same, and every 10th committed step also written to local disk"),
+            (local, "local-snapshot-only", "the same job, snapshot every step but "
+                                           "placement.replicas=0: the local copy and seal alone"),
+            (off, "no-snapshot", "the same job with snapshot_every larger than the step count")):
+        if not runs:
+            continue
+        step = _med([x for s in runs for x in s["intervals"]])
+        inside = _med([x for s in runs for x in s["inside"]])
+        rows.append({
+            "benchmark": "step-time", "method": f"gpt-{gpt_size}-{method}",
+            "state_bytes": gpt_bytes, "median_s": step,
+            "phases_s": {"step": step, "in_ctx_step": inside,
+                         "outside": (step - inside) if step and inside is not None else None},
+            "steps": sum(len(s["intervals"]) for s in runs),
+            "waited_s_total": _med([s["waited_s"] for s in runs]),  # per run, all snapshots
+            "foreign_cpu": _max_foreign(runs),
+            "slowdown": (step / step_off - 1) if step and step_off else None,
+            "note": note,
+        })
     return rows
 
 
