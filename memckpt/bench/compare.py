@@ -24,7 +24,7 @@ Four parts (``--parts``, default all), each measured in this run, medians over r
              memckpt from the local store and from a peer store (node removed)
              (memckpt.bench.recovery), restart every worker + torch.load, the same with DCP
              (dcp.save / dcp.load), and Ray Train restoring from its storage_path; the peer
-             restore is also shown against a raw Ray transfer of the same bytes
+             restore is also shown against a raw TCP transfer of the same bytes
   scaling    memckpt on ``--nodes`` simulated nodes (2,3,4) (one rank each, 1 torch thread,
              ``--scaling-size`` per rank), k = 1 and k = 2 replicas: stall, and the bytes each
              node's store holds (measured from the stores)
@@ -583,7 +583,7 @@ def _detail(r: dict[str, Any]) -> str:
         if r.get("speedup_vs_fastest_alternative"):
             out += f"; {r['speedup_vs_fastest_alternative']:.2f}× faster than the fastest alternative"
         if r.get("fraction_of_limit"):
-            out += f"; peer fetch at {100 * r['fraction_of_limit']:.0f}% of a raw Ray transfer"
+            out += f"; peer fetch at {100 * r['fraction_of_limit']:.0f}% of a raw TCP transfer"
         return out
     if b == "scaling":
         if m.endswith("memory"):
