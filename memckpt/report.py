@@ -170,6 +170,9 @@ def _draw_stalls(ax: Any, steps: list[dict[str, Any]]) -> None:
     if with_stall:
         ax.plot([s["step"] for s in with_stall], [s["stall_ms_max"] for s in with_stall], "-",
                 color="black", lw=1, label="slowest rank")
+        positive = [v for s in with_stall for v in s["stall_ms"] if v > 0]
+        if positive and max(positive) > 50 * min(positive):
+            ax.set_yscale("log")  # a first snapshot (buffer allocation) would flatten the rest
         ax.legend(loc="upper right", fontsize=8, ncol=min(ranks + 1, 6))
     else:
         ax.text(0.5, 0.5, "no snapshot stalls recorded (steps.jsonl)", transform=ax.transAxes,
