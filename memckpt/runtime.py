@@ -614,7 +614,8 @@ def progress_line(gen: int, prog: dict[str, Any]) -> str:
     def num(v: Optional[float], fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
     return (f"gen {gen} step {prog['max_step']} loss {num(prog['last_loss'], '.4f')} "
-            f"{num(prog.get('steps_per_s'), '.1f')} steps/s committed {num(prog['committed'], 'd')} "
+            f"{num(prog.get('steps_per_s'), '.1f')} steps/s "
+            f"committed {num(prog['committed'], 'd')} "
             f"stall {num(prog.get('stall_ms'), '.1f')} ms lag {num(prog.get('lag'), 'd')}")
 
 
