@@ -1008,24 +1008,19 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
                     "holder's file, holder verifies before it acks); both ranks replicate at once, "
                     "so the raw figure is two raw TCP transfers at once",
         })
-    if raw:
-        rows.append({
-            "benchmark": "transfer", "method": "raw-tcp", "state_bytes": raw_bytes,
-            "median_s": raw_total,
-            "throughput_Bps": raw_bytes / raw_total if raw_total else None,
-            "foreign_cpu": _max_foreign(raw),
-            "note": "one raw TCP transfer from the holder's node to the restoring rank's node "
-                    "(sendall into recv_into a preallocated buffer)",
-        })
-    if raw2:
-        rows.append({
-            "benchmark": "transfer", "method": "raw-tcp-2way", "state_bytes": raw2_bytes,
-            "median_s": raw2_total,
-            "throughput_Bps": raw2_bytes / raw2_total if raw2_total else None,
-            "foreign_cpu": _max_foreign(raw2),
-            "note": "two raw TCP transfers at once between the two training nodes, one each way "
-                    "(sendall into recv_into a preallocated buffer; per-transfer time)",
-        })
+    for samples, method, note in (
+            (raw, "raw-tcp", "one raw TCP transfer from the holder's node to the restoring "
+                             "rank's node (sendall into recv_into a preallocated buffer)"),
+            (raw2, "raw-tcp-2way", "two raw TCP transfers at once between the two training "
+                                   "nodes, one each way (sendall into recv_into a preallocated "
+                                   "buffer; per-transfer time)")):
+        if samples:
+            total, nbytes = _med([r["total_s"] for r in samples]), samples[0]["bytes"]
+            rows.append({
+                "benchmark": "transfer", "method": method, "state_bytes": nbytes,
+                "median_s": total, "throughput_Bps": nbytes / total if total else None,
+                "foreign_cpu": _max_foreign(samples), "note": note,
+            })
     step_off = _med([x for s in off for x in s["intervals"]])
     gpt_bytes = on[0]["state_bytes"] if on else None
     job = "memckpt.demo.job.GPTJob, 2 ranks (DDP + ZeRO over gloo, 1 CPU each)"
