@@ -44,6 +44,29 @@ def injector_for(fault: str, kill_at: int, cluster) -> "Any":
     return inj
 
 
+def _wait_until_persisted(tiers: tuple[str, ...], timeout_s: float = 45.0) -> None:
+    """Hold the drill's kill until every tier has committed a checkpoint.
+
+    Uploads run in the background, so at the kill step the newest one may still be in
+    flight; killing then would resume from step 1 and show nothing. The deadline stays
+    under the 60 s the faulting rank waits for the driver.
+    """
+    import time
+
+    from memckpt.persist.store import CheckpointStore
+    stores = [CheckpointStore(t) for t in tiers]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pending = [s.uri for s in stores if not any(c.complete for c in s.list_checkpoints())]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            print(f"no persisted checkpoint in {', '.join(pending)} after {timeout_s:.0f} s; "
+                  "killing the cluster anyway (the new job starts from step 1)", flush=True)
+            return
+        time.sleep(0.2)
+
+
 def _whole_cluster_drill(job, kill_at: int, run_root: Path, s3: Optional[str]) -> dict:
     """Persist to a folder (and S3), lose every node mid-run, resume on a new cluster."""
     import memckpt
@@ -52,7 +75,12 @@ def _whole_cluster_drill(job, kill_at: int, run_root: Path, s3: Optional[str]) -
 
     tiers = (str(run_root / "persisted"),) + ((s3,) if s3 else ())
     with local_cluster(nodes=3) as cluster:
-        inj = FaultInjector(node_killer=lambda _: [cluster.remove_node(n) for n in list(cluster.nodes)])
+        def pull_the_plug(_node: str) -> None:
+            _wait_until_persisted(tiers)
+            for n in list(cluster.nodes):
+                cluster.remove_node(n)
+
+        inj = FaultInjector(node_killer=pull_the_plug)
         inj.kill_node(rank=0, at_step=kill_at)
         try:
             memckpt.run(job, demo_config("demo", persist=tiers), run_dir=run_root / "lost",
