@@ -1,0 +1,68 @@
+"""RAM regions (shared-memory files) and receive buffers: contents and page population."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import psutil
+import pytest
+
+from memckpt.buffers import RamRegion, anonymous_buffer
+from memckpt.errors import MemckptError
+
+MB = 1 << 20
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def test_created_region_is_zeroed_and_shared_with_a_reopen(tmp_path):
+    path = tmp_path / "slot.shard"
+    region = RamRegion.create(path, 3 * MB + 5)
+    assert path.stat().st_size == 3 * MB + 5 and not region.array.any()
+    region.array[-5:] = [1, 2, 3, 4, 5]
+    for populate in (True, False):
+        other = RamRegion.open(path, populate=populate)
+        assert other.size == 3 * MB + 5
+        assert list(other.array[-5:]) == [1, 2, 3, 4, 5]
+        other.array[0] = 9  # MAP_SHARED: the writer sees it
+        assert region.array[0] == 9
+        other.close()
+
+
+def test_populated_open_maps_every_page_and_a_header_read_does_not(tmp_path):
+    path = tmp_path / "replica.shard"
+    size = 64 * MB
+    RamRegion.create(path, size).close()
+    gc.collect()
+    before = _rss()
+    lazy = RamRegion.open(path, populate=False)
+    lazy_delta = _rss() - before
+    lazy.close()
+    del lazy
+    gc.collect()
+    before = _rss()
+    eager = RamRegion.open(path)
+    eager_delta = _rss() - before
+    assert lazy_delta < size // 8, lazy_delta
+    assert eager_delta > size * 0.9, eager_delta
+    eager.close()
+
+
+def test_open_refuses_an_empty_file(tmp_path):
+    path = tmp_path / "empty.shard"
+    path.write_bytes(b"")
+    with pytest.raises(MemckptError, match="holds 0 bytes"):
+        RamRegion.open(path)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 5 * MB + 3])
+def test_anonymous_buffer_is_a_private_writable_array_of_the_size_asked(nbytes):
+    buf = anonymous_buffer(nbytes)
+    assert buf.dtype == np.uint8 and buf.shape == (nbytes,) and buf.flags.writeable
+    assert not buf.any()
+    buf[:] = 7
+    assert int(buf.sum()) == 7 * nbytes
+    assert not anonymous_buffer(nbytes).any()  # private: a second buffer shares nothing
