@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ FORMAT_VERSION = 1
 PREFIX = struct.Struct("<8sIIQQQQQQ")  # 64 bytes
 assert PREFIX.size == 64
 STATE_WRITING, STATE_COMPLETE = 0, 1
+STATE_OFFSET, _STATE_END = 12, 16  # the state field's bytes in PREFIX
 DATA_ALIGN = 4096
 TENSOR_ALIGN = 64
 
@@ -143,6 +144,31 @@ def mark_writing(region: np.ndarray) -> None:
     PREFIX.pack_into(region, 0, MAGIC, FORMAT_VERSION, STATE_WRITING, 0, 0, 0, 0, 0, 0)
 
 
+def fill_flagged(region: np.ndarray, offset: int, nbytes: int,
+                 fill: Callable[[memoryview], None]) -> None:
+    """Let ``fill`` write ``region[offset:offset+nbytes]`` of a shard arriving from elsewhere
+    (a socket's ``recv_into``), in consecutive parts. The sender's prefix says "complete":
+    it is flagged incomplete before any more bytes land, so a transfer cut short is never
+    taken for a good shard; :func:`accept_received` flags it complete once verified."""
+    view = memoryview(region)[offset: offset + nbytes]
+    head = min(nbytes, PREFIX.size - offset) if offset < PREFIX.size else 0
+    if head:
+        fill(view[:head])
+        if offset + head >= _STATE_END:  # the state field has landed: overrule it
+            struct.pack_into("<I", region, STATE_OFFSET, STATE_WRITING)
+    fill(view[head:])
+
+
+def accept_received(region: np.ndarray, source: str, step: int) -> "Shard":
+    """Verify a shard received with :func:`fill_flagged`, then flag it complete (last, so a
+    process killed mid-check leaves it incomplete). Raises :class:`ChecksumError`."""
+    shard = open_shard(region, source, require_complete=False)
+    if shard.step != step:
+        raise ChecksumError(f"{source}: expected step {step}, got {shard.step}")
+    struct.pack_into("<I", region, STATE_OFFSET, STATE_COMPLETE)
+    return shard
+
+
 def seal(region: np.ndarray, layout: Layout, header_capacity: int, step: int,
          header: Mapping[str, Any]) -> str:
     """Checksum the data, write the header, then flag the region complete. Returns the checksum."""
@@ -158,7 +184,7 @@ def seal(region: np.ndarray, layout: Layout, header_capacity: int, step: int,
     PREFIX.pack_into(region, 0, MAGIC, FORMAT_VERSION, STATE_WRITING, header_capacity, len(blob),
                      xxhash.xxh3_64_intdigest(blob), off, layout.data_len, step)
     # The state flag goes last: until it is set, no reader trusts this region.
-    struct.pack_into("<I", region, 12, STATE_COMPLETE)
+    struct.pack_into("<I", region, STATE_OFFSET, STATE_COMPLETE)
     return digest
 
 

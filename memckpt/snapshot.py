@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import numpy as np
 import torch
 
 from memckpt import shard as fmt
@@ -145,8 +146,46 @@ class SnapshotEngine:
         self.stats.last_stall_s = time.perf_counter() - t0
         return True
 
-    def _claim_target(self, step: int) -> Optional[int]:
-        """Pick the slot to overwrite: never the newest; wait or skip if it is busy."""
+    def install(self, step: int, receive: Callable[[Callable[[int], np.ndarray]], np.ndarray],
+                source: str) -> fmt.Shard:
+        """Hold ``step``'s shard received from elsewhere (a peer's replica of this rank) in a
+        slot, as if this engine had taken it: ``receive(into)`` streams the bytes into the
+        array ``into(nbytes)`` returns (see :meth:`memckpt.transport.StoreConnection.fetch`).
+        They are verified before the slot counts; returns the verified shard. A restore
+        then needs no second copy to re-snapshot, and the bytes land in populated pages."""
+        target = self._claim_target(step, policy="wait")
+        assert target is not None
+        slot = self.slots[target]
+        slot.complete, slot.step, slot.views = False, None, {}
+
+        def into(nbytes: int) -> np.ndarray:
+            if slot.region is None or slot.region.size != nbytes:
+                if slot.region is not None:
+                    slot.region.close(unlink=False)
+                slot.region = RamRegion.create(slot.path, nbytes, pin=self._pin)
+                self.stats.allocations += 1
+            fmt.mark_writing(slot.region.array)
+            return slot.region.array
+
+        try:
+            received = receive(into)
+            shard = fmt.accept_received(received, source, step)
+            _, slot.layout, slot.header_capacity = fmt.read_header(received, source)
+        except BaseException:
+            with self._cond:
+                if self.slots[1 - target].complete:
+                    self._newest = 1 - target
+                self._cond.notify_all()
+            raise
+        slot.views = fmt.tensor_views(slot.region.tensor, slot.layout, slot.header_capacity)
+        with self._cond:
+            slot.step, slot.complete = step, True
+            self._cond.notify_all()
+        return shard
+
+    def _claim_target(self, step: int, policy: Optional[str] = None) -> Optional[int]:
+        """Pick the slot to overwrite: never the newest; wait or skip (``policy``, else the
+        engine's fall-behind policy) if it is busy."""
         t0 = time.perf_counter()
         with self._cond:
             while True:
@@ -163,7 +202,7 @@ class SnapshotEngine:
                         target = self._newest  # the newest failed: overwrite it, keep the older
                     self._newest = target
                     break
-                if self.on_fall_behind == "skip":
+                if (policy or self.on_fall_behind) == "skip":
                     self.stats.skipped += 1
                     return None
                 self._cond.wait(timeout=0.05)

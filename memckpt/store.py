@@ -84,7 +84,7 @@ def invalidate(path: Path) -> None:
     """Flag a slot file incomplete in place (the bytes stay, no reader trusts them)."""
     try:
         with open(path, "r+b") as f:
-            f.seek(12)
+            f.seek(fmt.STATE_OFFSET)
             f.write(struct.pack("<I", fmt.STATE_WRITING))
     except FileNotFoundError:
         pass
@@ -139,7 +139,7 @@ class ReplicaStore:
             path = self._slot_for(rank, step)
             if peek_step(path) == step:
                 try:
-                    region = RamRegion.open(path)
+                    region = RamRegion.open(path, populate=False)  # the header only
                     shard = fmt.open_shard(region.array, str(path), verify=False)
                     if shard.header["data_xxh3"] == checksum:
                         return False
@@ -196,14 +196,7 @@ class ReplicaStore:
         if offset + nbytes > len(region.array):
             raise MemckptError(f"replica of rank {rank} step {step}: bytes {offset}..{offset + nbytes}"
                                f" exceed the announced {len(region.array)}")
-        view = memoryview(region.array)[offset: offset + nbytes]
-        head = min(nbytes, fmt.PREFIX.size) if offset == 0 else 0
-        if head:
-            # The sender's prefix says "complete": flag it incomplete before any more bytes
-            # arrive, so a transfer cut short is never listed (peek_step) as a good shard.
-            fill(view[:head])
-            struct.pack_into("<I", region.array, 12, fmt.STATE_WRITING)
-        fill(view[head:])
+        fmt.fill_flagged(region.array, offset, nbytes, fill)  # never listed while partial
         return nbytes
 
     def address(self, host: Optional[str] = None) -> tuple[str, int]:
@@ -223,12 +216,7 @@ class ReplicaStore:
             region = self._open.pop((rank, step), None)
         if region is None:
             raise MemckptError(f"replica of rank {rank} step {step} was not begun on this store")
-        # Verify first, flag complete last: a store killed mid-check leaves it incomplete.
-        shard = fmt.open_shard(region.array, f"replica of rank {rank} step {step}",
-                               require_complete=False)
-        if shard.step != step:
-            raise ChecksumError(f"replica of rank {rank}: expected step {step}, got {shard.step}")
-        struct.pack_into("<I", region.array, 12, fmt.STATE_COMPLETE)
+        shard = fmt.accept_received(region.array, f"replica of rank {rank} step {step}", step)
         return shard.header["data_xxh3"]
 
     # -- serving ----------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
+from memckpt import shard as fmt
+from memckpt.buffers import anonymous_buffer
 from memckpt.errors import (ChecksumError, MemckptError, NoSnapshotError, PlacementError,
                             StaleGenerationError)
 
@@ -217,15 +219,19 @@ class StoreConnection:
         _raise_from(recv_msg(self._sock))
         return True
 
-    def fetch(self, rank: int, step: int) -> np.ndarray:
-        """The bytes of ``rank``'s shard of ``step`` held by the store (verify before use).
-        Raises the store's error (:class:`NoSnapshotError` if it holds none) or OSError."""
+    def fetch(self, rank: int, step: int,
+              into: Callable[[int], np.ndarray] = anonymous_buffer) -> np.ndarray:
+        """``rank``'s shard of ``step`` as the store holds it, received into ``into(nbytes)``
+        (a fresh buffer, or a snapshot slot) with its prefix flagged incomplete: pass it to
+        :func:`memckpt.shard.accept_received` to verify it before use. Raises the store's
+        error (:class:`NoSnapshotError` if it holds none) or OSError."""
         send_msg(self._sock, {"op": "fetch", "rank": rank, "step": step})
         head = recv_msg(self._sock)
         _raise_from(head)
-        out = np.empty(int(head["nbytes"]), dtype=np.uint8)
-        _recv_into(self._sock, memoryview(out))
-        return out
+        nbytes = int(head["nbytes"])
+        out = into(nbytes)
+        fmt.fill_flagged(out, 0, nbytes, lambda view: _recv_into(self._sock, view))
+        return out[:nbytes]
 
     def close(self) -> None:
         try:

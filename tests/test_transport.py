@@ -14,6 +14,7 @@ import pytest
 
 from memckpt import shard as fmt
 from memckpt.errors import ChecksumError, NoSnapshotError, PlacementError, StaleGenerationError
+from memckpt.snapshot import SnapshotEngine
 from memckpt.store import ReplicaStore, scan
 from memckpt.transport import StoreConnection, send_msg
 from _shards import shards  # noqa: F401 (fixture)
@@ -137,11 +138,16 @@ def test_fetch_returns_the_held_shard_and_refuses_what_is_not_held(store, sender
     raw, digest = shards[2]
     assert sender.send(3, 2, raw, digest, gen=0) is True
     got = sender.fetch(3, 2)
-    assert np.array_equal(got[: len(raw)], raw)
-    assert fmt.open_shard(got, "fetched", verify=True).step == 2
+    with pytest.raises(ChecksumError, match="incomplete"):  # unverified: not yet trusted
+        fmt.open_shard(got, "fetched")
+    assert fmt.accept_received(got, "fetched", 2).step == 2
+    assert np.array_equal(got, raw)  # verified: byte-identical, flagged complete again
     with pytest.raises(NoSnapshotError, match="rank 3 at step 1"):
         sender.fetch(3, 1)
-    assert sender.fetch(3, 2).tobytes() == got.tobytes()  # the connection is still in step
+    again = sender.fetch(3, 2)  # the connection is still in step
+    assert fmt.accept_received(again, "again", 2) and again.tobytes() == got.tobytes()
+    with pytest.raises(ChecksumError, match="expected step 3, got 2"):
+        fmt.accept_received(sender.fetch(3, 2), "wrong step", 3)
 
 
 def test_fetched_corrupt_replica_fails_verification(store, sender, shards):
@@ -154,5 +160,47 @@ def test_fetched_corrupt_replica_fails_verification(store, sender, shards):
         last = f.read(1)
         f.seek(len(raw) - 1)
         f.write(bytes([last[0] ^ 0xFF]))
-    with pytest.raises(ChecksumError):
-        fmt.open_shard(sender.fetch(0, 1), "fetched", verify=True)
+    fetched = sender.fetch(0, 1)
+    with pytest.raises(ChecksumError, match="data checksum mismatch"):
+        fmt.accept_received(fetched, "fetched", 1)
+    with pytest.raises(ChecksumError, match="incomplete"):  # and it stays untrusted
+        fmt.open_shard(fetched, "fetched", verify=False)
+
+
+def test_fetch_into_a_snapshot_slot_holds_the_step_for_the_next_process(store, sender, shards,
+                                                                      tmp_path):
+    """A peer restore streams the replica straight into the rank's own slot: verified, then
+    held as if snapshotted there (a restarted process adopts it; replication reads it)."""
+    raw, digest = shards[2]
+    assert sender.send(3, 2, raw, digest, gen=0) is True
+    engine = SnapshotEngine(tmp_path / "own", gated=True)
+    shard = engine.install(2, lambda into: sender.fetch(3, 2, into), "peer")
+    assert shard.step == 2 and engine.steps() == [2]
+    with engine.reading(2) as held:
+        assert np.array_equal(held.raw, raw)
+    engine.close()
+    adopted = SnapshotEngine(tmp_path / "own", gated=True)
+    assert adopted.steps() == [2]
+    adopted.close()
+
+
+def test_fetch_cut_short_leaves_no_trusted_slot(store, sender, shards, tmp_path):
+    raw, digest = shards[1]
+    assert sender.send(0, 1, raw, digest, gen=0) is True
+    engine = SnapshotEngine(tmp_path / "own", gated=True)
+
+    def half_then_drop(into):  # what fetch does when the holder dies mid-stream
+        buf, src, at = into(len(raw)), memoryview(raw), [0]
+
+        def recv_into(view):
+            view[:] = src[at[0]: at[0] + len(view)]
+            at[0] += len(view)
+
+        fmt.fill_flagged(buf, 0, len(raw) // 2, recv_into)  # the prefix says "complete"
+        raise ConnectionError("peer closed the connection mid-message")
+
+    with pytest.raises(ConnectionError):
+        engine.install(1, half_then_drop, "peer")
+    assert engine.steps() == []
+    engine.close()
+    assert SnapshotEngine(tmp_path / "own", gated=True).steps() == []
