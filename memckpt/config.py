@@ -49,6 +49,11 @@ def _positive_float(field_name: str, value: Any, allow_zero: bool = False) -> No
         _fail(field_name, value, f"use a finite number {bound} (seconds or units, not a string)")
 
 
+def _bool(field_name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        _fail(field_name, value, "use True or False")
+
+
 def _choice(field_name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         _fail(field_name, value, f"choose one of {', '.join(choices)}")
@@ -63,8 +68,12 @@ class WorkersConfig:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     backend: str = "auto"  # torch.distributed backend: gloo on CPU, nccl on GPU
+    # torch's large CPU tensors from transparent huge pages (THP_MEM_ALLOC_ENABLE=1 in the
+    # workers): a restore fills fresh optimizer state with a fault per 2 MiB, not per 4 KiB
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
+        _bool("workers.huge_pages", self.huge_pages)
         _positive_int("workers.num_workers", self.num_workers)
         _positive_int("workers.workers_per_node", self.workers_per_node)
         _positive_float("workers.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
@@ -139,6 +148,7 @@ class FailurePolicy:
         _positive_int("failure.max_restarts", self.max_restarts, minimum=0)
         _choice("failure.on_fall_behind", self.on_fall_behind, FALL_BEHIND_POLICIES)
         _positive_float("failure.collective_timeout_s", self.collective_timeout_s)
+        _bool("failure.warm_spares", self.warm_spares)
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
             _fail("failure.heartbeat_timeout_s", self.heartbeat_timeout_s,
                   f"it must exceed twice failure.heartbeat_interval_s={self.heartbeat_interval_s} "
@@ -251,6 +261,7 @@ class Config:
         d = self.to_dict()
         for volatile in ("chaos", "job_name", "ram_root", "stop_file"):
             d.pop(volatile)
+        d["workers"].pop("huge_pages")  # how memory is allocated, not what it holds
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -242,10 +242,14 @@ class WorkerContext:
             self.restore_seconds["fetch_and_load_s"] = time.perf_counter() - t0
             self.ckpt.engine.discard_newer(step)
             self.ckpt.engine.set_committed(step)
-        if not (instr is not None and instr.placed and step in self.ckpt.engine.steps()):
+        if instr is not None and step in self.ckpt.engine.steps():
+            # Its own slot holds the step (a process restarted on its node, or a peer's copy
+            # fetched straight into the slot): no second copy. Holders placement moved are
+            # sent it from there; those that have it skip it (the store compares checksums).
+            if not instr.placed:
+                self._sealed(step, self.ckpt.directory)
+        else:
             # Copy the restored state out again so this rank's copies match the placement.
-            # Skipped when its own slot and every holder already have this step: a process
-            # restarted on its node (the usual failure) then resumes without re-copying.
             t0 = time.perf_counter()
             self._snapshot(state, step)
             if instr is not None:
@@ -273,17 +277,15 @@ class WorkerContext:
                     region = RamRegion.open(path)
                     source = f"local:{path}"
                     shard = fmt.open_shard(region.array, source)
-                else:  # a peer's store streams it over TCP; verified here before loading
-                    t0 = time.perf_counter()
+                else:  # a peer's store streams it over TCP into this rank's own slot
+                    source = f"peer:{node}"
                     conn = StoreConnection(ray.get(self.spec.stores[node].address.remote()))
                     try:
-                        raw = conn.fetch(self.rank, instr.step)
+                        shard = self.ckpt.engine.install(
+                            instr.step, lambda into: self._fetch(conn, instr.step, into),
+                            source)  # verified
                     finally:
                         conn.close()
-                    self.restore_seconds["fetch_s"] = time.perf_counter() - t0
-                    self.restore_seconds["fetch_bytes"] = float(len(raw))
-                    source = f"peer:{node}"
-                    shard = fmt.open_shard(raw, source)
                 step = self.ckpt.load_shard(state, shard, source)
                 self.restore_source = source
                 return step
@@ -291,6 +293,14 @@ class WorkerContext:
                 errors.append(f"{node[:12]}: {e}")
         raise NoSnapshotError(f"rank {self.rank}: no source could provide step {instr.step}: "
                               + "; ".join(errors))
+
+    def _fetch(self, conn: StoreConnection, step: int, into: Callable[[int], np.ndarray]
+               ) -> np.ndarray:
+        t0 = time.perf_counter()
+        raw = conn.fetch(self.rank, step, into)
+        self.restore_seconds["fetch_s"] = time.perf_counter() - t0  # the transfer alone
+        self.restore_seconds["fetch_bytes"] = float(len(raw))
+        return raw
 
     def _load_persisted(self, state: TrainState, instr: RestoreInstruction) -> int:
         from memckpt.persist import CheckpointStore, Manifest
@@ -382,6 +392,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_env(config: Config) -> dict[str, Any]:
+    """The Ray runtime env of a worker actor (merged into the job's own, e.g. working_dir).
+    Set at process start: torch reads THP_MEM_ALLOC_ENABLE at its first allocation."""
+    return {"env_vars": {"THP_MEM_ALLOC_ENABLE": "1"}} if config.workers.huge_pages else {}
+
+
+def warm_torch() -> None:
+    """Pay torch's lazy first-use costs now (the optimizers import torch._dynamo, skip_init
+    the meta registrations, DDP and ZeRO torch.distributed's modules: ~1 s here), so a
+    spare that takes over a rank builds its model at once instead of after them."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+    from torch.nn.utils import skip_init
+
+    layer = skip_init(torch.nn.Linear, 2, 2)
+    opt = torch.optim.AdamW(layer.parameters())
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+
+
 class Worker:
     """One rank's process, as a long-lived Ray actor.
 
@@ -393,7 +425,7 @@ class Worker:
 
     def __init__(self, config: Config, coordinator: Any) -> None:
         import ray
-        import torch  # noqa: F401 (warm the import: a spare must be ready to train at once)
+        warm_torch()  # a spare must be ready to train at once
         self.config, self.coordinator = config, coordinator
         self.spec: Optional[WorkerSpec] = None
         self.node_id = ray.get_runtime_context().get_node_id()
