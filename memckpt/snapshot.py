@@ -153,7 +153,9 @@ class SnapshotEngine:
         array ``into(nbytes)`` returns (see :meth:`memckpt.transport.StoreConnection.fetch`).
         They are verified before the slot counts; returns the verified shard. A restore
         then needs no second copy to re-snapshot, and the bytes land in populated pages."""
-        target = self._claim_target(step, policy="wait")
+        # Not gated: the step being installed is the one the job resumes at, so there is
+        # no newer committed copy to protect (and the old commit will never come).
+        target = self._claim_target(step, policy="wait", gated=False)
         assert target is not None
         slot = self.slots[target]
         slot.complete, slot.step, slot.views = False, None, {}
@@ -183,9 +185,12 @@ class SnapshotEngine:
             self._cond.notify_all()
         return shard
 
-    def _claim_target(self, step: int, policy: Optional[str] = None) -> Optional[int]:
+    def _claim_target(self, step: int, policy: Optional[str] = None,
+                      gated: Optional[bool] = None) -> Optional[int]:
         """Pick the slot to overwrite: never the newest; wait or skip (``policy``, else the
-        engine's fall-behind policy) if it is busy."""
+        engine's fall-behind policy) if it is busy (``gated``, else the engine's: also while
+        the newest is not committed)."""
+        gated = self.gated if gated is None else gated
         t0 = time.perf_counter()
         with self._cond:
             while True:
@@ -194,7 +199,7 @@ class SnapshotEngine:
                     raise self._aborted
                 newest_busy = self._inflight is not None and not self._inflight.done()
                 target = 0 if self._newest is None else 1 - self._newest
-                if self.gated and self._newest is not None and not newest_busy:
+                if gated and self._newest is not None and not newest_busy:
                     newest = self.slots[self._newest]
                     newest_busy = newest.complete and newest.step != self.committed
                 if not newest_busy and self.slots[target].readers == 0:

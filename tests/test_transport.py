@@ -8,6 +8,7 @@ own error type without desynchronising the connection.
 from __future__ import annotations
 
 import socket
+import threading
 
 import numpy as np
 import pytest
@@ -204,3 +205,25 @@ def test_fetch_cut_short_leaves_no_trusted_slot(store, sender, shards, tmp_path)
     assert engine.steps() == []
     engine.close()
     assert SnapshotEngine(tmp_path / "own", gated=True).steps() == []
+
+
+def test_install_does_not_wait_for_a_commit_that_will_never_come(store, sender, shards, tmp_path):
+    """A restarted process adopts its slots (an uncommitted newer step among them) and the
+    restore pulls the resumed step from a peer: the install must not wait on the gate."""
+    raw, digest = shards[1]
+    assert sender.send(0, 1, raw, digest, gen=0) is True
+    own = tmp_path / "own"
+    first = SnapshotEngine(own, gated=True)
+    first.install(1, lambda into: sender.fetch(0, 1, into), "peer")
+    first.close()
+    restarted = SnapshotEngine(own, gated=True)  # holds step 1, never committed here
+    assert restarted.steps() == [1] and restarted.committed is None
+    raw2, digest2 = shards[2]
+    assert sender.send(0, 2, raw2, digest2, gen=0) is True
+    done = []
+    t = threading.Thread(target=lambda: done.append(
+        restarted.install(2, lambda into: sender.fetch(0, 2, into), "peer")))
+    t.start()
+    t.join(timeout=30)
+    assert done and done[0].step == 2 and restarted.steps() == [2, 1]
+    restarted.close()
