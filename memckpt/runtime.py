@@ -291,6 +291,12 @@ class Runtime:
                     g.results[rank] = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
                     return self._failure(g, f"rank {rank}'s worker died", died={rank}, error=e)
+                except ray.exceptions.RaySystemError as e:  # the arguments did not unpickle
+                    raise MemckptError(
+                        f"rank {rank}'s worker could not load the training function: "
+                        f"{str(e).strip().splitlines()[-1]}. Make its module importable on every "
+                        "node: submit with `ray job submit --working-dir .`, install it as a "
+                        "package, or define it in the script that calls memckpt.run") from None
                 except ray.exceptions.RayTaskError as e:
                     errors[rank] = e
                     first_error_at = first_error_at or time.time()
@@ -305,7 +311,10 @@ class Runtime:
                 if hung:
                     return self._failure(g, f"rank(s) {hung} stopped heart-beating (hung)",
                                          died=set(hung), hung=set(hung))
-            if errors and now - first_error_at > 0.5 and self._stopped_step(g) is None:
+            # A raised error waits briefly for a peer's death to explain it (a collective
+            # that failed because a peer died), unless no rank is left to wait for.
+            if errors and (not pending or now - first_error_at > 0.5) \
+                    and self._stopped_step(g) is None:
                 dead = self._unresponsive(g, [r for r in pending.values()])
                 if dead:
                     return self._failure(g, f"rank(s) {sorted(dead)} unreachable", died=dead)
@@ -557,9 +566,9 @@ class Runtime:
         for rec in self.recoveries:
             fetch = [r["restore"].get("fetch_and_load_s", 0.0) for r in results if r.get("restore")]
             rec["phases_s"]["fetch_and_load_max"] = max(fetch, default=0.0)
-        if self.recoveries:  # what the last generation's ranks copied out again after restoring
+        if self.recoveries:  # which of the last generation's ranks sent their shard out again
             self.recoveries[-1]["recopied_ranks"] = [
-                r["rank"] for r in results if "resnapshot_s" in (r.get("restore") or {})]
+                r["rank"] for r in results if "recopied" in (r.get("restore") or {})]
         summary = {
             "job": self.config.job_name, "world_size": self.config.workers.num_workers,
             "steps": len(losses), "first_step": by_step[0][0] if by_step else None,

@@ -248,12 +248,14 @@ class WorkerContext:
             # sent it from there; those that have it skip it (the store compares checksums).
             if not instr.placed:
                 self._sealed(step, self.ckpt.directory)
+                self.restore_seconds["recopied"] = 1.0
         else:
             # Copy the restored state out again so this rank's copies match the placement.
             t0 = time.perf_counter()
             self._snapshot(state, step)
             if instr is not None:
                 self.restore_seconds["resnapshot_s"] = time.perf_counter() - t0
+                self.restore_seconds["recopied"] = 1.0
         self.last_step = step
         return step
 

@@ -150,16 +150,39 @@ def test_placement_needs_enough_nodes(full_cluster, tmp_path):
         memckpt.run(JOB, cfg, run_dir=tmp_path, quiet=True)
 
 
-def _allocation_env(ctx) -> object:
-    import os
-    return os.environ.get("THP_MEM_ALLOC_ENABLE")
-
 
 @pytest.mark.parametrize("huge", [True, False])
 def test_workers_allocate_from_huge_pages_unless_turned_off(cluster, tmp_path, huge):
     """torch reads THP_MEM_ALLOC_ENABLE once, at its first allocation: it must be in the
     worker process's environment from the start (the actor's runtime env)."""
+    def allocation_env(ctx) -> object:  # local: shipped by value, importable everywhere
+        import os
+        return os.environ.get("THP_MEM_ALLOC_ENABLE")
+
     cfg = dataclasses.replace(config(f"thp-{str(huge).lower()}"), workers=memckpt.WorkersConfig(
         num_workers=3, workers_per_node=1, cpus_per_worker=1, huge_pages=huge))
-    result = memckpt.run(_allocation_env, cfg, run_dir=tmp_path, quiet=True)
+    result = memckpt.run(allocation_env, cfg, run_dir=tmp_path, quiet=True)
     assert result["results"] == (["1"] * 3 if huge else [None] * 3)
+
+
+def test_training_function_the_workers_cannot_import_is_a_clear_error(cluster, tmp_path,
+                                                                       monkeypatch):
+    """A function from a module only the driver can import (not shipped with the job)."""
+    (tmp_path / "driver_only_job.py").write_text("def train(ctx):\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from driver_only_job import train
+    with pytest.raises(memckpt.MemckptError) as ei:
+        memckpt.run(train, config("unimportable"), run_dir=tmp_path / "run", quiet=True)
+    msg = str(ei.value)
+    assert "could not load the training function" in msg and "driver_only_job" in msg
+    assert "--working-dir" in msg
+
+
+def test_error_raised_by_every_rank_at_once_reaches_the_caller(cluster, tmp_path):
+    """No peer died: the training function's own error is the job's error (not a recovery,
+    and not lost when every rank fails in the same instant)."""
+    def train(ctx) -> None:
+        raise ValueError(f"bad batch size on rank {ctx.rank}")
+
+    with pytest.raises(ValueError, match="bad batch size on rank 0"):
+        memckpt.run(train, config("user-error"), run_dir=tmp_path, quiet=True)
