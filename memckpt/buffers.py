@@ -55,8 +55,8 @@ class RamRegion:
             try:
                 os.ftruncate(fd, max(size, 1))
                 # Populated: the kernel allocates every page in one pass, so the first
-                # snapshot does not pay a fault per 4 KiB (measured: half the time of
-                # touching each page from here, which is what zero-filling did).
+                # snapshot does not pay a fault per 4 KiB (about as fast as zero-filling
+                # from here, measured, and it leaves the pages to the first real write).
                 self._mm = _map(fd, max(size, 1), populate=True)
             finally:
                 os.close(fd)
@@ -67,8 +67,8 @@ class RamRegion:
                 actual = os.fstat(fd).st_size
                 if actual < size or actual == 0:
                     raise MemckptError(f"{path} holds {actual} bytes, expected {size}")
-                # Populated: a page fault per 4 KiB on first touch costs ~3x the copy
-                # that follows; one populate pass costs a fraction of it (measured).
+                # Populated: faulting 4 KiB pages on first touch made copying a 1 GiB
+                # slot take 0.29 s, after one populate pass (0.03 s) it takes 0.09 s.
                 self._mm = _map(fd, actual, populate)
                 self.size = actual
             finally:
@@ -118,20 +118,6 @@ class RamRegion:
 def _map(fd: int, size: int, populate: bool) -> mmap.mmap:
     flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     return mmap.mmap(fd, size, flags=flags)
-
-
-def anonymous_buffer(nbytes: int) -> np.ndarray:
-    """A private, writable buffer for ``nbytes`` received bytes, backed by transparent huge
-    pages where the kernel allows it: filling a fresh ``np.empty`` faults every 4 KiB page
-    and ran at a quarter of the speed of filling a prefaulted one here."""
-    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        try:
-            mm.madvise(advice)
-        except OSError:
-            pass  # no THP on this kernel: plain pages
-    return np.frombuffer(mm, dtype=np.uint8, count=nbytes)
 
 
 def remove_path(path: Path) -> None:

@@ -68,12 +68,8 @@ class WorkersConfig:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     backend: str = "auto"  # torch.distributed backend: gloo on CPU, nccl on GPU
-    # torch's large CPU tensors from transparent huge pages (THP_MEM_ALLOC_ENABLE=1 in the
-    # workers): a restore fills fresh optimizer state with a fault per 2 MiB, not per 4 KiB
-    huge_pages: bool = True
 
     def __post_init__(self) -> None:
-        _bool("workers.huge_pages", self.huge_pages)
         _positive_int("workers.num_workers", self.num_workers)
         _positive_int("workers.workers_per_node", self.workers_per_node)
         _positive_float("workers.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
@@ -261,7 +257,6 @@ class Config:
         d = self.to_dict()
         for volatile in ("chaos", "job_name", "ram_root", "stop_file"):
             d.pop(volatile)
-        d["workers"].pop("huge_pages")  # how memory is allocated, not what it holds
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

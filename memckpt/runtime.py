@@ -31,7 +31,7 @@ from memckpt.faults import Fault, FaultInjector, kill_node, send_signal
 from memckpt.recovery import (RecoveryPlan, plan_from_persisted, plan_from_scratch,
                               plan_recovery)
 from memckpt.store import ReplicaStore
-from memckpt.worker import RestoreInstruction, Worker, WorkerSpec, worker_env
+from memckpt.worker import RestoreInstruction, Worker, WorkerSpec
 
 log = logging.getLogger("memckpt")
 POLL_S = 0.1
@@ -267,7 +267,6 @@ class Runtime:
             num_cpus=0 if spare else cfg.workers.cpus_per_worker,
             num_gpus=0 if spare else cfg.workers.gpus_per_worker,
             max_restarts=0, max_concurrency=4, scheduling_strategy=_affinity(node),
-            runtime_env=worker_env(cfg),
         ).remote(cfg, self.coordinator)
 
     def _top_up_spares(self, nodes: set[str]) -> None:

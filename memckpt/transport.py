@@ -33,7 +33,6 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 
 from memckpt import shard as fmt
-from memckpt.buffers import anonymous_buffer
 from memckpt.errors import (ChecksumError, MemckptError, NoSnapshotError, PlacementError,
                             StaleGenerationError)
 
@@ -220,7 +219,7 @@ class StoreConnection:
         return True
 
     def fetch(self, rank: int, step: int,
-              into: Callable[[int], np.ndarray] = anonymous_buffer) -> np.ndarray:
+              into: Optional[Callable[[int], np.ndarray]] = None) -> np.ndarray:
         """``rank``'s shard of ``step`` as the store holds it, received into ``into(nbytes)``
         (a fresh buffer, or a snapshot slot) with its prefix flagged incomplete: pass it to
         :func:`memckpt.shard.accept_received` to verify it before use. Raises the store's
@@ -229,7 +228,7 @@ class StoreConnection:
         head = recv_msg(self._sock)
         _raise_from(head)
         nbytes = int(head["nbytes"])
-        out = into(nbytes)
+        out = into(nbytes) if into is not None else np.empty(nbytes, dtype=np.uint8)
         fmt.fill_flagged(out, 0, nbytes, lambda view: _recv_into(self._sock, view))
         return out[:nbytes]
 

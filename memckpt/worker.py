@@ -394,12 +394,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env(config: Config) -> dict[str, Any]:
-    """The Ray runtime env of a worker actor (merged into the job's own, e.g. working_dir).
-    Set at process start: torch reads THP_MEM_ALLOC_ENABLE at its first allocation."""
-    return {"env_vars": {"THP_MEM_ALLOC_ENABLE": "1"}} if config.workers.huge_pages else {}
-
-
 def warm_torch() -> None:
     """Pay torch's lazy first-use costs now (the optimizers import torch._dynamo, skip_init
     the meta registrations, DDP and ZeRO torch.distributed's modules: ~1 s here), so a

@@ -1,14 +1,13 @@
-"""RAM regions (shared-memory files) and receive buffers: contents and page population."""
+"""RAM regions (shared-memory files): contents and page population."""
 
 from __future__ import annotations
 
 import gc
 
-import numpy as np
 import psutil
 import pytest
 
-from memckpt.buffers import RamRegion, anonymous_buffer
+from memckpt.buffers import RamRegion
 from memckpt.errors import MemckptError
 
 MB = 1 << 20
@@ -57,12 +56,3 @@ def test_open_refuses_an_empty_file(tmp_path):
     with pytest.raises(MemckptError, match="holds 0 bytes"):
         RamRegion.open(path)
 
-
-@pytest.mark.parametrize("nbytes", [0, 1, 5 * MB + 3])
-def test_anonymous_buffer_is_a_private_writable_array_of_the_size_asked(nbytes):
-    buf = anonymous_buffer(nbytes)
-    assert buf.dtype == np.uint8 and buf.shape == (nbytes,) and buf.flags.writeable
-    assert not buf.any()
-    buf[:] = 7
-    assert int(buf.sum()) == 7 * nbytes
-    assert not anonymous_buffer(nbytes).any()  # private: a second buffer shares nothing

@@ -91,8 +91,6 @@ INVALID = [
      "workers.workers_per_node", "2", "divide workers.num_workers=3"),
     ("num_workers_zero", lambda: WorkersConfig(num_workers=0),
      "workers.num_workers", "0", ">= 1"),
-    ("huge_pages", lambda: WorkersConfig(huge_pages="yes"),
-     "workers.huge_pages", "'yes'", "True or False"),
     ("warm_spares", lambda: FailurePolicy(warm_spares=1),
      "failure.warm_spares", "1", "True or False"),
     ("backend", lambda: WorkersConfig(backend="mpi"),
@@ -202,7 +200,7 @@ def test_fingerprint_is_stable_across_processes(tmp_path):
     assert out.stdout.strip() == here
 
 
-def test_fingerprint_tracks_layout_not_drills_or_allocation():
+def test_fingerprint_tracks_layout_not_drills():
     base = Config(snapshot_every=4, workers=WorkersConfig(num_workers=4, workers_per_node=2))
     fp = base.fingerprint()
     assert Config(snapshot_every=4, workers=WorkersConfig(num_workers=4, workers_per_node=2)
@@ -222,8 +220,6 @@ def test_fingerprint_tracks_layout_not_drills_or_allocation():
                chaos=[ChaosEvent(step=3, rank=1), ChaosEvent(step=9, target="random")]),
         Config(snapshot_every=4, workers=WorkersConfig(num_workers=4, workers_per_node=2),
                job_name="another-name", ram_root="/dev/shm/elsewhere"),
-        Config(snapshot_every=4, workers=WorkersConfig(num_workers=4, workers_per_node=2,
-                                                       huge_pages=False)),
     ]
     for other in same:
         assert other.fingerprint() == fp, other

@@ -8,7 +8,6 @@ as the uninterrupted reference run.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -149,20 +148,6 @@ def test_placement_needs_enough_nodes(full_cluster, tmp_path):
     with pytest.raises(PlacementError, match="needs 4 nodes"):
         memckpt.run(JOB, cfg, run_dir=tmp_path, quiet=True)
 
-
-
-@pytest.mark.parametrize("huge", [True, False])
-def test_workers_allocate_from_huge_pages_unless_turned_off(cluster, tmp_path, huge):
-    """torch reads THP_MEM_ALLOC_ENABLE once, at its first allocation: it must be in the
-    worker process's environment from the start (the actor's runtime env)."""
-    def allocation_env(ctx) -> object:  # local: shipped by value, importable everywhere
-        import os
-        return os.environ.get("THP_MEM_ALLOC_ENABLE")
-
-    cfg = dataclasses.replace(config(f"thp-{str(huge).lower()}"), workers=memckpt.WorkersConfig(
-        num_workers=3, workers_per_node=1, cpus_per_worker=1, huge_pages=huge))
-    result = memckpt.run(allocation_env, cfg, run_dir=tmp_path, quiet=True)
-    assert result["results"] == (["1"] * 3 if huge else [None] * 3)
 
 
 def test_training_function_the_workers_cannot_import_is_a_clear_error(cluster, tmp_path,

@@ -15,8 +15,6 @@ head), so both sides see the same machine:
                      self-SIGKILL, then every worker killed, new Ray actors (cold
                      processes that import torch), torch.load + load_state_dict,
                      one step
-  ... (huge pages) the same, its processes allocating from transparent huge
-                     pages as memckpt's workers do (workers.huge_pages)
   peer fetch         vs a raw TCP transfer of the same bytes between the same two
                      nodes (sendall -> recv_into): the path it takes
   replication        vs raw TCP transfers of the same bytes between the same two
@@ -672,18 +670,14 @@ class _Bench:
         return sent
 
     # -- the alternative ----------------------------------------------------------------------
-    def restart_baseline(self, rep: int, huge_pages: bool = False) -> dict[str, Any]:
-        """``huge_pages``: the restarted processes allocate from transparent huge pages too,
-        as memckpt's workers do by default (the alternative at its best)."""
+    def restart_baseline(self, rep: int) -> dict[str, Any]:
         ray = self.ray
         nodes = _worker_nodes()[:WORLD_SIZE]
         cls = ray.remote(ColdWorker)
-        env = {"env_vars": {"THP_MEM_ALLOC_ENABLE": "1"}} if huge_pages else {}
 
         def start() -> list:
             return [cls.options(num_cpus=CPUS_PER_NODE, max_restarts=0, max_concurrency=2,
-                                scheduling_strategy=_affinity(node), runtime_env=env
-                                ).remote(CPUS_PER_NODE)
+                                scheduling_strategy=_affinity(node)).remote(CPUS_PER_NODE)
                     for node in nodes]
 
         paths = [str(self.disk / f"rank{r}.pt") for r in range(WORLD_SIZE)]
@@ -732,8 +726,7 @@ class _Bench:
             "first_step": t_done - crit["t_all_reduce"] + crit["compute"],
             "total": t_done - t_fault,
         }
-        self.log(f"restart+torch.load{' (huge pages)' if huge_pages else ''}: total "
-                 f"{phases['total']:.2f} s ({_fmt_phases(phases)})")
+        self.log(f"restart+torch.load: total {phases['total']:.2f} s ({_fmt_phases(phases)})")
         return {"total_s": phases["total"], "phases_s": phases, "file_bytes": max(sizes),
                 "restart_s": t_done - t_killed}
 
@@ -906,7 +899,7 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
         b._restore_nodes()
         log(f"state per rank: {b.n} x Linear({b.d}) + AdamW = {b.state_bytes / 2**20:.1f} MiB; "
             f"fault at step {kill_at}; torch.save files in {disk} ({_fs_type(disk)})")
-        worker, node, base, base_thp, raw, raw2 = [], [], [], [], [], []
+        worker, node, base, raw, raw2 = [], [], [], [], []
         for rep in range(repeats):
             log(f"repeat {rep + 1}/{repeats}")
             s = b.measure(b.memckpt_recovery, "worker", rep)
@@ -924,15 +917,13 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
             finally:
                 b._restore_nodes()
             base.append(b.measure(b.restart_baseline, rep))
-            base_thp.append(b.measure(b.restart_baseline, rep, True))
         on, persist, local, off = [], [], [], []
         for rep in range(repeats):
             on.append(b.measure(b.step_time, "on", rep, gpt_size, gpt_steps))
             persist.append(b.measure(b.step_time, "persist", rep, gpt_size, gpt_steps))
             local.append(b.measure(b.step_time, "local", rep, gpt_size, gpt_steps))
             off.append(b.measure(b.step_time, "off", rep, gpt_size, gpt_steps))
-        rows = build_rows(b, worker, node, base, raw, raw2, on, local, off, gpt_size, persist,
-                          base_thp)
+        rows = build_rows(b, worker, node, base, raw, raw2, on, local, off, gpt_size, persist)
         info = machine_info()
         for r in rows:
             r["machine"] = info
@@ -948,8 +939,7 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
 
 
 def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2: list, on: list,
-               local: list, off: list, gpt_size: str, persist: tuple = (),
-               base_thp: tuple = ()) -> list[dict[str, Any]]:
+               local: list, off: list, gpt_size: str, persist: tuple = ()) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     base_total = _med([s["total_s"] for s in base])
 
@@ -973,23 +963,16 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
     rows.append(recovery_row("memckpt-node", node,
                              "rank 1's node removed; rank 1 restarts on the spare node and "
                              "restores from the peer holding its replica"))
-    note = ("rank 1 SIGKILLed; every worker killed, new Ray actors (cold, import torch), "
-            "torch.load from local disk (page cache dropped) + load_state_dict, one step")
-    for method, samples, extra in (("restart+torch.load", base, ""),
-                                   ("restart+torch.load (huge pages)", base_thp,
-                                    "; THP_MEM_ALLOC_ENABLE=1 as in memckpt's workers")):
-        if not samples:
-            continue
-        total = _med([s["total_s"] for s in samples])
-        rows.append({
-            "benchmark": "recovery", "method": method, "state_bytes": b.state_bytes,
-            "median_s": total, "samples_s": [s["total_s"] for s in samples],
-            "phases_s": _med_dict([s["phases_s"] for s in samples]),
-            "restart_s": _med([s["restart_s"] for s in samples]),
-            "file_bytes": samples[0]["file_bytes"],
-            "speedup_vs_restart": (base_total / total) if total and base_total else None,
-            "foreign_cpu": _max_foreign(samples), "note": note + extra,
-        })
+    rows.append({
+        "benchmark": "recovery", "method": "restart+torch.load", "state_bytes": b.state_bytes,
+        "median_s": base_total, "samples_s": [s["total_s"] for s in base],
+        "phases_s": _med_dict([s["phases_s"] for s in base]),
+        "restart_s": _med([s["restart_s"] for s in base]),
+        "file_bytes": base[0]["file_bytes"] if base else None, "speedup_vs_restart": 1.0,
+        "foreign_cpu": _max_foreign(base),
+        "note": "rank 1 SIGKILLed; every worker killed, new Ray actors (cold, import torch), "
+                "torch.load from local disk (page cache dropped) + load_state_dict, one step",
+    })
     raw_total = _med([r["total_s"] for r in raw])
     raw_bytes = raw[0]["bytes"] if raw else None
     fetches = [s["peer_fetch"] for s in node if "peer_fetch" in s]
