@@ -298,9 +298,20 @@ class WorkerContext:
 
     def _fetch(self, conn: StoreConnection, step: int, into: Callable[[int], np.ndarray]
                ) -> np.ndarray:
+        alloc = [0.0]
+
+        def timed_into(nbytes: int) -> np.ndarray:
+            t = time.perf_counter()
+            try:
+                return into(nbytes)
+            finally:
+                alloc[0] = time.perf_counter() - t
+
         t0 = time.perf_counter()
-        raw = conn.fetch(self.rank, step, into)
-        self.restore_seconds["fetch_s"] = time.perf_counter() - t0  # the transfer alone
+        raw = conn.fetch(self.rank, step, timed_into)
+        # the transfer alone; allocating the new slot's memory is timed apart
+        self.restore_seconds["fetch_s"] = time.perf_counter() - t0 - alloc[0]
+        self.restore_seconds["slot_alloc_s"] = alloc[0]
         self.restore_seconds["fetch_bytes"] = float(len(raw))
         return raw
 

@@ -210,6 +210,7 @@ class RecoveryJob:
             "t_restored": t_restored, "first_step_done_at": marks[0] if marks else None,
             "step_marks": marks, "compute_s": compute_s, "replication": repl,
             "fetch_s": ctx.restore_seconds.get("fetch_s", 0.0),
+            "slot_alloc_s": ctx.restore_seconds.get("slot_alloc_s", 0.0),
             "fetch_bytes": int(ctx.restore_seconds.get("fetch_bytes", 0)), "load_s": probe.load_s,
             "fetch_and_load_s": ctx.restore_seconds.get("fetch_and_load_s"),
         }
@@ -776,8 +777,9 @@ def _resume_split(results: list[dict[str, Any]], started: float) -> dict[str, fl
     return {
         "start": crit["t_enter"] - started,  # generation start, worker, process group
         "build": crit["t_built"] - crit["t_enter"],
+        "slot_alloc": crit["slot_alloc_s"],
         "fetch": crit["fetch_s"],
-        "verify": max(0.0, fal - crit["fetch_s"] - crit["load_s"]),
+        "verify": max(0.0, fal - crit["slot_alloc_s"] - crit["fetch_s"] - crit["load_s"]),
         "load": crit["load_s"],
         "resnapshot": (crit["t_restored"] - crit["t_built"]) - fal,
         "compute": fs["t_all_reduce"] - crit["t_restored"],
@@ -985,7 +987,8 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
             else None,
             "foreign_cpu": _max_foreign(node),
             "note": "the restoring worker's fetch from the holder's store: one TCP stream into "
-                    "the rank's own snapshot slot (verified afterwards, counted in verify)",
+                    "the rank's own new snapshot slot (allocating the slot is slot_alloc in "
+                    "the node recovery's split; verifying it is counted in verify)",
         })
     repl = [x for s in worker + node for x in s["replication"]]
     raw2_total = _med([r["total_s"] for r in raw2])
