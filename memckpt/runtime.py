@@ -152,6 +152,14 @@ class Runtime:
                       placement.format_plan({short[n]: tuple(short[h] for h in hs)
                                              for n, hs in plan.items()},
                                             {r: short[n] for r, n in assignment.items()}))
+        elif cfg.placement.replicas:
+            fallback = ("the persistence tier is the copy that does" if cfg.persistence else
+                        "add nodes, or configure a persistence tier")
+            self._say(f"the job runs on one node: placement.replicas={cfg.placement.replicas} has "
+                      "no peer node to hold copies, so snapshots stay in this node's RAM only; "
+                      f"that survives a worker's death but not the node's ({fallback})")
+            self._event("no_peer_replicas", replicas=cfg.placement.replicas,
+                        persistence=bool(cfg.persistence))
         return assignment, holders, nodes
 
     # -- the control loop -----------------------------------------------------------------------

@@ -171,3 +171,18 @@ def test_error_raised_by_every_rank_at_once_reaches_the_caller(cluster, tmp_path
 
     with pytest.raises(ValueError, match="bad batch size on rank 0"):
         memckpt.run(train, config("user-error"), run_dir=tmp_path, quiet=True)
+
+
+def test_one_node_job_says_it_has_no_peer_replicas(cluster, tmp_path, capfd):
+    """replicas=1 on a single node cannot hold a copy off the node: run, but say so."""
+    def train(ctx) -> int:
+        return ctx.world_size
+
+    cfg = memckpt.Config(job_name="one-node",
+                         workers=memckpt.WorkersConfig(num_workers=1, cpus_per_worker=1))
+    result = memckpt.run(train, cfg, run_dir=tmp_path)
+    assert result["results"] == [1]
+    (ev,) = [e for e in events(tmp_path) if e["event"] == "no_peer_replicas"]
+    assert ev["replicas"] == 1 and ev["persistence"] is False
+    out = capfd.readouterr().out
+    assert "no peer node to hold copies" in out and "configure a persistence tier" in out
