@@ -17,6 +17,7 @@ committed.
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import socket
@@ -501,3 +502,8 @@ class Worker:
                 self.ctx.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            # Free this generation's training state now: it sits in reference cycles (the
+            # context's callbacks, DDP's hooks), and a survivor reused for the next
+            # generation would otherwise restore into fresh memory while still holding it.
+            self.ctx = None
+            gc.collect()
