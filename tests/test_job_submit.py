@@ -20,6 +20,28 @@ pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.timeout(900)]
 JOB_PY = """from memckpt.demo.job import GPTJob
 train = GPTJob(steps={steps}, size="tiny", seed=3, step_delay_s={delay})
 """
+# The first generation waits before snapshotting step {hold} until the test writes
+# {release}: a drill from another terminal always lands while the job trains.
+HELD_JOB_PY = """import os, time
+from memckpt.demo.job import GPTJob
+
+
+class _Held:
+    def __init__(self, ctx):
+        self._ctx = ctx
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def step(self, state, step, **metrics):
+        while self._ctx.generation == 0 and step == {hold} and not os.path.exists({release!r}):
+            time.sleep(0.1)
+        return self._ctx.step(state, step, **metrics)
+
+
+def train(ctx):
+    return GPTJob(steps={steps}, size="tiny", seed=3)(_Held(ctx))
+"""
 CONFIG_PY = """import memckpt
 config = memckpt.Config(
     job_name={name!r},
@@ -68,10 +90,10 @@ def head(tmp_path_factory):
 
 
 def job_dir(tmp_path: Path, name: str, steps: int = 12, delay: float = 0.0, chaos: str = "()",
-            max_restarts: int = 3) -> Path:
+            max_restarts: int = 3, job_py: str = "") -> Path:
     wd = tmp_path / name
     wd.mkdir()
-    (wd / "job.py").write_text(JOB_PY.format(steps=steps, delay=delay))
+    (wd / "job.py").write_text(job_py or JOB_PY.format(steps=steps, delay=delay))
     (wd / "config.py").write_text(CONFIG_PY.format(name=name, chaos=chaos,
                                                    max_restarts=max_restarts))
     return wd
@@ -119,7 +141,9 @@ def test_impossible_recovery_fails_the_job_with_the_reason(head, tmp_path):
 
 
 def test_status_and_kill_from_another_terminal(head, tmp_path):
-    wd = job_dir(tmp_path, "drill-cli", steps=30, delay=0.3)
+    release = tmp_path / "release"
+    wd = job_dir(tmp_path, "drill-cli", job_py=HELD_JOB_PY.format(
+        steps=12, hold=6, release=str(release)))
     res = submit(head, wd, tmp_path / "cli.json", wait=False)
     assert res.returncode == 0, res.stderr
     job_id = re.search(r"raysubmit_[A-Za-z0-9]+", res.stdout + res.stderr).group(0)
@@ -133,14 +157,17 @@ def test_status_and_kill_from_another_terminal(head, tmp_path):
             break
         assert time.time() < deadline, st.stdout + st.stderr
         time.sleep(1)
-    human = subprocess.run(memckpt + ["status", "--job", "drill-cli", "--address",
-                                      head["address"]], env=head["env"], capture_output=True,
-                           text=True, timeout=60)
-    assert "placement" in human.stdout and "rank 2" in human.stdout
-    kill = subprocess.run(memckpt + ["kill", "--worker", "2", "--job", "drill-cli", "--address",
-                                     head["address"]], env=head["env"], capture_output=True,
-                          text=True, timeout=60)
-    assert kill.returncode == 0 and "SIGKILL to rank 2" in kill.stdout, kill.stderr
+    try:
+        human = subprocess.run(memckpt + ["status", "--job", "drill-cli", "--address",
+                                          head["address"]], env=head["env"], capture_output=True,
+                               text=True, timeout=60)
+        assert "placement" in human.stdout and "rank 2" in human.stdout
+        kill = subprocess.run(memckpt + ["kill", "--worker", "2", "--job", "drill-cli", "--address",
+                                         head["address"]], env=head["env"], capture_output=True,
+                              text=True, timeout=60)
+        assert kill.returncode == 0 and "SIGKILL to rank 2" in kill.stdout, kill.stderr
+    finally:  # the job held its step 6 for this drill: let it go on
+        release.write_text("go")
     while job_status(head, job_id) in ("RUNNING", "PENDING"):
         assert time.time() < deadline + 300
         time.sleep(2)
