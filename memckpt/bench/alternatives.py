@@ -49,7 +49,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable, Iterator, Optional
 
-from memckpt.bench import recovery as rec
+from memckpt.bench import recovery_job as rjob
+from memckpt.bench.recovery import WORLD_SIZE
+from memckpt.bench.recovery_actors import ColdWorker
 from memckpt.bench.snapshot import Quiet, _matmul_unit, build_state, measure_memcpy
 
 PLAIN_METHODS = ("none", "memcpy", "memckpt-local", "torch.save", "dcp-async")
@@ -315,8 +317,6 @@ def memckpt_stall(size: int, steps: int, warmup: int, compute_n: int, *, snapsho
 
 def _raytrain_stall_loop(config: dict[str, Any]) -> None:
     """TorchTrainer worker: the step loop with ray.train.report as the save."""
-    import torch
-
     import ray.train as train
     _set_threads()
     model, opt = build_state(config["size"])
@@ -392,15 +392,16 @@ def raytrain_stall(size: int, steps: int, warmup: int, compute_n: int, *, checkp
 
 
 # -- recovery alternatives ----------------------------------------------------------------------
-class DCPWorker(rec.ColdWorker):
-    """:class:`memckpt.bench.recovery.ColdWorker` with DCP instead of torch.save / torch.load:
-    ``dcp.save`` of get_state_dict(model, optimizer) into a per-rank checkpoint directory, and on
-    restart ``dcp.load`` + ``set_state_dict`` (no collectives: each rank owns its state)."""
+class DCPWorker(ColdWorker):
+    """:class:`memckpt.bench.recovery_actors.ColdWorker` with DCP instead of torch.save /
+    torch.load: ``dcp.save`` of get_state_dict(model, optimizer) into a per-rank checkpoint
+    directory, and on restart ``dcp.load`` + ``set_state_dict`` (no collectives: each rank
+    owns its state)."""
 
     def save_checkpoint(self, path: str, d: int, n: int, seed: int) -> int:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        self.model, self.opt = rec.build_state(d, n, fresh=True, seed=seed)
+        self.model, self.opt = rjob.build_state(d, n, fresh=True, seed=seed)
         msd, osd = get_state_dict(self.model, self.opt)
         shutil.rmtree(path, ignore_errors=True)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, no_dist=True)
@@ -437,7 +438,7 @@ class DCPWorker(rec.ColdWorker):
         allocated tensors, as a real job's restore does), returned as plain state dicts."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        model, opt = rec.build_state(d, n, fresh=True)
+        model, opt = rjob.build_state(d, n, fresh=True)
         msd, osd = get_state_dict(model, opt)
         sd = {"model": msd, "optim": osd}
         dcp.load(sd, checkpoint_id=path, no_dist=True)
@@ -445,21 +446,10 @@ class DCPWorker(rec.ColdWorker):
         return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
 
-@contextmanager
-def _cold_worker(cls: type) -> Iterator[None]:
-    """recovery._Bench.restart_baseline builds its actors from ``recovery.ColdWorker``: swap the
-    class for the duration of one call (the flow, kill and timing stay recovery.py's)."""
-    orig = rec.ColdWorker
-    rec.ColdWorker = cls
-    try:
-        yield
-    finally:
-        rec.ColdWorker = orig
-
-
 def dcp_recovery(bench: Any, rep: int) -> dict[str, Any]:
-    with _cold_worker(DCPWorker):
-        return bench.restart_baseline(rep)
+    """recovery._Bench.restart_baseline with DCPWorker actors (the flow, kill and timing stay
+    recovery.py's)."""
+    return bench.restart_baseline(rep, worker=DCPWorker)
 
 
 def _raytrain_recovery_loop(config: dict[str, Any]) -> None:
@@ -474,10 +464,10 @@ def _raytrain_recovery_loop(config: dict[str, Any]) -> None:
     torch.set_num_threads(config["cpus"])
     ckpt = train.get_checkpoint()
     d, n = config["d"], config["n"]
-    x, w = rec._compute_inputs()
+    x, w = rjob._compute_inputs()
     if ckpt is not None:  # the resumed generation
         t0 = time.time()
-        model, opt = rec.build_state(d, n, fresh=False)
+        model, opt = rjob.build_state(d, n, fresh=False)
         t1 = time.time()
         with ckpt.as_directory() as cdir:
             sd = torch.load(Path(cdir) / f"rank{rank}.pt", weights_only=True)
@@ -486,16 +476,16 @@ def _raytrain_recovery_loop(config: dict[str, Any]) -> None:
         opt.load_state_dict(sd["optimizer"])
         del sd
         t2 = time.time()
-        float(rec._all_reduce_mean(rec._compute(x, w, config["compute_iters"]), world))
+        float(rjob._all_reduce_mean(rjob._compute(x, w, config["compute_iters"]), world))
         t3 = time.time()
         Path(config["out_dir"], f"resumed-{rank}.json").write_text(json.dumps(
             {"t_enter": t0, "build": t1 - t0, "load": t2 - t1, "first_step": t3 - t2,
              "t_done": t3, "resumed_step": step}))
         return
-    model, opt = rec.build_state(d, n, fresh=True, seed=rank)
+    model, opt = rjob.build_state(d, n, fresh=True, seed=rank)
     local = Path(tempfile.mkdtemp(prefix="compare-raytrain-rec-", dir=config["local_dir"]))
     for step in range(1, config["kill_at"] + 1):
-        float(rec._all_reduce_mean(rec._compute(x, w, config["compute_iters"]), world))
+        float(rjob._all_reduce_mean(rjob._compute(x, w, config["compute_iters"]), world))
         if step == config["kill_at"] and rank == 1:
             Path(config["marker"]).write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
@@ -535,7 +525,7 @@ def raytrain_recovery(d: int, n: int, kill_at: int, compute_iters: int, storage:
         train_loop_config={"d": d, "n": n, "kill_at": kill_at, "compute_iters": compute_iters,
                            "cpus": cpus, "local_dir": str(local_dir), "out_dir": str(out_dir),
                            "marker": str(marker)},
-        scaling_config=ScalingConfig(num_workers=rec.WORLD_SIZE, resources_per_worker={"CPU": cpus}),
+        scaling_config=ScalingConfig(num_workers=WORLD_SIZE, resources_per_worker={"CPU": cpus}),
         run_config=RunConfig(name=name, storage_path=str(storage),
                              failure_config=FailureConfig(max_failures=1),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
@@ -543,8 +533,8 @@ def raytrain_recovery(d: int, n: int, kill_at: int, compute_iters: int, storage:
         trainer.fit()
         t_fault = float(marker.read_text())
         outs = [json.loads(p.read_text()) for p in sorted(out_dir.glob("resumed-*.json"))]
-        if len(outs) != rec.WORLD_SIZE:
-            raise RuntimeError(f"Ray Train resumed {len(outs)} of {rec.WORLD_SIZE} ranks")
+        if len(outs) != WORLD_SIZE:
+            raise RuntimeError(f"Ray Train resumed {len(outs)} of {WORLD_SIZE} ranks")
         slow = max(outs, key=lambda o: o["t_done"])
         phases = {"restart": slow["t_enter"] - t_fault, "build": slow["build"],
                   "torch_load": slow["load"], "first_step": slow["first_step"],

@@ -50,8 +50,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable, Optional
 
-from memckpt.bench.snapshot import (_human_bytes, _human_s, _positive_int, calibrate_compute,
-                                    parse_sizes, Quiet)
+from memckpt.bench.common import (finish_report, human_bytes, human_s, machine_info, machine_line,
+                                  positive_int, standalone, write_rows)
+from memckpt.bench.snapshot import calibrate_compute, parse_sizes, Quiet
 
 PARTS = ("stall", "lost_work", "recovery", "scaling")
 DEFAULT_SIZES = "100M,1G"
@@ -319,6 +320,7 @@ def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path
                      log: Callable[[str], None]) -> list[dict[str, Any]]:
     from memckpt.bench import alternatives as alt
     from memckpt.bench import recovery as rec
+    from memckpt.bench.recovery_job import DEFAULT_LAYERS
     from memckpt.localcluster import LocalCluster
     biggest = max(s for _, s in sizes)
     store_mb = max(256, int(1.25 * biggest / 2**20) + 128)
@@ -338,7 +340,7 @@ def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path
             if not _fits(need):
                 log(f"recovery {label}: needs ~{need / _GIB:.0f} GiB free: skipped")
                 continue
-            b = rec._Bench(cluster, size, rec.DEFAULT_LAYERS, kill_at, 2, compute_iters, disk,
+            b = rec._Bench(cluster, size, DEFAULT_LAYERS, kill_at, 2, compute_iters, disk,
                            ram_root, run_root, log)
             b._restore_nodes()
             samples: dict[str, list[dict[str, Any]]] = {m: [] for m in RECOVERY_METHODS}
@@ -503,7 +505,6 @@ def run_compare(parts: tuple[str, ...] = PARTS, sizes: Optional[list[tuple[str, 
                 raytrain_poll_s: Optional[float] = None,
                 log: Callable[[str], None] = _log) -> list[dict[str, Any]]:
     from memckpt.bench.recovery import _disk_dir
-    from memckpt.bench.snapshot import machine_info
     sizes = sizes or parse_sizes(DEFAULT_SIZES)
     recovery_sizes = recovery_sizes or [sizes[-1]]
     scaling_size = scaling_size or sizes[0]
@@ -545,9 +546,9 @@ def run_compare(parts: tuple[str, ...] = PARTS, sizes: Optional[list[tuple[str, 
 # -- report ---------------------------------------------------------------------------------------
 def _fmt(r: dict[str, Any]) -> str:
     if r["unit"] == "s":
-        return _human_s(r["median"])
+        return human_s(r["median"])
     if r["unit"] == "bytes":
-        return _human_bytes(r["median"])
+        return human_bytes(r["median"])
     return f"{r['median']:.2f} steps"
 
 
@@ -560,17 +561,17 @@ def _detail(r: dict[str, Any]) -> str:
     if b == "stall":
         if is_baseline(m):
             return f"{r['harness']}, no checkpoint"
-        parts = [f"blocking {_human_s(r['blocking_s'])}"]
+        parts = [f"blocking {human_s(r['blocking_s'])}"]
         if r.get("step_increase_s") is not None:
-            parts.append(f"step +{_human_s(max(0.0, r['step_increase_s']))}")
+            parts.append(f"step +{human_s(max(0.0, r['step_increase_s']))}")
         if r.get("fraction_of_limit"):
             parts.append(f"{100 * r['fraction_of_limit']:.0f}% of memcpy speed")
         if r.get("replicate_s"):
-            parts.append(f"replication {_human_s(r['replicate_s'])} behind")
+            parts.append(f"replication {human_s(r['replicate_s'])} behind")
         if r.get("persist_s"):
-            parts.append(f"write done {_human_s(r['persist_s'])} after the call")
+            parts.append(f"write done {human_s(r['persist_s'])} after the call")
         if r.get("report_s") is not None and base_method(m) == "ray-train":
-            parts.append(f"torch.save {_human_s(r['write_s'])} + report {_human_s(r['report_s'])}")
+            parts.append(f"torch.save {human_s(r['write_s'])} + report {human_s(r['report_s'])}")
         return "; ".join(parts)
     if b == "lost_work":
         return (f"every {r['interval_steps']} steps ({100 * r['overhead_at_interval']:.1f}% "
@@ -590,7 +591,7 @@ def _detail(r: dict[str, Any]) -> str:
             return f"{r['x_state']:.2f}× the shard (expected {r['expected_x_state']})"
         if r.get("base_step_s"):
             return (f"{r['nodes']} nodes, k={r['k']}: +{100 * r['median'] / r['base_step_s']:.0f}% "
-                    f"on a {_human_s(r['base_step_s'])} step")
+                    f"on a {human_s(r['base_step_s'])} step")
         return f"{r['nodes']} nodes, k={r['k']}, every rank training on the same 2 cores"
     return ""
 
@@ -602,7 +603,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for r in sorted(rows, key=lambda r: (order[r["benchmark"]], r["state_bytes"] if r["benchmark"] != "scaling" else 0,
                                          r.get("nodes", 0))):
         name = r["method"] + (f" ({r['nodes']} nodes)" if r["benchmark"] == "scaling" else "")
-        lines.append(f"| {r['benchmark']} | {name} | {_human_bytes(r['state_bytes'])} | {_fmt(r)} | "
+        lines.append(f"| {r['benchmark']} | {name} | {human_bytes(r['state_bytes'])} | {_fmt(r)} | "
                      f"{_x(r.get('x_memcpy'))} | {_x(r.get('x_memckpt'))} | {_detail(r)} |")
     return "\n".join(lines)
 
@@ -627,8 +628,8 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[bool, str]]:
                                f"{size}: torch.save stall / {m} {what} = {x:.1f}× (target ≥ 10)"))
             if (size, "dcp-async") in st:
                 x = st[(size, "dcp-async")]["blocking_s"]
-                checks.append((mine < x, f"{size}: {m} {what} {_human_s(mine)} vs DCP async_save "
-                                         f"blocking part {_human_s(x)} (target: lower)"))
+                checks.append((mine < x, f"{size}: {m} {what} {human_s(mine)} vs DCP async_save "
+                                         f"blocking part {human_s(x)} (target: lower)"))
     for r in rows:
         if r["benchmark"] == "recovery" and r["method"] == "memckpt-worker" and \
                 r.get("speedup_vs_fastest_alternative"):
@@ -648,19 +649,16 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[bool, str]]:
 
 
 def report(rows: list[dict[str, Any]]) -> str:
-    if not rows:
+    step = max(rows, key=lambda r: r.get("compute_alone_s") or 0, default=None)
+    if step is None:
         return "no rows"
-    m = rows[0]["machine"]
-    step = max(rows, key=lambda r: r.get("compute_alone_s") or 0)
-    head = (f"machine: {m['cpus']} CPUs, {m['ram_bytes'] / _GIB:.0f} GiB RAM, "
-            f"{'CUDA' if m['cuda'] else 'CPU only'}, torch {m['torch']}, Python {m['python']}; "
-            f"simulated step {step.get('compute_alone_s') or 0:.2f} s "
-            f"({step.get('compute_matmuls') or 0} matmuls)")
-    text = [head, "", format_table(rows)]
-    checks = check_targets(rows)
-    if checks:
-        text += ["", "targets:"] + [f"- {'met' if ok else 'NOT met'}: {d}" for ok, d in checks]
-    return "\n".join(text)
+    head = machine_line(rows[0]["machine"],
+                        f"simulated step {step.get('compute_alone_s') or 0:.2f} s "
+                        f"({step.get('compute_matmuls') or 0} matmuls)")
+    # no CPU-share warning: the compare rows do not record what other processes took
+    return finish_report([head, "", format_table(rows)], rows, None,
+                         lambda r: f"{r['benchmark']} {r['method']}", check_targets(rows),
+                         missed="NOT met")
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -708,13 +706,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", type=_methods, default=SELECTABLE, metavar="LIST",
                         help=f"stall: methods to measure (default all: {','.join(SELECTABLE)}; "
                              "each comes with its harness's no-checkpoint baseline)")
-    parser.add_argument("--steps", type=_positive_int, default=5, metavar="N",
+    parser.add_argument("--steps", type=positive_int, default=5, metavar="N",
                         help="stall: timed steps per method, after 2 warm-up steps (default 5)")
     parser.add_argument("--step-s", type=_seconds, default=DEFAULT_STEP_S, metavar="S",
                         help=f"simulated forward+backward per step (default {DEFAULT_STEP_S})")
     parser.add_argument("--recovery-sizes", type=parse_sizes, default=None, metavar="LIST",
                         help="recovery: state per rank (default: the largest of --sizes)")
-    parser.add_argument("--recovery-repeats", type=_positive_int, default=1, metavar="N")
+    parser.add_argument("--recovery-repeats", type=positive_int, default=1, metavar="N")
     parser.add_argument("--nodes", type=_node_counts, default=(2, 3, 4), metavar="LIST",
                         help="scaling: simulated node counts, each >= 2 (default 2,3,4; k=2 from 3)")
     parser.add_argument("--scaling-size", type=parse_sizes, default=None, metavar="SIZE",
@@ -728,6 +726,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="PNG", help="write the plot to PNG")
     parser.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
                         help="measure nothing: merge the rows of earlier --json files")
+
+
+def _cli(argv: Optional[list[str]] = None) -> int:
+    """``python -m memckpt.bench.compare``, ``benchmarks/bench_compare.py``."""
+    return standalone("memckpt bench compare", __doc__, add_arguments, main, argv)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -747,21 +750,12 @@ def main(args: argparse.Namespace) -> int:
             print(f"memckpt bench compare: measurement failed: {type(e).__name__}: {e}",
                   file=sys.stderr)
             return 1
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    write_rows(args.json, rows, indent=1)
     if args.plot:
         from memckpt.bench.plot import plot_compare
         plot_compare(rows, args.plot)
     print(report(rows))
     return 0
-
-
-def _cli(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="memckpt bench compare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return main(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

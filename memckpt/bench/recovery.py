@@ -42,27 +42,27 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
-import signal
-import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 from typing import Any, Callable, Optional
 
-DEFAULT_STATE_MB = 1024
+# The driver is here; the synthetic job it runs is in recovery_job, the Ray actors of the
+# restart+torch.load alternative and of the raw transfers in recovery_actors.
+from memckpt.bench.common import (finish_report, human_bytes, human_s, machine_line, positive_int,
+                                  standalone, write_rows)
+from memckpt.bench.common import machine_info as _base_machine_info
+from memckpt.bench.recovery_actors import ColdWorker, RawReceiver, RawSender
+from memckpt.bench.recovery_job import (DEFAULT_COMPUTE_ITERS, DEFAULT_KILL_AT, DEFAULT_LAYERS,
+                                        DEFAULT_STATE_MB, DEFAULT_STEPS_AFTER, RecoveryJob,
+                                        StepTimedJob, layout, state_nbytes)
+
 DEFAULT_REPEATS = 3
-DEFAULT_LAYERS = 16
-DEFAULT_KILL_AT = 4  # the fault fires at this step: steps 1..3 run in steady state
-DEFAULT_STEPS_AFTER = 3  # steps after the fault (replication samples after the restore)
-DEFAULT_COMPUTE_ITERS = 40  # 512x512 matmul + tanh per iteration: ~50 ms on 2 CPU cores
 DEFAULT_GPT_STEPS = 30
 GPT_WARMUP_STEPS = 3  # step intervals left out of the step-time median
-COMPUTE_N = 512
 WORLD_SIZE = 2
 NODES = 3
 CPUS_PER_NODE = 2
@@ -74,312 +74,6 @@ TARGET_DETECT_WORKER_S = 1.0
 TARGET_DETECT_NODE_S = 3.0
 TARGET_TRANSFER_RATIO = 0.70
 TARGET_SLOWDOWN = 0.05
-
-
-# -- the synthetic state and step -----------------------------------------------------------------
-def layout(state_bytes: int, layers: int = DEFAULT_LAYERS) -> tuple[int, int]:
-    """(width d, number of layers n) of d x d nn.Linear layers whose params + AdamW moments
-    total about ``state_bytes`` (float32: 12 bytes per parameter)."""
-    elems = max(1, state_bytes // 12)
-    d = max(8, int(math.sqrt(elems / layers)) // 8 * 8)
-    n = max(1, round(elems / (d * d + d)))
-    return d, n
-
-
-def state_nbytes(d: int, n: int) -> int:
-    """Bytes of the captured state: params, exp_avg, exp_avg_sq and AdamW's step scalars."""
-    return n * (d * d + d) * 12 + n * 2 * 4
-
-
-def build_state(d: int, n: int, fresh: bool, seed: int = 0):
-    """``n`` x Linear(d, d) + AdamW. ``fresh``: initialised, with one optimizer step taken so
-    the AdamW state exists. Otherwise an uninitialised skeleton for a restore to fill (the
-    restore brings the optimizer state; both sides of the benchmark build the same way)."""
-    import torch
-    from torch.nn.utils import skip_init
-
-    model = torch.nn.Sequential(*[skip_init(torch.nn.Linear, d, d) for _ in range(n)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if fresh:
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.uniform_(-0.02, 0.02, generator=g)
-        for p in model.parameters():
-            p.grad = torch.full_like(p, 1e-3)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return model, opt
-
-
-def _compute_inputs(seed: int = 0):
-    import torch
-    g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(COMPUTE_N, COMPUTE_N, generator=g)
-    w = torch.randn(COMPUTE_N, COMPUTE_N, generator=g) / math.sqrt(COMPUTE_N)
-    return x, w
-
-
-def _compute(x, w, iters: int):
-    """The fixed per-step compute: ``iters`` matmuls; returns a scalar loss."""
-    import torch
-    y = x
-    for _ in range(iters):
-        y = torch.tanh(y @ w)
-    return y.square().mean()
-
-
-def _all_reduce_mean(loss, world_size: int):
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(loss)
-        loss = loss / world_size
-    return loss
-
-
-class _RestoreProbe:
-    """Times the load into the model and optimizer inside ``ctx.restore`` (the worker times
-    its peer fetch itself, in ``ctx.restore_seconds``). Undone on exit."""
-
-    def __init__(self, ctx: Any) -> None:
-        self.ctx = ctx
-        self.load_s = 0.0
-
-    def __enter__(self) -> "_RestoreProbe":
-        probe, self._load = self, self.ctx.ckpt.load_shard
-
-        def load_shard(state: Any, shard: Any, source: str) -> int:
-            t0 = time.perf_counter()
-            try:
-                return probe._load(state, shard, source)
-            finally:
-                probe.load_s += time.perf_counter() - t0
-
-        self.ctx.ckpt.load_shard = load_shard
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.ctx.ckpt.__dict__.pop("load_shard", None)
-
-
-@dataclass(frozen=True)
-class RecoveryJob:
-    """The synthetic training job: ``state_bytes`` of nn.Linear params + AdamW state per rank,
-    a fixed compute and an all-reduce of the loss per step (so survivors notice a lost peer,
-    as a data-parallel job does), ``ctx.restore`` then ``ctx.step`` like memckpt.demo.job.
-
-    Returns timestamps and restore details for the benchmark (the last generation's)."""
-
-    steps: int = DEFAULT_KILL_AT + DEFAULT_STEPS_AFTER
-    state_bytes: int = DEFAULT_STATE_MB << 20
-    layers: int = DEFAULT_LAYERS
-    compute_iters: int = DEFAULT_COMPUTE_ITERS
-    seed: int = 0
-
-    def __call__(self, ctx: Any) -> dict[str, Any]:
-        import memckpt
-
-        t_enter = time.time()
-        d, n = layout(self.state_bytes, self.layers)
-        model, opt = build_state(d, n, fresh=ctx.generation == 0, seed=self.seed + ctx.rank)
-        t_built = time.time()
-        state = memckpt.TrainState(model=model, optimizer=opt)
-        with _RestoreProbe(ctx) as probe:
-            start = ctx.restore(state)
-        t_restored = time.time()
-        x, w = _compute_inputs(self.seed)
-        marks, compute_s, repl, first = [], [], [], {}
-        for step in range(start + 1, self.steps + 1):
-            t0 = time.time()
-            loss = _compute(x, w, self.compute_iters)
-            t1 = time.time()
-            compute_s.append(t1 - t0)
-            loss = _all_reduce_mean(loss, ctx.world_size)
-            t2 = time.time()
-            ctx.step(state, step, loss=float(loss))
-            marks.append(time.time())
-            if not first:  # the first step after the (re)start, in wall-clock times
-                first = {"t_compute": t0, "t_all_reduce": t1, "t_snapshot": t2}
-            rep = ctx.replicator
-            repl.append((int(rep.bytes_sent), float(rep.last_seconds)))
-        return {
-            "first_step": first,
-            "rank": ctx.rank, "generation": ctx.generation, "node_id": ctx.node_id,
-            "restored_step": start, "source": getattr(ctx, "restore_source", None),
-            "holders": list(ctx.spec.holders), "t_enter": t_enter, "t_built": t_built,
-            "t_restored": t_restored, "first_step_done_at": marks[0] if marks else None,
-            "step_marks": marks, "compute_s": compute_s, "replication": repl,
-            "fetch_s": ctx.restore_seconds.get("fetch_s", 0.0),
-            "slot_alloc_s": ctx.restore_seconds.get("slot_alloc_s", 0.0),
-            "fetch_bytes": int(ctx.restore_seconds.get("fetch_bytes", 0)), "load_s": probe.load_s,
-            "fetch_and_load_s": ctx.restore_seconds.get("fetch_and_load_s"),
-        }
-
-
-class _TimedContext:
-    """Delegates to a WorkerContext and notes when each ``step`` call begins."""
-
-    def __init__(self, ctx: Any) -> None:
-        self._ctx = ctx
-        self.marks: list[tuple[int, float]] = []
-        self.inside: list[tuple[int, float]] = []  # time spent in ctx.step (snapshot, waits)
-        self.state_bytes: Optional[int] = None
-
-    def step(self, state: Any, step: int, **metrics: float) -> None:
-        t0 = time.perf_counter()
-        self.marks.append((step, t0))
-        if self.state_bytes is None:
-            self.state_bytes = state.capture(step).nbytes
-        try:
-            return self._ctx.step(state, step, **metrics)
-        finally:
-            self.inside.append((step, time.perf_counter() - t0))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._ctx, name)
-
-
-@dataclass(frozen=True)
-class StepTimedJob:
-    """Runs ``inner(ctx)`` and reports the wall time between consecutive ``ctx.step`` calls
-    (one whole step: compute plus the previous step's snapshot and report)."""
-
-    inner: Any
-
-    def __call__(self, ctx: Any) -> dict[str, Any]:
-        timed = _TimedContext(ctx)
-        result = self.inner(timed)
-        intervals = [(s, b - a) for (_, a), (s, b) in zip(timed.marks, timed.marks[1:])]
-        stats = ctx.ckpt.stats
-        return {"rank": ctx.rank, "result": result, "intervals": intervals,
-                "inside": timed.inside, "state_bytes": timed.state_bytes,
-                "snapshots": stats.snapshots, "waited_s": stats.waited_s,
-                "replicate_s": ctx.replicator.last_seconds}
-
-
-# -- the alternative: restart every worker and torch.load ---------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _init_group(master: tuple[str, int], rank: int, world: int) -> None:
-    import datetime
-
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
-
-
-class ColdWorker:
-    """A plain Ray actor training rank: a new one is a cold process that imports torch."""
-
-    def __init__(self, cpus: int) -> None:
-        import torch
-        torch.set_num_threads(max(1, cpus))
-        self.model = self.opt = None
-
-    def address(self) -> tuple[str, int]:
-        import ray
-        return ray.util.get_node_ip_address(), _free_port()
-
-    def save_checkpoint(self, path: str, d: int, n: int, seed: int) -> int:
-        """Build the state and torch.save it to local disk, fsynced, then drop the file from
-        the page cache so the restart really reads the disk."""
-        import torch
-        self.model, self.opt = build_state(d, n, fresh=True, seed=seed)
-        with open(path, "wb") as f:
-            torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        return os.path.getsize(path)
-
-    def train(self, master: tuple[str, int], rank: int, world: int, kill_at: Optional[int],
-              marker: str, compute_iters: int, max_steps: int = 10_000) -> int:
-        """Train until the peer fails; at ``kill_at`` write the time and SIGKILL this process."""
-        _init_group(master, rank, world)
-        x, w = _compute_inputs()
-        for step in range(1, max_steps + 1):
-            loss = _all_reduce_mean(_compute(x, w, compute_iters), world)
-            float(loss)
-            if step == kill_at:
-                with open(marker, "w") as f:
-                    f.write(repr(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL)
-        return max_steps
-
-    def restore_and_step(self, path: str, master: tuple[str, int], rank: int, world: int,
-                         d: int, n: int, compute_iters: int) -> dict[str, float]:
-        import torch
-        t0 = time.time()
-        _init_group(master, rank, world)
-        t1 = time.time()
-        model, opt = build_state(d, n, fresh=False)
-        t2 = time.time()
-        sd = torch.load(path, weights_only=True)
-        model.load_state_dict(sd["model"])
-        opt.load_state_dict(sd["optimizer"])
-        del sd
-        t3 = time.time()
-        x, w = _compute_inputs()
-        loss = _compute(x, w, compute_iters)
-        t4 = time.time()
-        float(_all_reduce_mean(loss, world))
-        t5 = time.time()
-        self.model, self.opt = model, opt
-        return {"process_group": t1 - t0, "build": t2 - t1, "torch_load": t3 - t2,
-                "compute": t4 - t3, "t_start": t0, "t_all_reduce": t4, "t_done": t5}
-
-
-# -- raw transfer -------------------------------------------------------------------------------
-class RawSender:
-    def __init__(self, nbytes: int) -> None:
-        import numpy as np
-        self.array = np.ones(nbytes, dtype=np.uint8)  # allocated and touched up front
-
-    def ready(self) -> bool:
-        return True
-
-    def send_tcp(self, address: tuple[str, int]) -> float:
-        """sendall the array to a :meth:`RawReceiver.receive_tcp`; returns connect -> ack."""
-        import socket
-        t0 = time.perf_counter()
-        with socket.create_connection(tuple(address)) as s:
-            s.sendall(memoryview(self.array))
-            s.recv(1)  # the receiver's ack: every byte has landed
-        return time.perf_counter() - t0
-
-
-class RawReceiver:
-    def ready(self) -> bool:
-        return True
-
-    def listen(self, nbytes: int) -> tuple[str, int]:
-        import socket
-
-        import numpy as np
-        import ray
-        self.buf = np.ones(nbytes, dtype=np.uint8)  # allocated and touched up front
-        self.srv = socket.create_server((ray.util.get_node_ip_address(), 0))
-        return self.srv.getsockname()[:2]
-
-    def receive_tcp(self) -> float:
-        """The raw limit of memckpt's replication path: recv_into a preallocated buffer."""
-        conn, _ = self.srv.accept()
-        with conn:
-            t0 = time.perf_counter()
-            view, got = memoryview(self.buf), 0
-            while got < len(view):
-                n = conn.recv_into(view[got:])
-                if n == 0:
-                    raise ConnectionError("raw sender closed early")
-                got += n
-            conn.sendall(b"k")
-        self.srv.close()
-        return time.perf_counter() - t0
 
 
 # -- other processes' load (the machine may be shared) -----------------------------------------
@@ -671,10 +365,12 @@ class _Bench:
         return sent
 
     # -- the alternative ----------------------------------------------------------------------
-    def restart_baseline(self, rep: int) -> dict[str, Any]:
+    def restart_baseline(self, rep: int, worker: type = ColdWorker) -> dict[str, Any]:
+        """``worker``: the actor class of a rank, ColdWorker or one with its interface (the
+        DCP alternative in memckpt.bench.alternatives)."""
         ray = self.ray
         nodes = _worker_nodes()[:WORLD_SIZE]
-        cls = ray.remote(ColdWorker)
+        cls = ray.remote(worker)
 
         def start() -> list:
             return [cls.options(num_cpus=CPUS_PER_NODE, max_restarts=0, max_concurrency=2,
@@ -836,11 +532,7 @@ def _fmt_phases(ph: dict[str, Any]) -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    import psutil
-    import torch
-    return {"cpus": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
-            "torch": torch.__version__, "cuda": torch.cuda.is_available(),
-            "python": platform.python_version(), "platform": platform.platform(),
+    return {**_base_machine_info(),
             "cluster": f"memckpt.localcluster.LocalCluster: {NODES} simulated nodes x "
                        f"{CPUS_PER_NODE} CPUs on one machine + a 0-CPU head"}
 
@@ -1054,21 +746,6 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
 
 
 # -- report -------------------------------------------------------------------------------------
-def _human_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "–"
-    for unit, scale in (("GiB", _GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def _human_s(s: Optional[float]) -> str:
-    if s is None:
-        return "–"
-    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.0f} ms"
-
-
 _PHASE_ORDER = ("detect", "stop", "plan", "resume", "fetch_and_load_max", "start_actors",
                 "process_group", "build", "torch_load", "first_step", "put", "get", "fetch",
                 "replicate", "step", "in_ctx_step", "outside")
@@ -1076,11 +753,11 @@ _PHASE_ORDER = ("detect", "stop", "plan", "resume", "fetch_and_load_max", "start
 
 def _split(r: dict[str, Any]) -> str:
     ph = r.get("phases_s") or {}
-    parts = [f"{k} {_human_s(ph[k])}" for k in _PHASE_ORDER if ph.get(k) is not None
+    parts = [f"{k} {human_s(ph[k])}" for k in _PHASE_ORDER if ph.get(k) is not None
              and not (r["benchmark"] != "recovery" and k in ("fetch", "replicate", "step"))]
     rs = r.get("resume_split_s")
     if rs:
-        parts.append("resume = " + " + ".join(f"{k} {_human_s(v)}" for k, v in rs.items()
+        parts.append("resume = " + " + ".join(f"{k} {human_s(v)}" for k, v in rs.items()
                                                 if v is not None))
     return "; ".join(parts) or "–"
 
@@ -1103,8 +780,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| benchmark | method | state | median | phase split (medians) | vs alternative |",
              "| --- | --- | ---: | ---: | --- | ---: |"]
     for r in rows:
-        lines.append(f"| {r['benchmark']} | {r['method']} | {_human_bytes(r['state_bytes'])} | "
-                     f"{_human_s(r['median_s'])} | {_split(r)} | {_versus(r)} |")
+        lines.append(f"| {r['benchmark']} | {r['method']} | {human_bytes(r['state_bytes'])} | "
+                     f"{human_s(r['median_s'])} | {_split(r)} | {_versus(r)} |")
     return "\n".join(lines)
 
 
@@ -1123,14 +800,14 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[Optional[bool], str]
         r = by.get(method)
         if r and r["median_s"] and fastest is not None:
             x = fastest["median_s"] / r["median_s"]
-            out.append((x >= TARGET_SPEEDUP, f"{label} recovery {_human_s(r['median_s'])} vs "
-                        f"{fastest['method']} {_human_s(fastest['median_s'])}: {x:.1f}× faster "
+            out.append((x >= TARGET_SPEEDUP, f"{label} recovery {human_s(r['median_s'])} vs "
+                        f"{fastest['method']} {human_s(fastest['median_s'])}: {x:.1f}× faster "
                         f"(target ≥ {TARGET_SPEEDUP:.0f}× the fastest){at}"))
     for method, label, limit in (("memckpt-worker", "worker", TARGET_DETECT_WORKER_S),
                                  ("memckpt-node", "node", TARGET_DETECT_NODE_S)):
         det = (by.get(method) or {}).get("phases_s", {}).get("detect")
         if det is not None:
-            out.append((det <= limit, f"{label} failure detected in {_human_s(det)} "
+            out.append((det <= limit, f"{label} failure detected in {human_s(det)} "
                                       f"(target ≤ {limit:.0f} s)"))
     for method, label, raw in (("memckpt-peer-fetch", "peer fetch", "a raw TCP transfer"),
                                ("memckpt-replication", "replication",
@@ -1152,33 +829,12 @@ def report(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no rows measured"
     m = rows[0]["machine"]
-    head = (f"machine: {m['cpus']} CPUs, {m['ram_bytes'] / _GIB:.0f} GiB RAM, "
-            f"{'CUDA' if m['cuda'] else 'CPU only'}, torch {m['torch']}, Python {m['python']}; "
-            f"{m['cluster']}; medians of {rows[0]['repeats']} repeats")
-    text = [head, "", format_table(rows)]
-    busy = [r for r in rows if (r.get("foreign_cpu") or 0) > BUSY_THRESHOLD]
-    if busy:
-        worst = max(busy, key=lambda r: r["foreign_cpu"])
-        text += ["", f"WARNING: other processes used up to {100 * worst['foreign_cpu']:.0f}% of the "
-                     f"CPU during {len(busy)} of {len(rows)} rows ({worst['benchmark']} "
-                     f"{worst['method']}): those figures are not from a quiet machine"]
-    checks = check_targets(rows)
-    if checks:
-        text += ["", "targets:"] + [f"- {'met' if ok else 'MISSED'}: {d}" for ok, d in checks]
-    return "\n".join(text)
+    head = machine_line(m, m["cluster"], f"medians of {rows[0]['repeats']} repeats")
+    return finish_report([head, "", format_table(rows)], rows, BUSY_THRESHOLD,
+                         lambda r: f"{r['benchmark']} {r['method']}", check_targets(rows))
 
 
 # -- command line -------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: use a whole number >= 1")
-    return n
-
-
 def _state_mb(text: str) -> float:
     try:
         v = float(text)
@@ -1193,7 +849,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-mb", type=_state_mb, default=DEFAULT_STATE_MB, metavar="MB",
                         help=f"training state per rank in MiB: params + AdamW moments "
                              f"(default {DEFAULT_STATE_MB})")
-    parser.add_argument("--repeats", type=_positive_int, default=DEFAULT_REPEATS, metavar="N",
+    parser.add_argument("--repeats", type=positive_int, default=DEFAULT_REPEATS, metavar="N",
                         help=f"repeats of every measurement; medians are reported "
                              f"(default {DEFAULT_REPEATS})")
     parser.add_argument("--json", metavar="PATH", default=None,
@@ -1201,15 +857,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", metavar="DIR", default=None,
                         help="local-disk directory for the torch.save files (default: a temp dir "
                              "on disk, never a tmpfs)")
-    parser.add_argument("--gpt-steps", type=_positive_int, default=DEFAULT_GPT_STEPS, metavar="N",
+    parser.add_argument("--gpt-steps", type=positive_int, default=DEFAULT_GPT_STEPS, metavar="N",
                         help=f"steps of each step-time run (default {DEFAULT_GPT_STEPS}; the first "
                              f"{GPT_WARMUP_STEPS} are left out)")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                         help="on a shared machine: before each measurement wait up to SECONDS for "
                              f"other processes to use < {QUIET_THRESHOLD * 100:.0f}%% of the CPU "
                              "(default 0: off; the CPU other processes took is reported either way)")
-    parser.add_argument("--kill-at", type=_positive_int, default=DEFAULT_KILL_AT, metavar="STEP",
+    parser.add_argument("--kill-at", type=positive_int, default=DEFAULT_KILL_AT, metavar="STEP",
                         help=f"step at which the fault fires (default {DEFAULT_KILL_AT})")
+
+
+def _cli(argv: Optional[list[str]] = None) -> int:
+    """``python -m memckpt.bench.recovery``, ``benchmarks/bench_recovery.py``."""
+    return standalone("memckpt bench recovery", __doc__, add_arguments, main, argv)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -1233,19 +894,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"memckpt bench recovery: measurement failed: {type(e).__name__}: {e}",
               file=sys.stderr)
         return 1
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2, default=str)
+    write_rows(args.json, rows)
     print(report(rows))
     return 0
-
-
-def _cli(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="memckpt bench recovery", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return main(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import io
 import json
 import math
 import os
-import platform
 import re
 import resource
 import shutil
@@ -37,6 +36,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from statistics import median
 from typing import Any, Callable, Iterator, Optional
+
+from memckpt.bench.common import (finish_report, human_bytes, human_s, machine_info, machine_line,
+                                  positive_int, standalone, write_rows)
 
 METHODS = ("memcpy", "memckpt", "memckpt-overlap", "torch.save-buffer", "torch.save-disk")
 MODES = ("sync", "overlap", "both")
@@ -75,20 +77,10 @@ def parse_sizes(text: str) -> list[tuple[str, int]]:
     return [(p.upper().replace("IB", "").replace("B", ""), parse_size(p)) for p in parts]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"invalid count {text!r}: use a whole number >= 1")
-    return n
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
                         metavar="LIST", help=f"state sizes, comma-separated (default {DEFAULT_SIZES})")
-    parser.add_argument("--repeats", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--repeats", type=positive_int, default=None, metavar="N",
                         help="timed repeats per method (default 5 up to 1G, 3 above)")
     parser.add_argument("--mode", choices=MODES, default="both",
                         help="memckpt snapshot mode(s) to measure (default both)")
@@ -98,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory for torch.save-disk (default: a temp dir on local disk)")
     parser.add_argument("--ram-root", metavar="DIR", default=None,
                         help="memckpt ram_root for the snapshot slots (default /dev/shm/memckpt)")
-    parser.add_argument("--layers", type=_positive_int, default=DEFAULT_LAYERS, metavar="N",
+    parser.add_argument("--layers", type=positive_int, default=DEFAULT_LAYERS, metavar="N",
                         help=f"nn.Linear layers in the model (default {DEFAULT_LAYERS}; each adds 7 "
                              "tensors: more layers = more per-tensor overhead)")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
@@ -235,15 +227,6 @@ def _fs_type(path: Path) -> str:
         return kind
     except OSError:
         return "unknown"
-
-
-def machine_info() -> dict[str, Any]:
-    import psutil
-    import torch
-    return {"cpus": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.is_available(), "python": platform.python_version(),
-            "platform": platform.platform()}
 
 
 # -- the state under test -----------------------------------------------------------------------
@@ -661,21 +644,6 @@ def _run_in_subprocess(label: str, repeats: Optional[int], args: argparse.Namesp
         os.unlink(out)
 
 
-def _human_bytes(n: float) -> str:
-    for unit, scale in (("GiB", _GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}" if n < 10 * scale else f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def _human_s(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.1f} ms"
-    return f"{s * 1e6:.0f} µs"
-
-
 def _ratio(x: Optional[float]) -> str:
     return "–" if x is None else (f"{x:.2f}" if x < 100 else f"{x:.0f}")
 
@@ -684,9 +652,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| method | state size | median stall | × memcpy | × memckpt | peak RSS |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['method']} | {_human_bytes(r['state_bytes'])} | {_human_s(r['stall_s'])} | "
+        lines.append(f"| {r['method']} | {human_bytes(r['state_bytes'])} | {human_s(r['stall_s'])} | "
                      f"{_ratio(r['ratio_to_memcpy'])} | {_ratio(r['ratio_to_memckpt'])} | "
-                     f"{_human_bytes(r['peak_rss_bytes'])} |")
+                     f"{human_bytes(r['peak_rss_bytes'])} |")
     return "\n".join(lines)
 
 
@@ -702,14 +670,14 @@ def format_notes(rows: list[dict[str, Any]]) -> str:
                          f"{m['snapshot_rss_over_state']:.2f} ×); slot allocations "
                          f"{m['allocations_after_warmup']} after warm-up, {m['allocations']} at the "
                          f"end ({'flat' if m['allocations_flat'] else 'NOT flat'}); capture() "
-                         f"{_human_s(m['capture_s'])}; background seal (xxh3) {_human_s(m['seal_s'])}")
+                         f"{human_s(m['capture_s'])}; background seal (xxh3) {human_s(m['seal_s'])}")
         if o:
-            parts.append(f"memckpt overlap: step() {_human_s(o['step_s'])} (of which waiting for "
-                         f"the previous seal {_human_s(o['seal_wait_s'])}) + pre-hook wait "
-                         f"{_human_s(o['hook_wait_s'])}; simulated forward+backward "
-                         f"{_human_s(o['compute_alone_s'])} alone, {_human_s(o['compute_overlap_s'])} "
-                         f"while the copy runs (+{_human_s(o['compute_slowdown_s'])}: visible stall + "
-                         f"slowdown = {_human_s(o['stall_with_slowdown_s'])}); allocations "
+            parts.append(f"memckpt overlap: step() {human_s(o['step_s'])} (of which waiting for "
+                         f"the previous seal {human_s(o['seal_wait_s'])}) + pre-hook wait "
+                         f"{human_s(o['hook_wait_s'])}; simulated forward+backward "
+                         f"{human_s(o['compute_alone_s'])} alone, {human_s(o['compute_overlap_s'])} "
+                         f"while the copy runs (+{human_s(o['compute_slowdown_s'])}: visible stall + "
+                         f"slowdown = {human_s(o['stall_with_slowdown_s'])}); allocations "
                          f"{'flat' if o['allocations_flat'] else 'NOT flat'} ({o['allocations']})")
         d = by.get((size, "torch.save-disk"))
         if d:
@@ -742,21 +710,14 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[bool, str]]:
 def report(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no rows measured"
-    m = rows[0]["machine"]
-    head = (f"machine: {m['cpus']} CPUs, {m['ram_bytes'] / _GIB:.0f} GiB RAM, "
-            f"{'CUDA' if m['cuda'] else 'CPU only'}, torch {m['torch']} ({m['torch_threads']} threads), "
-            f"Python {m['python']}")
-    text = [head, "", format_table(rows), "", format_notes(rows)]
-    busy = [r for r in rows if (r.get("foreign_cpu") or 0) > BUSY_THRESHOLD]
-    if busy:
-        worst = max(busy, key=lambda r: r["foreign_cpu"])
-        text += ["", f"WARNING: other processes used up to {100 * worst['foreign_cpu']:.0f}% of the "
-                     f"CPU during {len(busy)} of {len(rows)} measurements ({worst['size']} "
-                     f"{worst['method']}): those numbers are not from a quiet machine"]
-    checks = check_targets(rows)
-    if checks:
-        text += ["", "targets:"] + [f"- {'met' if ok else 'MISSED'}: {d}" for ok, d in checks]
-    return "\n".join(text)
+    head = machine_line(rows[0]["machine"], threads=True)
+    return finish_report([head, "", format_table(rows), "", format_notes(rows)], rows,
+                         BUSY_THRESHOLD, lambda r: f"{r['size']} {r['method']}", check_targets(rows))
+
+
+def _cli(argv: Optional[list[str]] = None) -> int:
+    """``python -m memckpt.bench.snapshot``, ``benchmarks/bench_snapshot.py``."""
+    return standalone("memckpt bench snapshot", __doc__, add_arguments, main, argv)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -793,21 +754,11 @@ def main(args: argparse.Namespace) -> int:
         with open(args.rows_out, "w") as f:
             json.dump(rows, f)
         return 1 if failed else 0
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_rows(args.json, rows)
     print(report(rows))
     if failed:
         print(f"\nnot measured: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
-
-
-def _cli(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="memckpt bench snapshot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return main(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,146 @@
+"""The Ray actors of ``memckpt bench recovery`` (:mod:`memckpt.bench.recovery`) besides
+memckpt's own: the alternative it is measured against, and the raw transfers that are the
+limit of its peer fetch and replication.
+
+  ColdWorker    a plain training rank: torch.save to local disk, train until the peer
+                fails, and on restart (a new, cold process) torch.load + one step
+  RawSender     sendall of a preallocated array to a RawReceiver
+  RawReceiver   recv_into a preallocated buffer, then an ack
+
+``ray.remote(cls)`` pickles these classes by reference: they stay at module top level.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from typing import Optional
+
+from memckpt.bench.recovery_job import _all_reduce_mean, _compute, _compute_inputs, build_state
+
+
+# -- the alternative: restart every worker and torch.load ---------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _init_group(master: tuple[str, int], rank: int, world: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+
+
+class ColdWorker:
+    """A plain Ray actor training rank: a new one is a cold process that imports torch."""
+
+    def __init__(self, cpus: int) -> None:
+        import torch
+        torch.set_num_threads(max(1, cpus))
+        self.model = self.opt = None
+
+    def address(self) -> tuple[str, int]:
+        import ray
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def save_checkpoint(self, path: str, d: int, n: int, seed: int) -> int:
+        """Build the state and torch.save it to local disk, fsynced, then drop the file from
+        the page cache so the restart really reads the disk."""
+        import torch
+        self.model, self.opt = build_state(d, n, fresh=True, seed=seed)
+        with open(path, "wb") as f:
+            torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        return os.path.getsize(path)
+
+    def train(self, master: tuple[str, int], rank: int, world: int, kill_at: Optional[int],
+              marker: str, compute_iters: int, max_steps: int = 10_000) -> int:
+        """Train until the peer fails; at ``kill_at`` write the time and SIGKILL this process."""
+        _init_group(master, rank, world)
+        x, w = _compute_inputs()
+        for step in range(1, max_steps + 1):
+            loss = _all_reduce_mean(_compute(x, w, compute_iters), world)
+            float(loss)
+            if step == kill_at:
+                with open(marker, "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+        return max_steps
+
+    def restore_and_step(self, path: str, master: tuple[str, int], rank: int, world: int,
+                         d: int, n: int, compute_iters: int) -> dict[str, float]:
+        import torch
+        t0 = time.time()
+        _init_group(master, rank, world)
+        t1 = time.time()
+        model, opt = build_state(d, n, fresh=False)
+        t2 = time.time()
+        sd = torch.load(path, weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+        del sd
+        t3 = time.time()
+        x, w = _compute_inputs()
+        loss = _compute(x, w, compute_iters)
+        t4 = time.time()
+        float(_all_reduce_mean(loss, world))
+        t5 = time.time()
+        self.model, self.opt = model, opt
+        return {"process_group": t1 - t0, "build": t2 - t1, "torch_load": t3 - t2,
+                "compute": t4 - t3, "t_start": t0, "t_all_reduce": t4, "t_done": t5}
+
+
+# -- raw transfer -------------------------------------------------------------------------------
+class RawSender:
+    def __init__(self, nbytes: int) -> None:
+        import numpy as np
+        self.array = np.ones(nbytes, dtype=np.uint8)  # allocated and touched up front
+
+    def ready(self) -> bool:
+        return True
+
+    def send_tcp(self, address: tuple[str, int]) -> float:
+        """sendall the array to a :meth:`RawReceiver.receive_tcp`; returns connect -> ack."""
+        import socket
+        t0 = time.perf_counter()
+        with socket.create_connection(tuple(address)) as s:
+            s.sendall(memoryview(self.array))
+            s.recv(1)  # the receiver's ack: every byte has landed
+        return time.perf_counter() - t0
+
+
+class RawReceiver:
+    def ready(self) -> bool:
+        return True
+
+    def listen(self, nbytes: int) -> tuple[str, int]:
+        import socket
+
+        import numpy as np
+        import ray
+        self.buf = np.ones(nbytes, dtype=np.uint8)  # allocated and touched up front
+        self.srv = socket.create_server((ray.util.get_node_ip_address(), 0))
+        return self.srv.getsockname()[:2]
+
+    def receive_tcp(self) -> float:
+        """The raw limit of memckpt's replication path: recv_into a preallocated buffer."""
+        conn, _ = self.srv.accept()
+        with conn:
+            t0 = time.perf_counter()
+            view, got = memoryview(self.buf), 0
+            while got < len(view):
+                n = conn.recv_into(view[got:])
+                if n == 0:
+                    raise ConnectionError("raw sender closed early")
+                got += n
+            conn.sendall(b"k")
+        self.srv.close()
+        return time.perf_counter() - t0
