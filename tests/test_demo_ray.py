@@ -24,4 +24,4 @@ def test_demo_recovers_bit_identically(fault, tmp_path):
     if fault == "worker":
         assert len(s["recoveries"]) == 1 and s["recoveries"][0]["died_ranks"] == [1]
     else:  # resumed on a new cluster from the persisted tier
-        assert s["first_step"] > 1
+        assert s["first_step"] > 1, res.stdout[-4000:] + res.stderr[-2000:]

@@ -45,11 +45,11 @@ def injector_for(fault: str, kill_at: int, cluster) -> "Any":
 
 
 def _wait_until_persisted(tiers: tuple[str, ...], timeout_s: float = 45.0) -> None:
-    """Hold the drill's kill until every tier has committed a checkpoint.
+    """Hold the drill's kill until every tier has committed a checkpoint of a trained step.
 
     Uploads run in the background, so at the kill step the newest one may still be in
-    flight; killing then would resume from step 1 and show nothing. The deadline stays
-    under the 60 s the faulting rank waits for the driver.
+    flight; killing then would resume from step 0 (persisted at the start) and show
+    nothing. The deadline stays under the 60 s the faulting rank waits for the driver.
     """
     import time
 
@@ -57,7 +57,8 @@ def _wait_until_persisted(tiers: tuple[str, ...], timeout_s: float = 45.0) -> No
     stores = [CheckpointStore(t) for t in tiers]
     deadline = time.monotonic() + timeout_s
     while True:
-        pending = [s.uri for s in stores if not any(c.complete for c in s.list_checkpoints())]
+        pending = [s.uri for s in stores
+                   if not any(c.complete and c.step > 0 for c in s.list_checkpoints())]
         if not pending:
             return
         if time.monotonic() > deadline:
@@ -74,9 +75,11 @@ def _whole_cluster_drill(job, kill_at: int, run_root: Path, s3: Optional[str]) -
     from memckpt.localcluster import local_cluster
 
     tiers = (str(run_root / "persisted"),) + ((s3,) if s3 else ())
+    pulled = []
     with local_cluster(nodes=3) as cluster:
         def pull_the_plug(_node: str) -> None:
             _wait_until_persisted(tiers)
+            pulled.append(True)
             for n in list(cluster.nodes):
                 cluster.remove_node(n)
 
@@ -86,6 +89,8 @@ def _whole_cluster_drill(job, kill_at: int, run_root: Path, s3: Optional[str]) -
             memckpt.run(job, demo_config("demo", persist=tiers), run_dir=run_root / "lost",
                         injector=inj)
         except memckpt.MemckptError as e:
+            if not pulled:  # not the drill: a real failure must not pass for a resumed run
+                raise
             print(f"whole cluster lost at step {kill_at}: {e}", flush=True)
     print("starting a new cluster; the job resumes from the persisted tier", flush=True)
     with local_cluster(nodes=3):
