@@ -20,6 +20,7 @@ import torch
 
 from memckpt.config import CONTENT_KINDS
 from memckpt.errors import StateError
+from memckpt.populate import populate, populated_clone
 
 _MARKERS = ("__tensor__", "__tuple__", "__items__", "__ndarray__")
 
@@ -100,7 +101,7 @@ def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         return [_unflatten(v, tensors) for v in obj]
     if isinstance(obj, dict):
         if "__tensor__" in obj:
-            return _tensor(tensors, obj["__tensor__"]).clone()
+            return populated_clone(_tensor(tensors, obj["__tensor__"]))
         if "__ndarray__" in obj:
             return _tensor(tensors, obj["__ndarray__"]).numpy().copy()
         if "__tuple__" in obj:
@@ -256,6 +257,7 @@ class TrainState:
                 if want != have:
                     raise StateError(f"model {mname!r} does not match the snapshot: missing keys: "
                                      f"[{_short(want - have)}]; unexpected keys: [{_short(have - want)}]")
+                populate(m.state_dict().values())  # the copy below then takes no page faults
                 m.load_state_dict({k: _tensor(tensors, f"model/{mname}/{k}") for k in have})
         if "optimizer" in kinds:
             self._check_names("optimizer", meta["optimizers"], self.optimizers)

@@ -91,16 +91,24 @@ class _RestoreProbe:
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
         self.load_s = 0.0
+        self.usage: dict[str, float] = {}  # the loading thread's CPU and page faults
 
     def __enter__(self) -> "_RestoreProbe":
         probe, self._load = self, self.ctx.ckpt.load_shard
 
         def load_shard(state: Any, shard: Any, source: str) -> int:
+            import resource
+            u0 = resource.getrusage(resource.RUSAGE_THREAD)
             t0 = time.perf_counter()
             try:
                 return probe._load(state, shard, source)
             finally:
                 probe.load_s += time.perf_counter() - t0
+                u1 = resource.getrusage(resource.RUSAGE_THREAD)
+                probe.usage = {"user_s": u1.ru_utime - u0.ru_utime,
+                               "sys_s": u1.ru_stime - u0.ru_stime,
+                               "minor_faults": float(u1.ru_minflt - u0.ru_minflt),
+                               "involuntary_switches": float(u1.ru_nivcsw - u0.ru_nivcsw)}
 
         self.ctx.ckpt.load_shard = load_shard
         return self
@@ -159,6 +167,7 @@ class RecoveryJob:
             "fetch_s": ctx.restore_seconds.get("fetch_s", 0.0),
             "slot_alloc_s": ctx.restore_seconds.get("slot_alloc_s", 0.0),
             "fetch_bytes": int(ctx.restore_seconds.get("fetch_bytes", 0)), "load_s": probe.load_s,
+            "load_usage": probe.usage,
             "fetch_and_load_s": ctx.restore_seconds.get("fetch_and_load_s"),
         }
 

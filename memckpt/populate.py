@@ -1,0 +1,75 @@
+"""Fault in the host memory a restore is about to fill, one system call per tensor.
+
+A restore writes the whole state into memory the process has never touched: a new
+process's parameters, or the optimizer state it creates. Faulting that in 4 KiB at a
+time costs a kernel entry per page; ``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14)
+allocates the same pages in one pass. Measured here for 1 GiB: 0.41-2.6 s of faults
+against 0.25 s populated, before the 0.16 s copy. Populating never changes what the
+memory holds (a page already there is left alone, a new one reads as zero as it would
+have), so it is safe on any writable mapping; where it is unsupported it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+from typing import Callable, Iterable, Optional
+
+import torch
+
+MADV_POPULATE_WRITE = 23
+PAGE = 4096
+MIN_BYTES = 1 << 20  # below this a system call costs more than the faults it saves
+_madvise: Optional[Callable[[int, int, int], int]] = None
+
+
+def _probe() -> Optional[Callable[[int, int, int], int]]:
+    """libc's madvise if this kernel populates for writing (tried on a page of our own:
+    EINVAL means both "unknown advice" and "this range cannot be", so ask once here)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    page = mmap.mmap(-1, PAGE)
+    view = ctypes.c_char.from_buffer(page)
+    ok = fn(ctypes.addressof(view), PAGE, MADV_POPULATE_WRITE) == 0
+    del view  # the mmap cannot close while a ctypes view exports it
+    page.close()
+    return fn if ok else None
+
+
+_supported: Optional[bool] = None  # probed at the first call
+
+
+def populate(tensors: Iterable[torch.Tensor]) -> int:
+    """Fault in the whole pages inside each large CPU tensor's memory; returns the bytes
+    populated (0 where the kernel cannot: older than 5.14, or not Linux)."""
+    global _madvise, _supported
+    if _supported is None:
+        _madvise = _probe()
+        _supported = _madvise is not None
+    if not _supported:
+        return 0
+    done = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if t.device.type != "cpu" or nbytes < MIN_BYTES or not t.is_contiguous():
+            continue
+        # only pages wholly inside the tensor: its neighbours' edge pages fault as usual
+        start = (t.data_ptr() + PAGE - 1) & ~(PAGE - 1)
+        end = (t.data_ptr() + nbytes) & ~(PAGE - 1)
+        if end <= start:
+            continue
+        if _madvise(start, end - start, MADV_POPULATE_WRITE) == 0:  # type: ignore[misc]
+            done += end - start
+        # else a read-only or special mapping: the copy takes its faults as it would have
+    return done
+
+
+def populated_clone(t: torch.Tensor) -> torch.Tensor:
+    """``t.clone()`` whose new memory is populated before the copy."""
+    out = torch.empty_like(t)
+    populate((out,))
+    return out.copy_(t)

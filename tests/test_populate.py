@@ -1,0 +1,86 @@
+"""Populating a restore's destination memory: pages come in at once, contents never change."""
+
+from __future__ import annotations
+
+import mmap
+import resource
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from memckpt import populate as pop
+from memckpt.state import TrainState
+
+MB = 1 << 20
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux")
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+@linux
+def test_populated_memory_takes_no_faults_on_the_copy():
+    src = torch.arange(16 * MB // 4, dtype=torch.float32)
+    fresh = torch.empty_like(src)  # malloc'd, never touched: the copy would fault each page
+    populated = pop.populate([fresh])
+    assert populated >= 16 * MB - 2 * pop.PAGE
+    before = _faults()
+    fresh.copy_(src)
+    assert _faults() - before < 16  # 4096 pages, populated: at most the two edge pages
+    assert torch.equal(fresh, src)
+
+
+@linux
+def test_populate_never_changes_contents():
+    t = torch.randn(4 * MB // 4)
+    offset = t[3:]  # starts mid-page: only whole pages inside it are touched
+    want = t.clone()
+    assert pop.populate([t, offset]) > 0
+    assert torch.equal(t, want)
+
+
+def test_small_strided_and_foreign_memory_are_left_alone():
+    small = torch.zeros(100)
+    strided = torch.zeros(2048, 2048)[:, ::2]
+    assert pop.populate([small, strided]) == 0
+
+
+
+@linux
+def test_a_mapping_that_cannot_be_populated_is_skipped():
+    mm = mmap.mmap(-1, 8 * MB, prot=mmap.PROT_READ)  # read-only: no write population
+    with pytest.warns(UserWarning, match="not writable"):
+        ro = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+    assert pop.populate([ro]) == 0
+    assert pop._supported  # a refused range does not turn population off
+    assert int(ro[-1]) == 0
+
+
+@linux
+def test_populated_clone_is_a_clone():
+    t = torch.randn(512, 1024)
+    c = pop.populated_clone(t)
+    assert torch.equal(c, t) and c.data_ptr() != t.data_ptr() and c.stride() == t.stride()
+    c.zero_()
+    assert t.abs().sum() > 0
+
+
+def test_restore_into_an_untouched_model_is_exact():
+    """The load path populates the model's parameters and the optimizer state it creates."""
+    torch.manual_seed(0)
+    src = torch.nn.Linear(1024, 1024)
+    opt = torch.optim.AdamW(src.parameters())
+    src(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    state = TrainState(model=src, optimizer=opt)
+    cap = state.capture(7)
+    dst = torch.nn.utils.skip_init(torch.nn.Linear, 1024, 1024)  # never touched
+    dopt = torch.optim.AdamW(dst.parameters())
+    assert TrainState(model=dst, optimizer=dopt).load(dict(cap.tensors), cap.meta) == 7
+    assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)
+    for p, q in zip(src.parameters(), dst.parameters()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k], dopt.state[q][k])
