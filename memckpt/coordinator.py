@@ -33,6 +33,12 @@ def coordinator_name(job: str) -> str:
     return f"memckpt-coordinator-{job}"
 
 
+def _at_least(committed: Optional[int], step: int) -> bool:
+    """``step`` is committed (step 0 counts: a falsy 0 once made every job's start wait out
+    the full commit timeout)."""
+    return committed is not None and committed >= step
+
+
 def _kv():
     from ray.experimental import internal_kv
     return internal_kv
@@ -208,7 +214,7 @@ class Coordinator:
         async with self._cond:
             try:
                 await asyncio.wait_for(self._cond.wait_for(
-                    lambda: self.s["gen"] != gen or (self.s["committed"] or -1) >= step), timeout_s)
+                    lambda: self.s["gen"] != gen or _at_least(self.s["committed"], step)), timeout_s)
             except asyncio.TimeoutError:
                 pass
             return self._commit_view()

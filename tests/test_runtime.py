@@ -186,3 +186,21 @@ def test_one_node_job_says_it_has_no_peer_replicas(cluster, tmp_path, capfd):
     assert ev["replicas"] == 1 and ev["persistence"] is False
     out = capfd.readouterr().out
     assert "no peer node to hold copies" in out and "configure a persistence tier" in out
+
+
+def test_a_committed_step_0_releases_its_waiters(cluster, tmp_path):
+    """Step 0 (the snapshot every job takes at start) commits like any other: a rank waiting
+    for it is released at once, not after its wait times out."""
+    import ray
+
+    from memckpt.coordinator import Coordinator
+    coord = ray.remote(Coordinator).options(num_cpus=0).remote(
+        "step0-commit", str(tmp_path), 1)
+    node = ray.get_runtime_context().get_node_id()
+    ray.get(coord.configure.remote(0, {0: node}, {0: []}, None, {}))
+    waiting = coord.wait_commit.remote(0, 0, 600.0)  # waits until step 0 commits
+    committed, _, _ = ray.get(coord.shard_ready.remote(0, 0, 0, []))
+    assert committed == 0
+    committed, _, _ = ray.get(waiting, timeout=60)  # the bug: held for the full 600 s
+    assert committed == 0
+    ray.kill(coord)
