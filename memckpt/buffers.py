@@ -14,13 +14,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import psutil
-import torch
 
 from memckpt.errors import ConfigError, MemckptError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def default_ram_root() -> Path:
@@ -74,10 +76,21 @@ class RamRegion:
             finally:
                 os.close(fd)
         self.array = np.frombuffer(self._mm, dtype=np.uint8, count=self.size)
-        self.tensor = torch.from_numpy(self.array)
-        if pin and torch.cuda.is_available() and self.size:
-            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)
-            self._registered = int(rc) == 0
+        self._tensor: Optional["torch.Tensor"] = None
+        if pin and self.size:
+            import torch
+            if torch.cuda.is_available():
+                rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)
+                self._registered = int(rc) == 0
+
+    @property
+    def tensor(self) -> "torch.Tensor":
+        """The region as a uint8 tensor (torch is imported on first use: a replica store
+        only moves bytes and never needs it)."""
+        if self._tensor is None:
+            import torch
+            self._tensor = torch.from_numpy(self.array)
+        return self._tensor
 
     @staticmethod
     def create(path: Path, size: int, pin: bool = False) -> "RamRegion":
@@ -106,10 +119,11 @@ class RamRegion:
 
     def close(self, unlink: bool = False) -> None:
         if self._registered:
+            import torch
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._registered = False
         # Views handed out keep the mapping alive; it is unmapped when the last one goes.
-        self.tensor = None  # type: ignore[assignment]
+        self._tensor = None
         self.array = None  # type: ignore[assignment]
         if unlink:
             remove_path(self.path)

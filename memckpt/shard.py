@@ -22,16 +22,19 @@ last, so a reader of a torn region sees state 0 and refuses it.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
-import torch
 import xxhash
 
 from memckpt.errors import ChecksumError, StateError
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"MEMCKPT\x01"
 FORMAT_VERSION = 1
@@ -42,13 +45,22 @@ STATE_OFFSET, _STATE_END = 12, 16  # the state field's bytes in PREFIX
 DATA_ALIGN = 4096
 TENSOR_ALIGN = 64
 
-_DTYPES = {
-    name: getattr(torch, name)
-    for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-                 "uint8", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")
-    if hasattr(torch, name)
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+# Bytes per element of every dtype a shard may hold. Kept apart from torch so the replica
+# stores and the coordinator, which read headers and move bytes, never import it.
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+            "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+            "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, "torch.dtype"]:
+    import torch
+    return {name: getattr(torch, name) for name in ITEMSIZE if hasattr(torch, name)}
+
+
+@functools.cache
+def _dtype_names() -> dict["torch.dtype", str]:
+    return {v: k for k, v in _torch_dtypes().items()}
 
 
 def _round_up(n: int, align: int) -> int:
@@ -62,10 +74,10 @@ def checksum(data: np.ndarray | memoryview) -> str:
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
-        return _DTYPE_NAMES[dtype]
+        return _dtype_names()[dtype]
     except KeyError:
         raise StateError(f"dtype {dtype} cannot be stored in a shard; supported: "
-                            f"{', '.join(_DTYPES)}") from None
+                            f"{', '.join(_torch_dtypes())}") from None
 
 
 @dataclass(frozen=True)
@@ -106,9 +118,9 @@ class Layout:
                                     int(nbytes))
             except (TypeError, ValueError):
                 raise ChecksumError(f"{source}: malformed tensor entry {row!r}") from None
-            if entry.dtype not in _DTYPES:
+            if entry.dtype not in ITEMSIZE:
                 raise ChecksumError(f"{source}: tensor {entry.name!r} has unknown dtype {entry.dtype!r}")
-            expect = int(np.prod(entry.shape, dtype=np.int64)) * _DTYPES[entry.dtype].itemsize
+            expect = int(np.prod(entry.shape, dtype=np.int64)) * ITEMSIZE[entry.dtype]
             if expect != entry.nbytes or entry.offset < 0 or entry.offset + entry.nbytes > data_len:
                 raise ChecksumError(f"{source}: tensor {entry.name!r} lies outside the data region")
             entries.append(entry)
@@ -135,7 +147,7 @@ def tensor_views(region: torch.Tensor, layout: Layout, header_capacity: int) -> 
     views = {}
     for e in layout.entries:
         raw = region[base + e.offset: base + e.offset + e.nbytes]
-        views[e.name] = raw.view(_DTYPES[e.dtype]).view(e.shape)
+        views[e.name] = raw.view(_torch_dtypes()[e.dtype]).view(e.shape)
     return views
 
 
@@ -194,8 +206,14 @@ class Shard:
 
     header: dict[str, Any]
     layout: Layout
-    tensors: dict[str, torch.Tensor]
     raw: np.ndarray  # the shard's bytes (prefix + header + data): what a file or replica holds
+    header_capacity: int
+
+    @functools.cached_property
+    def tensors(self) -> dict[str, "torch.Tensor"]:
+        """Typed views of the data, made on first use (a store only moves bytes)."""
+        import torch
+        return tensor_views(torch.from_numpy(self.raw), self.layout, self.header_capacity)
 
     @property
     def step(self) -> int:
@@ -257,4 +275,4 @@ def open_shard(region: np.ndarray, source: str, verify: bool = True,
             raise ChecksumError(f"{source}: data checksum mismatch (stored {header['data_xxh3']}, "
                                 f"computed {got}): the shard is corrupt")
     raw = region[: off + layout.data_len]
-    return Shard(header, layout, tensor_views(torch.from_numpy(raw), layout, cap), raw)
+    return Shard(header, layout, raw, cap)

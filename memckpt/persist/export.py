@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
 import numpy as np
-import torch
 
 from memckpt import shard as shardfmt
 from memckpt.errors import ChecksumError, StateError
@@ -34,6 +33,8 @@ from memckpt.fsutil import fsync_dir
 from memckpt.persist.manifest import Manifest
 
 if TYPE_CHECKING:
+    import torch
+
     from memckpt.persist.store import CheckpointStore
 
 ShardSource = Union[shardfmt.Shard, np.ndarray, bytes, bytearray, memoryview, str, os.PathLike, Manifest]
@@ -146,5 +147,6 @@ def export_weights(source: ShardSource, out_path: str | os.PathLike, fmt: str = 
         metadata = {"format": "pt", "memckpt_step": str(shard.step)}
         _write_atomic(out, lambda p: save_file(plain, str(p), metadata=metadata))
     else:
+        import torch
         _write_atomic(out, lambda p: torch.save(weights, p))
     return list(weights)
