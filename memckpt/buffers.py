@@ -113,6 +113,19 @@ class RamRegion:
                                f"({e.strerror}): free RAM or point ram_root at a larger tmpfs") from None
 
     @staticmethod
+    def reuse_or_create(path: Path, size: int, pin: bool = False) -> "RamRegion":
+        """``path`` mapped at ``size`` bytes for the caller to overwrite. A file of exactly
+        that size is mapped as it is: its pages are already in RAM, where a new file takes
+        fresh memory (0.3 s per GiB on bare metal, 1.5-2.8 s on a VM that hands freed pages
+        back to its host, like this project's). Anything else is created anew, zeroed."""
+        try:
+            if path.stat().st_size == size:
+                return RamRegion(path, size, create=False, pin=pin)
+        except FileNotFoundError:
+            pass
+        return RamRegion.create(path, size, pin=pin)
+
+    @staticmethod
     def open(path: Path, populate: bool = True) -> "RamRegion":
         """Map an existing file; ``populate=False`` for a reader that only needs its header."""
         return RamRegion(path, 0, create=False, populate=populate)

@@ -159,8 +159,7 @@ class ReplicaStore:
         cached = self._mapped.get(path)
         if cached is not None and cached[0] == ino and cached[1].size == nbytes:
             return cached[1]
-        size = path.stat().st_size if ino is not None else -1
-        region = RamRegion.open(path) if size == nbytes else RamRegion.create(path, nbytes)
+        region = RamRegion.reuse_or_create(path, nbytes)
         self._mapped[path] = (path.stat().st_ino, region)
         return region
 

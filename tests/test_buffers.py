@@ -56,3 +56,18 @@ def test_open_refuses_an_empty_file(tmp_path):
     with pytest.raises(MemckptError, match="holds 0 bytes"):
         RamRegion.open(path)
 
+
+
+def test_reuse_or_create_maps_a_same_size_file_in_place(tmp_path):
+    path = tmp_path / "slot.shard"
+    first = RamRegion.create(path, 2 * MB)
+    first.array[:4] = [1, 2, 3, 4]
+    inode = path.stat().st_ino
+    same = RamRegion.reuse_or_create(path, 2 * MB)  # its pages are already in RAM: kept
+    assert path.stat().st_ino == inode and list(same.array[:4]) == [1, 2, 3, 4]
+    other = RamRegion.reuse_or_create(path, 3 * MB)  # another size: a new, zeroed file
+    assert path.stat().st_ino != inode and other.size == 3 * MB and not other.array.any()
+    fresh = RamRegion.reuse_or_create(tmp_path / "new.shard", MB)
+    assert fresh.size == MB and not fresh.array.any()
+    for r in (first, same, other, fresh):
+        r.close()
