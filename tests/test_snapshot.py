@@ -98,6 +98,36 @@ def test_failed_copy_leaves_previous_snapshot_complete(ram_root, mode):
     ckpt.close(unlink=True)
 
 
+def test_a_new_process_overwrites_a_torn_slot_in_place(ram_root):
+    """A process killed mid-copy leaves a torn slot: the next process's first snapshot
+    overwrites that file in place (its pages are in RAM) instead of allocating a new one."""
+    from memckpt import shard as fmt
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = memckpt.TrainState(model=model, optimizer=opt)
+    cfg = memckpt.Config(ram_root=ram_root)
+    ckpt = memckpt.Checkpointer(cfg)
+    for s in (1, 2):
+        _train(model, opt, s)
+        assert ckpt.step(state, s)
+    ckpt.wait()
+    torn = next(sl for sl in ckpt.engine.slots if sl.step == 2)
+    fmt.mark_writing(torn.region.array)  # what a SIGKILL mid-copy leaves
+    inode = torn.path.stat().st_ino
+    ckpt.engine.close()
+    again = memckpt.Checkpointer(cfg)  # the next process
+    assert again.engine.steps() == [1]
+    _train(model, opt, 3)
+    assert again.step(state, 3)
+    again.wait()
+    assert again.engine.steps() == [3, 1] and torn.path.stat().st_ino == inode
+    step3 = _values(model)
+    step, fresh = _restore_fresh(again)
+    assert step == 3
+    _assert_model_is(fresh, step3)
+    again.close(unlink=True)
+
+
 def test_failure_before_the_copy_does_not_cost_the_newest_snapshot(ram_root):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -12,13 +12,14 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from memckpt import shard as fmt
 from memckpt.errors import ChecksumError, NoSnapshotError, PlacementError, StaleGenerationError
 from memckpt.snapshot import SnapshotEngine
 from memckpt.store import ReplicaStore, scan
 from memckpt.transport import StoreConnection, send_msg
-from _shards import shards  # noqa: F401 (fixture)
+from _shards import _train_state, shards  # noqa: F401 (fixture)
 
 JOB, NODE = "t", "nodeA"
 
@@ -183,6 +184,33 @@ def test_fetch_into_a_snapshot_slot_holds_the_step_for_the_next_process(store, s
     adopted = SnapshotEngine(tmp_path / "own", gated=True)
     assert adopted.steps() == [2]
     adopted.close()
+
+
+def test_after_a_fetch_the_other_slot_is_ready_for_the_first_snapshot(store, sender, shards,
+                                                                     tmp_path):
+    """A peer restore lands on a node with no slots of the rank: the second slot is mapped
+    in the background while the restore loads, so the first snapshot allocates nothing."""
+    raw, digest = shards[2]
+    assert sender.send(0, 2, raw, digest, gen=0) is True
+    engine = SnapshotEngine(tmp_path / "own", gated=True)
+    shard = engine.install(2, lambda into: sender.fetch(0, 2, into), "peer")
+    state = _train_state(seed=1)
+    assert state.load(shard.tensors, shard.meta) == 2
+    engine._reserving.result(timeout=60)  # the background reservation, done while loading
+    assert sorted(p.stat().st_size for p in (tmp_path / "own").glob("slot*.shard")) == \
+        [len(raw), len(raw)]
+    assert engine.stats.allocations == 2
+    engine.set_committed(2)
+    assert engine.snapshot(state.capture(3), 3)
+    engine.wait()
+    assert engine.stats.allocations == 2  # the first snapshot allocated nothing
+    assert engine.steps() == [3, 2]
+    with engine.reading(3, verify=True) as snap:
+        for name, t in state.capture(3).tensors:
+            assert torch.equal(snap.tensors[name], t), name
+    with engine.reading(2, verify=True) as held:  # the restored step is untouched
+        assert np.array_equal(held.raw, raw)
+    engine.close()
 
 
 def test_fetch_cut_short_leaves_no_trusted_slot(store, sender, shards, tmp_path):

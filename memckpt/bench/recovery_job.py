@@ -169,6 +169,9 @@ class RecoveryJob:
             "fetch_bytes": int(ctx.restore_seconds.get("fetch_bytes", 0)), "load_s": probe.load_s,
             "load_usage": probe.usage,
             "fetch_and_load_s": ctx.restore_seconds.get("fetch_and_load_s"),
+            # time the snapshots waited for a free slot (the gate: the newest step committed)
+            "snapshot_waited_s": ctx.ckpt.engine.stats.waited_s,
+            "snapshot_allocations": ctx.ckpt.engine.stats.allocations,
         }
 
 
