@@ -86,9 +86,6 @@ class Runtime:
         self.workers: dict[int, Any] = {}  # rank -> live worker actor (reused across generations)
         self.worker_nodes: dict[int, str] = {}
         self.spares: dict[str, Any] = {}  # node -> idle warm worker
-        # Spares start once every rank of the first generation has trained a step: a new
-        # process importing torch would otherwise compete with the workers' own start.
-        self._first_spares_due = True
         self.events: list[dict[str, Any]] = []
         self._last_print = 0.0
         self.control = Control(config.stop_file)
@@ -266,6 +263,8 @@ class Runtime:
             refs[w.run.remote(self.train_fn, master, spec)] = rank
         self._event("generation_started", gen=gen, assignment=assignment, workers=how,
                     restore={r: i.step for r, i in restore.items()})
+        if gen == 0:  # after a recovery: once it is over (a new process competes for the CPU)
+            self._top_up_spares(set(self.stores) - set(self.spares))
         return Generation(gen, workers, refs, info)
 
     def _new_worker(self, node: str, spare: bool = False) -> Any:
@@ -406,9 +405,6 @@ class Runtime:
         self._check_stop(prog["committed"])
         step = prog["max_step"]
         now = time.time()
-        if self._first_spares_due and prog["min_step"] >= 0:
-            self._first_spares_due = False
-            self._top_up_spares(set(self.stores) - set(self.spares))
         if self.recoveries and "resume" not in self.recoveries[-1]["phases_s"] \
                 and prog["min_step"] > self.recoveries[-1]["resumed_step"]:
             # every rank finished its first step after the restored one
@@ -418,8 +414,6 @@ class Runtime:
             phases["total"] = now - fault_at
             self._event("recovery_finished", step=self.recoveries[-1]["resumed_step"],
                         gen=g.gen, phases_s=phases)
-            # after a recovery, once it is over (a new process competes for the CPU)
-            self._first_spares_due = False
             self._top_up_spares(set(self.stores) - set(self.spares))
         if not self.quiet and now - self._last_print > 1.0 and step >= 0:
             self._last_print = now
