@@ -6,11 +6,12 @@ from typing import Any
 from memckpt.config import (ChaosEvent, Config, FailurePolicy, LoadSpec, PersistTier,
                             PlacementConfig, WorkersConfig, load_config)
 from memckpt.errors import MemckptError
+from memckpt.faults import FaultInjector
 
 # Imported on first use: they need torch, which the replica stores and the coordinator
 # (processes that only move bytes and keep books) never import (0.8 s and ~0.25 GiB each).
-_LAZY = {"Checkpointer": "memckpt.checkpointer", "FaultInjector": "memckpt.faults",
-         "ResumableSampler": "memckpt.data", "TrainState": "memckpt.state"}
+_LAZY = {"Checkpointer": "memckpt.checkpointer", "ResumableSampler": "memckpt.data",
+         "TrainState": "memckpt.state"}
 
 
 def __getattr__(name: str) -> Any:

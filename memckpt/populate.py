@@ -12,6 +12,7 @@ have), so it is safe on any writable mapping; where it is unsupported it does no
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 from typing import Callable, Iterable, Optional
@@ -21,12 +22,12 @@ import torch
 MADV_POPULATE_WRITE = 23
 PAGE = 4096
 MIN_BYTES = 1 << 20  # below this a system call costs more than the faults it saves
-_madvise: Optional[Callable[[int, int, int], int]] = None
 
 
-def _probe() -> Optional[Callable[[int, int, int], int]]:
-    """libc's madvise if this kernel populates for writing (tried on a page of our own:
-    EINVAL means both "unknown advice" and "this range cannot be", so ask once here)."""
+@functools.cache
+def _madvise() -> Optional[Callable[[int, int, int], int]]:
+    """libc's madvise if this kernel populates for writing, else None. Tried once, on a page
+    of our own: EINVAL means both "unknown advice" and "this range cannot be"."""
     if not sys.platform.startswith("linux"):
         return None
     fn = ctypes.CDLL(None, use_errno=True).madvise
@@ -40,17 +41,11 @@ def _probe() -> Optional[Callable[[int, int, int], int]]:
     return fn if ok else None
 
 
-_supported: Optional[bool] = None  # probed at the first call
-
-
 def populate(tensors: Iterable[torch.Tensor]) -> int:
     """Fault in the whole pages inside each large CPU tensor's memory; returns the bytes
     populated (0 where the kernel cannot: older than 5.14, or not Linux)."""
-    global _madvise, _supported
-    if _supported is None:
-        _madvise = _probe()
-        _supported = _madvise is not None
-    if not _supported:
+    madvise = _madvise()
+    if madvise is None:
         return 0
     done = 0
     for t in tensors:
@@ -62,7 +57,7 @@ def populate(tensors: Iterable[torch.Tensor]) -> int:
         end = (t.data_ptr() + nbytes) & ~(PAGE - 1)
         if end <= start:
             continue
-        if _madvise(start, end - start, MADV_POPULATE_WRITE) == 0:  # type: ignore[misc]
+        if madvise(start, end - start, MADV_POPULATE_WRITE) == 0:
             done += end - start
         # else a read-only or special mapping: the copy takes its faults as it would have
     return done

@@ -198,15 +198,7 @@ class SnapshotEngine:
         slot, other = self.slots[target], self.slots[1 - target]
         if other.region is not None or slot.layout is None:
             return
-        layout, cap = slot.layout, slot.header_capacity
-
-        def reserve() -> None:
-            region = RamRegion.reuse_or_create(other.path, fmt.region_size(layout, cap), pin=self._pin)
-            other.region, other.layout, other.header_capacity = region, layout, cap
-            other.views = fmt.tensor_views(region.tensor, layout, cap)
-            self.stats.allocations += 1
-
-        self._reserving = self._pool.submit(reserve)
+        self._reserving = self._pool.submit(self._map_slot, other, slot.layout, slot.header_capacity)
 
     def _await_reserve(self) -> None:
         future, self._reserving = self._reserving, None
@@ -249,9 +241,12 @@ class SnapshotEngine:
         need = meta_len + len(json.dumps(layout.to_json())) + 1024
         if slot.layout == layout and slot.region is not None and need <= slot.header_capacity:
             return
+        self._map_slot(slot, layout, fmt.header_capacity_for(layout, meta_hint=meta_len))
+
+    def _map_slot(self, slot: Slot, layout: fmt.Layout, cap: int) -> None:
+        """Map ``slot``'s file sized for ``layout`` with a header of ``cap`` bytes."""
         if slot.region is not None:
             slot.region.close(unlink=False)
-        cap = fmt.header_capacity_for(layout, meta_hint=meta_len)
         slot.region = RamRegion.reuse_or_create(slot.path, fmt.region_size(layout, cap), pin=self._pin)
         slot.layout, slot.header_capacity = layout, cap
         slot.views = fmt.tensor_views(slot.region.tensor, layout, cap)

@@ -252,12 +252,13 @@ class TrainState:
         if "model" in kinds:
             self._check_names("model", meta["models"], self.models)
             for mname, m in self.models.items():
-                want = set(m.state_dict().keys())
+                live = m.state_dict()
+                want = set(live)
                 have = set(meta["models"][mname])
                 if want != have:
                     raise StateError(f"model {mname!r} does not match the snapshot: missing keys: "
                                      f"[{_short(want - have)}]; unexpected keys: [{_short(have - want)}]")
-                populate(m.state_dict().values())  # the copy below then takes no page faults
+                populate(live.values())  # the copy below then takes no page faults
                 m.load_state_dict({k: _tensor(tensors, f"model/{mname}/{k}") for k in have})
         if "optimizer" in kinds:
             self._check_names("optimizer", meta["optimizers"], self.optimizers)
