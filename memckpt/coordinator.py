@@ -281,14 +281,30 @@ class Coordinator:
     def _newest_step(self) -> int:
         return max((int(m.get("step", -1)) for m in self.metrics.values()), default=-1)
 
-    async def claim(self, key: str) -> bool:
-        """Fire-once: True the first time ``key`` is claimed in this job."""
+    async def claim(self, key: str, standby_timeout_s: float = 0.0) -> bool:
+        """Fire-once: True the first time ``key`` is claimed in this job. With a timeout, a
+        steady fault: first wait (up to it) until the job is in standby (set_standby)."""
+        if standby_timeout_s > 0 and key not in self.s["fired"]:
+            async with self._cond:
+                try:
+                    await asyncio.wait_for(self._cond.wait_for(
+                        lambda: self.s.get("standby", False) or key in self.s["fired"]),
+                        standby_timeout_s)
+                except asyncio.TimeoutError:
+                    pass  # fire anyway: a drill must not hang on a spare that never came
         if key in self.s["fired"]:
             return False
         self.s["fired"].append(key)
         self.s.setdefault("fired_at", {})[key] = time.time()
         self._save()
         return True
+
+    async def set_standby(self, ready: bool) -> None:
+        """The driver: every node's warm spare is (or is no longer) ready to take over."""
+        async with self._cond:
+            self.s["standby"] = ready
+            self._save()
+            self._cond.notify_all()
 
     async def request_fault(self, key: str) -> None:
         """A rank reached a scheduled fault the driver must carry out (node, store, ...)."""

@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 from memckpt.config import ChaosEvent
 
+STEADY_WAIT_S = 120.0  # how long a steady fault waits for the job's standby
+
 SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTERM,
            "CONT": signal.SIGCONT}
 
@@ -87,12 +89,16 @@ def kill_node(node_id: str) -> None:
 
 @dataclass
 class Fault:
-    """At ``at_step`` (first time any rank reports it), hit ``target``."""
+    """At ``at_step`` (first time any rank reports it), hit ``target``. ``steady``: the rank
+    that fires it first waits (up to ``STEADY_WAIT_S``) until the job is in standby, every
+    node's warm spare up with its memory in hand, as a job is after its first minute; a
+    benchmark measures recovery there, not against spares still starting."""
 
     at_step: int
     target: str = "worker"  # worker | node | store | coordinator | random
     rank: Optional[int] = None  # the rank, or (node, store) the rank's node
     signal: str = "KILL"
+    steady: bool = False
 
     @staticmethod
     def from_chaos(ev: ChaosEvent) -> "Fault":
@@ -114,13 +120,14 @@ class FaultInjector:
     node_killer: Optional[Callable[[str], None]] = None
     fired: list[dict] = field(default_factory=list)
 
-    def kill_worker(self, rank: int, at_step: int, signal: str = "KILL") -> "FaultInjector":
-        self.faults.append(Fault(at_step, "worker", rank, signal))
+    def kill_worker(self, rank: int, at_step: int, signal: str = "KILL",
+                    steady: bool = False) -> "FaultInjector":
+        self.faults.append(Fault(at_step, "worker", rank, signal, steady))
         return self
 
-    def kill_node(self, rank: int, at_step: int) -> "FaultInjector":
+    def kill_node(self, rank: int, at_step: int, steady: bool = False) -> "FaultInjector":
         """Kill the node that runs ``rank`` when training reaches ``at_step``."""
-        self.faults.append(Fault(at_step, "node", rank))
+        self.faults.append(Fault(at_step, "node", rank, steady=steady))
         return self
 
     def kill_store(self, rank: int, at_step: int) -> "FaultInjector":

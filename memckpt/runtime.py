@@ -86,6 +86,9 @@ class Runtime:
         self.workers: dict[int, Any] = {}  # rank -> live worker actor (reused across generations)
         self.worker_nodes: dict[int, str] = {}
         self.spares: dict[str, Any] = {}  # node -> idle warm worker
+        self._prefaults: dict[str, tuple[Any, Any]] = {}  # node -> (spare, its prefault ref)
+        self._standby = False  # every node's spare is up and has its memory in hand
+        self._first_commit: Optional[int] = None  # the job's first committed step
         self.events: list[dict[str, Any]] = []
         self._last_print = 0.0
         self.control = Control(config.stop_file)
@@ -400,9 +403,37 @@ class Runtime:
             raise _Stopped(step)
         self._say(f"persisted step {step}; training goes on")
 
+    def _prefault_spares(self, committed: Optional[int]) -> None:
+        """Once the job's snapshot slots exist (a second step committed), ask each spare in
+        turn to fault in a shard's worth of memory (:meth:`Worker.prefault`): one at a time,
+        so populating gigabytes never takes more than one core from training. Tells the
+        coordinator when every node's spare is ready: the job is in standby, a failure now
+        meets a ready replacement."""
+        if committed is None:
+            return
+        if self._first_commit is None or committed <= self._first_commit:
+            self._first_commit = committed if self._first_commit is None else self._first_commit
+            return
+        asked = {n: ref for n, (sp, ref) in self._prefaults.items() if self.spares.get(n) is sp}
+        refs = list(asked.values())
+        _, pending = self.ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        todo = [n for n in self.spares if n not in asked]
+        if not pending and todo:
+            spare = self.spares[todo[0]]
+            self._prefaults[todo[0]] = (spare, spare.prefault.remote())
+        standby = not self.config.failure.warm_spares or (
+            not pending and not todo and set(self.spares) >= set(self.stores))
+        if standby != self._standby:
+            self._standby = standby
+            self.coordinator.set_standby.remote(standby)
+            if standby:  # every prefault has returned: what each node's spare holds
+                held = self.ray.get(refs) if refs else []
+                self._event("standby", held_bytes={n[:12]: b for n, b in zip(asked, held)})
+
     def _progress_and_faults(self, g: Generation) -> None:
         prog = self.ray.get(self.coordinator.progress.remote())
         self._check_stop(prog["committed"])
+        self._prefault_spares(prog["committed"])
         step = prog["max_step"]
         now = time.time()
         if self.recoveries and "resume" not in self.recoveries[-1]["phases_s"] \

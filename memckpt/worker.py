@@ -23,6 +23,7 @@ import queue
 import socket
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -36,8 +37,9 @@ from memckpt.config import Config
 from memckpt.digest import state_digest
 from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnapshotError
 from memckpt.control import STOP
-from memckpt.faults import SIGNALS
+from memckpt.faults import SIGNALS, STEADY_WAIT_S
 from memckpt.persister import Persister
+from memckpt.populate import HostReserve
 from memckpt.state import TrainState
 from memckpt.store import own_dir, scan
 from memckpt.transport import StoreConnection
@@ -360,7 +362,8 @@ class WorkerContext:
             mine = fault.rank == self.rank or (fault.rank is None and self.rank == 0)
             if fault.at_step != step or not mine:
                 continue
-            if not ray.get(self.spec.coordinator.claim.remote(fault.key)):
+            wait = STEADY_WAIT_S if fault.steady else 0.0
+            if not ray.get(self.spec.coordinator.claim.remote(fault.key, wait)):
                 continue
             if fault.target == "worker":
                 os.kill(os.getpid(), SIGNALS[fault.signal])
@@ -398,6 +401,19 @@ class WorkerContext:
             self.persister.flush(60.0)
             self.persister.close()
         self.ckpt.close()
+
+
+def release_frames(exc: BaseException) -> None:
+    """Drop the local variables of the finished frames an exception's traceback holds (and
+    those of the exceptions it chains): a generation ended by recovery unwinds through the
+    training function, whose model and optimizer would otherwise stay alive as long as the
+    exception does, and Ray keeps it until after the next generation has begun. The
+    traceback itself, file and line of every frame, is unchanged."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def free_port() -> int:
@@ -439,6 +455,7 @@ class Worker:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
         self.ctx: Optional[WorkerContext] = None
+        self.reserve = HostReserve()  # held while a spare idles (see prefault)
         self._running = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, daemon=True)
         self._hb.start()
@@ -461,6 +478,20 @@ class Worker:
         if ctx is not None and spec is not None and spec.gen == gen:
             ctx.abort()
 
+    def prefault(self) -> int:
+        """A spare, once the job's shards exist: fault in host memory the size of the largest
+        shard on this node, released when it takes over a rank, so the restore fills memory
+        the kernel already has (see :class:`HostReserve`). Skipped when the state lives on
+        GPUs (the restore fills device memory) and once this worker runs a rank. Returns the
+        bytes held."""
+        if self.spec is not None or self.config.workers.gpus_per_worker:
+            return 0
+        node_root = own_dir(resolve_ram_root(self.config.ram_root), self.config.job_name,
+                            self.node_id).parent
+        sizes = [path.stat().st_size for sub in ("own", "replicas")
+                 for steps in scan(node_root / sub).values() for path in steps.values()]
+        return self.reserve.hold(max(sizes, default=0))
+
     def info(self) -> dict[str, Any]:
         return {"rank": self.spec.rank if self.spec else None, "pid": os.getpid(),
                 "node_id": self.node_id}
@@ -473,6 +504,7 @@ class Worker:
         import torch.distributed as dist
 
         self.spec, self.ctx = spec, None
+        self.reserve.release()  # a spare's reserve: its pages serve the restore below
         self.coordinator.register.remote(spec.rank, spec.gen, self.info())
         self._running.set()
         torch.set_num_threads(max(1, int(spec.config.workers.cpus_per_worker)))
@@ -492,6 +524,9 @@ class Worker:
             except StopTraining as stop:
                 return {"rank": spec.rank, "digest": None, "result": None, "stopped": stop.step,
                         "restore": self.ctx.restore_seconds, "source": None}
+            except BaseException as e:
+                release_frames(e)
+                raise
             self.ctx.finish()
             return {"rank": spec.rank, "digest": self.ctx.digest(), "result": result,
                     "restore": self.ctx.restore_seconds,
@@ -505,5 +540,6 @@ class Worker:
             # Free this generation's training state now: it sits in reference cycles (the
             # context's callbacks, DDP's hooks), and a survivor reused for the next
             # generation would otherwise restore into fresh memory while still holding it.
+            # Freed now, its pages are what the restore gets back (see HostReserve).
             self.ctx = None
             gc.collect()

@@ -84,3 +84,34 @@ def test_restore_into_an_untouched_model_is_exact():
     for p, q in zip(src.parameters(), dst.parameters()):
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[p][k], dopt.state[q][k])
+
+
+def _rss() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def test_a_host_reserve_holds_resident_memory_until_released():
+    reserve = pop.HostReserve()
+    before = _rss()
+    assert reserve.hold(96 * MB) == 96 * MB  # two chunks of 64 MiB and 32 MiB
+    assert _rss() - before >= 90 * MB  # faulted in, not just mapped
+    assert reserve.hold(64 * MB) == 96 * MB  # already holds enough: nothing more
+    assert reserve.release() == 96 * MB
+    assert _rss() - before < 16 * MB
+    assert reserve.hold(64 * MB) == 0  # a spare that took over a rank keeps no reserve
+
+
+def test_releasing_a_host_reserve_interrupts_a_hold_in_progress():
+    import threading
+    reserve = pop.HostReserve()
+    reserve.CHUNK = 4 * MB
+    held: list[int] = []
+    t = threading.Thread(target=lambda: held.append(reserve.hold(4096 * MB)))
+    t.start()
+    while reserve.nbytes == 0:  # the hold has begun (a chunk is in)
+        pass
+    freed = reserve.release()
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert 0 < freed < 4096 * MB and held == [0] and reserve.nbytes == 0

@@ -58,7 +58,8 @@ def events(tmp_path) -> list[dict]:
 
 
 def test_sigkill_worker_restores_from_local_store(full_cluster, reference, tmp_path):
-    inj = FaultInjector().kill_worker(rank=1, at_step=KILL_AT)
+    # steady: killed once every node's warm spare is up and holds a shard's worth of memory
+    inj = FaultInjector().kill_worker(rank=1, at_step=KILL_AT, steady=True)
     result = run_with(inj, "kill-worker", tmp_path)
     assert_same_run(result, reference)
     (rec,) = result["recoveries"]
@@ -73,6 +74,10 @@ def test_sigkill_worker_restores_from_local_store(full_cluster, reference, tmp_p
     assert gen1["workers"] == {"0": "reused", "1": "spare", "2": "reused"}
     kinds = [e["event"] for e in events(tmp_path)]
     assert kinds.index("failure_detected") < kinds.index("recovery_plan") < kinds.index("job_finished")
+    # the fault waited for the standby, in which each node's spare held its memory
+    assert kinds.index("standby") < kinds.index("failure_detected")
+    standby = next(e for e in events(tmp_path) if e["event"] == "standby")
+    assert len(standby["held_bytes"]) == 3 and min(standby["held_bytes"].values()) > 0
 
 
 def test_node_loss_restores_from_peer_replica(full_cluster, reference, tmp_path):
@@ -203,4 +208,23 @@ def test_a_committed_step_0_releases_its_waiters(cluster, tmp_path):
     assert committed == 0
     committed, _, _ = ray.get(waiting, timeout=60)  # the bug: held for the full 600 s
     assert committed == 0
+    ray.kill(coord)
+
+
+def test_a_steady_fault_waits_for_the_standby(cluster, tmp_path):
+    """A steady fault is claimed only once the driver says every spare is ready (or its
+    wait runs out); a plain fault, or one already fired, is answered at once."""
+    import ray
+
+    from memckpt.coordinator import Coordinator
+    coord = ray.remote(Coordinator).options(num_cpus=0).remote("steady-claim", str(tmp_path), 1)
+    assert ray.get(coord.claim.remote("plain", 0.0)) is True
+    waiting = coord.claim.remote("steady", 600.0)
+    ready, _ = ray.wait([waiting], timeout=1.0)
+    assert ready == []  # held: no standby yet
+    ray.get(coord.set_standby.remote(True))
+    assert ray.get(waiting, timeout=60) is True
+    assert ray.get(coord.claim.remote("steady", 600.0), timeout=60) is False  # fired: at once
+    ray.get(coord.set_standby.remote(False))
+    assert ray.get(coord.claim.remote("timed-out", 0.5), timeout=60) is True  # fires anyway
     ray.kill(coord)

@@ -284,10 +284,12 @@ class _Bench:
         job = RecoveryJob(steps=self.kill_at + self.steps_after, state_bytes=self.state_bytes_target,
                           layers=self.layers, compute_iters=self.compute_iters)
         inj = FaultInjector(node_killer=lambda node: self._kill_node(name, node))
+        # steady: the fault waits until every node's warm spare is ready, as in a job that
+        # has trained for a while, instead of hitting spares that are still starting
         if kind == "worker":
-            inj.kill_worker(rank=1, at_step=self.kill_at)
+            inj.kill_worker(rank=1, at_step=self.kill_at, steady=True)
         else:
-            inj.kill_node(rank=1, at_step=self.kill_at)
+            inj.kill_node(rank=1, at_step=self.kill_at, steady=True)
         try:
             summary = memckpt.run(job, self.config(name), run_dir=self.run_root / name,
                                   injector=inj, quiet=True)
