@@ -89,6 +89,7 @@ class Runtime:
         self._prefaults: dict[str, tuple[Any, Any]] = {}  # node -> (spare, its prefault ref)
         self._standby = False  # every node's spare is up and has its memory in hand
         self._first_commit: Optional[int] = None  # the job's first committed step
+        self._spare_nodes: set[str] = set()  # the live nodes that should have a spare
         self.events: list[dict[str, Any]] = []
         self._last_print = 0.0
         self.control = Control(config.stop_file)
@@ -267,7 +268,7 @@ class Runtime:
         self._event("generation_started", gen=gen, assignment=assignment, workers=how,
                     restore={r: i.step for r, i in restore.items()})
         if gen == 0:  # after a recovery: once it is over (a new process competes for the CPU)
-            self._top_up_spares(set(self.stores) - set(self.spares))
+            self._top_up_spares()
         return Generation(gen, workers, refs, info)
 
     def _new_worker(self, node: str, spare: bool = False) -> Any:
@@ -280,10 +281,12 @@ class Runtime:
             max_restarts=0, max_concurrency=4, scheduling_strategy=_affinity(node),
         ).remote(cfg, self.coordinator)
 
-    def _top_up_spares(self, nodes: set[str]) -> None:
-        """Keep one warm worker process per node (torch imported) to replace a dead rank."""
+    def _top_up_spares(self) -> None:
+        """Keep one warm worker process per live node (torch imported) to replace a dead rank."""
         if self.config.failure.warm_spares:
-            for node in nodes:
+            alive = {n["NodeID"] for n in self.ray.nodes() if n["Alive"]}
+            self._spare_nodes = set(self.stores) & alive  # a lost node's store stays listed
+            for node in self._spare_nodes - set(self.spares):
                 self.spares[node] = self._new_worker(node, spare=True)
 
     def _monitor(self, g: Generation) -> Optional[dict[str, Any]]:
@@ -422,13 +425,23 @@ class Runtime:
             spare = self.spares[todo[0]]
             self._prefaults[todo[0]] = (spare, spare.prefault.remote())
         standby = not self.config.failure.warm_spares or (
-            not pending and not todo and set(self.spares) >= set(self.stores))
+            not pending and not todo and set(self.spares) >= self._spare_nodes)
         if standby != self._standby:
             self._standby = standby
             self.coordinator.set_standby.remote(standby)
             if standby:  # every prefault has returned: what each node's spare holds
-                held = self.ray.get(refs) if refs else []
-                self._event("standby", held_bytes={n[:12]: b for n, b in zip(asked, held)})
+                self._event("standby", held_bytes={n[:12]: b for n, b in self._held(asked)})
+
+    def _held(self, prefaults: dict[str, Any]) -> list[tuple[str, int]]:
+        """(node, bytes its spare holds) for each finished prefault; a spare that died
+        meanwhile holds nothing (the next recovery replaces it)."""
+        out = []
+        for node, ref in prefaults.items():
+            try:
+                out.append((node, int(self.ray.get(ref))))
+            except self.ray.exceptions.RayError:
+                out.append((node, 0))
+        return out
 
     def _progress_and_faults(self, g: Generation) -> None:
         prog = self.ray.get(self.coordinator.progress.remote())
@@ -445,7 +458,7 @@ class Runtime:
             phases["total"] = now - fault_at
             self._event("recovery_finished", step=self.recoveries[-1]["resumed_step"],
                         gen=g.gen, phases_s=phases)
-            self._top_up_spares(set(self.stores) - set(self.spares))
+            self._top_up_spares()
         if not self.quiet and now - self._last_print > 1.0 and step >= 0:
             self._last_print = now
             self._say(progress_line(g.gen, prog))
