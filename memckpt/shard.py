@@ -53,14 +53,14 @@ ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8,
 
 
 @functools.cache
-def _torch_dtypes() -> dict[str, "torch.dtype"]:
+def torch_dtypes() -> dict[str, "torch.dtype"]:
     import torch
     return {name: getattr(torch, name) for name in ITEMSIZE if hasattr(torch, name)}
 
 
 @functools.cache
 def _dtype_names() -> dict["torch.dtype", str]:
-    return {v: k for k, v in _torch_dtypes().items()}
+    return {v: k for k, v in torch_dtypes().items()}
 
 
 def _round_up(n: int, align: int) -> int:
@@ -77,7 +77,7 @@ def dtype_name(dtype: torch.dtype) -> str:
         return _dtype_names()[dtype]
     except KeyError:
         raise StateError(f"dtype {dtype} cannot be stored in a shard; supported: "
-                            f"{', '.join(_torch_dtypes())}") from None
+                            f"{', '.join(torch_dtypes())}") from None
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def tensor_views(region: torch.Tensor, layout: Layout, header_capacity: int) -> 
     views = {}
     for e in layout.entries:
         raw = region[base + e.offset: base + e.offset + e.nbytes]
-        views[e.name] = raw.view(_torch_dtypes()[e.dtype]).view(e.shape)
+        views[e.name] = raw.view(torch_dtypes()[e.dtype]).view(e.shape)
     return views
 
 

@@ -18,11 +18,13 @@ from typing import Any, Iterable, Mapping, Optional
 import numpy as np
 import torch
 
+from memckpt import shard as fmt
 from memckpt.config import CONTENT_KINDS
 from memckpt.errors import StateError
 from memckpt.populate import populate, populated_clone
 
 _MARKERS = ("__tensor__", "__tuple__", "__items__", "__ndarray__")
+OPTIMIZER_PREFIX = "optim/"  # names of optimizer tensors in a shard: optim/<optimizer>/...
 
 
 @dataclass
@@ -218,9 +220,9 @@ class TrainState:
             for idx, st in sd["state"].items():
                 pname = flat_names[idx]
                 before = len(tensors)
-                state_meta[pname] = flat(st, f"optim/{oname}/{pname}")
+                state_meta[pname] = flat(st, f"{OPTIMIZER_PREFIX}{oname}/{pname}")
                 stable.update(n for n, _ in tensors[before:])
-            pgroups = [dict({k: flat(v, f"optim/{oname}/group{i}/{k}")
+            pgroups = [dict({k: flat(v, f"{OPTIMIZER_PREFIX}{oname}/group{i}/{k}")
                              for k, v in g.items() if k != "params"}, params=groups[i])
                        for i, g in enumerate(sd["param_groups"])]
             meta["optimizers"][oname] = {"state": state_meta, "param_groups": pgroups}
@@ -325,6 +327,15 @@ class TrainState:
             g["params"] = [index[p] for p in cur]
             groups.append(g)
         opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def restore_allocations(layout: fmt.Layout, min_bytes: int = 0
+                        ) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of the tensors a restore of ``layout`` creates: the optimizer state
+    (parameters and buffers are copied into the model's own), those of ``min_bytes`` or more."""
+    dtypes = fmt.torch_dtypes()
+    return [(e.shape, dtypes[e.dtype]) for e in layout.entries
+            if e.name.startswith(OPTIMIZER_PREFIX) and e.nbytes >= min_bytes]
 
 
 def _local_optimizer(opt: Any) -> Any:

@@ -39,8 +39,8 @@ from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnaps
 from memckpt.control import STOP
 from memckpt.faults import SIGNALS, STEADY_WAIT_S
 from memckpt.persister import Persister
-from memckpt.populate import HostReserve
-from memckpt.state import TrainState
+from memckpt.populate import MIN_BYTES, POOL, HostReserve
+from memckpt.state import TrainState, restore_allocations
 from memckpt.store import own_dir, scan
 from memckpt.transport import StoreConnection
 
@@ -241,7 +241,10 @@ class WorkerContext:
         step = 0
         if instr is not None:
             t0 = time.perf_counter()
-            step = self._load(state, instr)
+            try:
+                step = self._load(state, instr)
+            finally:
+                POOL.clear()  # what the restore did not take
             self.restore_seconds["fetch_and_load_s"] = time.perf_counter() - t0
             self.ckpt.engine.discard_newer(step)
             self.ckpt.engine.set_committed(step)
@@ -334,6 +337,16 @@ class WorkerContext:
             if path is not None:
                 return path
         raise NoSnapshotError(f"this node holds no shard of rank {self.rank} at step {step}")
+
+    def restore_allocations(self) -> list:
+        """What a restore of this rank's newest snapshot creates (see :data:`POOL`); none
+        when the state lives on GPUs."""
+        if self.config.workers.gpus_per_worker:
+            return []
+        slots = [s for s in self.ckpt.engine.slots if s.complete and s.layout is not None]
+        if not slots:
+            return []
+        return restore_allocations(max(slots, key=lambda s: s.step).layout, MIN_BYTES)
 
     # -- per step -----------------------------------------------------------------------------
     def step(self, state: TrainState, step: int, **metrics: float) -> None:
@@ -488,9 +501,20 @@ class Worker:
             return 0
         node_root = own_dir(resolve_ram_root(self.config.ram_root), self.config.job_name,
                             self.node_id).parent
-        sizes = [path.stat().st_size for sub in ("own", "replicas")
+        paths = [path for sub in ("own", "replicas")
                  for steps in scan(node_root / sub).values() for path in steps.values()]
-        return self.reserve.hold(max(sizes, default=0))
+        if not paths:
+            return 0
+        largest = max(paths, key=lambda p: p.stat().st_size)
+        try:  # the optimizer state a restore of it creates, made ready in the pool
+            region = RamRegion.open(largest, populate=False)
+            _, layout, _ = fmt.read_header(region.array, str(largest), require_complete=False)
+            POOL.fill(restore_allocations(layout, MIN_BYTES))
+            POOL.wait()
+        except (OSError, MemckptError):
+            pass  # overwritten meanwhile: the reserve below still covers it
+        # and memory for the rest (parameters), handed back at takeover
+        return POOL.nbytes + self.reserve.hold(max(0, largest.stat().st_size - POOL.nbytes))
 
     def info(self) -> dict[str, Any]:
         return {"rank": self.spec.rank if self.spec else None, "pid": os.getpid(),
@@ -503,7 +527,10 @@ class Worker:
         import torch
         import torch.distributed as dist
 
+        if self.spec is None:  # a spare taking over: its pool stays as far as it got
+            POOL.stop()
         self.spec, self.ctx = spec, None
+        ahead: list = []  # what the next generation's restore will create
         self.reserve.release()  # a spare's reserve: its pages serve the restore below
         self.coordinator.register.remote(spec.rank, spec.gen, self.info())
         self._running.set()
@@ -526,6 +553,8 @@ class Worker:
                         "restore": self.ctx.restore_seconds, "source": None}
             except BaseException as e:
                 release_frames(e)
+                # a failed generation: the next one restores this rank (see POOL)
+                ahead = self.ctx.restore_allocations()
                 raise
             self.ctx.finish()
             return {"rank": spec.rank, "digest": self.ctx.digest(), "result": result,
@@ -543,3 +572,5 @@ class Worker:
             # Freed now, its pages are what the restore gets back (see HostReserve).
             self.ctx = None
             gc.collect()
+            if ahead:  # in the background while the runtime stops and plans
+                POOL.fill(ahead)

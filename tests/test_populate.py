@@ -115,3 +115,49 @@ def test_releasing_a_host_reserve_interrupts_a_hold_in_progress():
     t.join(timeout=60)
     assert not t.is_alive()
     assert 0 < freed < 4096 * MB and held == [0] and reserve.nbytes == 0
+
+
+def test_a_pool_hands_out_faulted_in_tensors_by_shape_and_dtype():
+    pool = pop.TensorPool()
+    pool.fill([((1024, 1024), torch.float32), ((1024, 1024), torch.float32), ((8,), torch.int64)])
+    pool.wait()
+    assert pool.nbytes == 2 * 4 * MB + 64
+    a = pool.take((1024, 1024), torch.float32)
+    assert a is not None and a.shape == (1024, 1024) and a.dtype == torch.float32
+    before = _faults()
+    a.fill_(1.0)
+    if sys.platform.startswith("linux"):
+        assert _faults() - before < 16  # populated when the pool made it
+    assert pool.take((1024, 1024), torch.float64) is None  # another dtype: not this one
+    assert pool.take((1024, 1024), torch.float32) is not None
+    assert pool.take((1024, 1024), torch.float32) is None  # one per spec
+    pool.clear()
+    assert pool.nbytes == 0 and pool.take((8,), torch.int64) is None
+
+
+def test_populated_clone_draws_from_the_process_pool_and_copies_exactly():
+    src = torch.randn(512, 1024)
+    pop.POOL.fill([((512, 1024), torch.float32)])
+    try:
+        pop.POOL.wait()
+        ready = pop.POOL._free[((512, 1024), torch.float32)][0]
+        out = pop.populated_clone(src)
+        assert out.data_ptr() == ready.data_ptr()  # the pool's tensor, not new memory
+        assert torch.equal(out, src) and out.data_ptr() != src.data_ptr()
+        again = pop.populated_clone(src)  # the pool is empty now: new memory, same result
+        assert torch.equal(again, src) and again.data_ptr() != out.data_ptr()
+        strided = src.t()  # not contiguous: never from the pool (clone keeps its strides)
+        assert pop.populated_clone(strided).stride() == strided.clone().stride()
+    finally:
+        pop.POOL.clear()
+
+
+def test_stopping_a_fill_keeps_what_it_made():
+    pool = pop.TensorPool()
+    pool.fill([((256, 1024), torch.float32)] * 64)
+    pool.stop()
+    made = pool.nbytes
+    assert made % MB == 0 and made <= 64 * MB
+    pool.wait()
+    assert pool.nbytes == made  # nothing more after the stop
+    pool.clear()

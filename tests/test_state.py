@@ -511,3 +511,19 @@ def test_sampler_unshuffled_and_invalid_arguments():
         memckpt.ResumableSampler(0)
     with pytest.raises(StateError, match="rank < world_size"):
         memckpt.ResumableSampler(10, rank=2, world_size=2)
+
+
+def test_restore_allocations_are_the_optimizer_state_a_restore_creates():
+    from memckpt import shard as fmt
+    from memckpt.state import restore_allocations
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    captured = memckpt.TrainState(model=model, optimizer=opt).capture(1)
+    layout = fmt.Layout.of(captured.tensors)
+    allocs = restore_allocations(layout)
+    want = [(tuple(st[k].shape), st[k].dtype) for st in opt.state.values()
+            for k in ("step", "exp_avg", "exp_avg_sq")]
+    assert sorted(map(str, allocs)) == sorted(map(str, want))  # no parameter, every moment
+    assert restore_allocations(layout, min_bytes=64 * 64 * 4) == [((64, 64), torch.float32)] * 2
