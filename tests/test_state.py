@@ -527,3 +527,38 @@ def test_restore_allocations_are_the_optimizer_state_a_restore_creates():
             for k in ("step", "exp_avg", "exp_avg_sq")]
     assert sorted(map(str, allocs)) == sorted(map(str, want))  # no parameter, every moment
     assert restore_allocations(layout, min_bytes=64 * 64 * 4) == [((64, 64), torch.float32)] * 2
+
+
+def test_a_restore_creates_its_optimizer_state_in_the_pools_tensors(tmp_path):
+    """What a worker makes ahead (populate.POOL) is what the restore's optimizer holds,
+    with the snapshot's exact values; a tensor of another shape is left alone."""
+    from memckpt import shard as fmt
+    from memckpt.populate import MIN_BYTES, POOL
+    from memckpt.state import restore_allocations
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # 1 MiB weights
+        return model, torch.optim.AdamW(model.parameters())
+
+    model, opt = build()
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    state = memckpt.TrainState(model=model, optimizer=opt)
+    layout = fmt.Layout.of(state.capture(1).tensors)
+    POOL.fill(restore_allocations(layout, MIN_BYTES) + [((3, 3), torch.float64)])
+    try:
+        POOL.wait()
+        made = {t.data_ptr() for ts in POOL._free.values() for t in ts}
+        fresh_model, fresh_opt = build()
+        _snapshot_and_restore(str(tmp_path), state, memckpt.TrainState(model=fresh_model,
+                                                                      optimizer=fresh_opt))
+        big = [st[k] for st in fresh_opt.state.values() for k in ("exp_avg", "exp_avg_sq")
+               if st[k].numel() * 4 >= MIN_BYTES]
+        assert len(big) == 4 and {t.data_ptr() for t in big} <= made
+        for p, q in zip(opt.state.values(), fresh_opt.state.values()):
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                assert_bitwise(p[k], q[k], k)
+        assert POOL.take((3, 3), torch.float64) is not None
+    finally:
+        POOL.clear()
