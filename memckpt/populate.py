@@ -1,4 +1,8 @@
-"""Fault in the host memory a restore is about to fill, one system call per tensor.
+"""Host memory a restore fills, faulted in before it is needed.
+
+``populate`` faults in a tensor's memory in one system call; ``TensorPool`` (the process's
+``POOL``) makes the tensors a restore will create ahead of time; ``HostReserve`` is memory
+an idle spare keeps faulted in and hands back when it takes over a rank.
 
 A restore writes the whole state into memory the process has never touched: a new
 process's parameters, or the optimizer state it creates. Faulting that in 4 KiB at a

@@ -408,14 +408,15 @@ class Runtime:
 
     def _prefault_spares(self, committed: Optional[int]) -> None:
         """Once the job's snapshot slots exist (a second step committed), ask each spare in
-        turn to fault in a shard's worth of memory (:meth:`Worker.prefault`): one at a time,
-        so populating gigabytes never takes more than one core from training. Tells the
-        coordinator when every node's spare is ready: the job is in standby, a failure now
-        meets a ready replacement."""
+        turn to prepare the memory a restore fills (:meth:`Worker.prefault`): one at a
+        time, so populating gigabytes never takes more than one core from training. Tells
+        the coordinator when every node's spare is ready: the job is in standby, a failure
+        now meets a ready replacement."""
         if committed is None:
             return
-        if self._first_commit is None or committed <= self._first_commit:
-            self._first_commit = committed if self._first_commit is None else self._first_commit
+        if self._first_commit is None:
+            self._first_commit = committed
+        if committed <= self._first_commit:
             return
         asked = {n: ref for n, (sp, ref) in self._prefaults.items() if self.spares.get(n) is sp}
         refs = list(asked.values())

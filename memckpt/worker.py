@@ -469,6 +469,7 @@ class Worker:
         self.ip = ray.util.get_node_ip_address()
         self.ctx: Optional[WorkerContext] = None
         self.reserve = HostReserve()  # held while a spare idles (see prefault)
+        self._takeover = threading.Lock()  # prefault against run: who owns the pool
         self._running = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, daemon=True)
         self._hb.start()
@@ -492,12 +493,13 @@ class Worker:
             ctx.abort()
 
     def prefault(self) -> int:
-        """A spare, once the job's shards exist: fault in host memory the size of the largest
-        shard on this node, released when it takes over a rank, so the restore fills memory
-        the kernel already has (see :class:`HostReserve`). Skipped when the state lives on
-        GPUs (the restore fills device memory) and once this worker runs a rank. Returns the
-        bytes held."""
-        if self.spec is not None or self.config.workers.gpus_per_worker:
+        """A spare, once the job's shards exist: prepare the memory a restore of the largest
+        shard on this node fills. The optimizer state it creates is made ahead in
+        :data:`POOL`; for the rest (the parameters), a :class:`HostReserve` is faulted in
+        and unmapped at takeover. Either way the restore fills memory the kernel already
+        has. Skipped when the state lives on GPUs (the restore fills device memory) and
+        once this worker runs a rank. Returns the bytes held."""
+        if self.config.workers.gpus_per_worker:
             return 0
         node_root = own_dir(resolve_ram_root(self.config.ram_root), self.config.job_name,
                             self.node_id).parent
@@ -506,14 +508,16 @@ class Worker:
         if not paths:
             return 0
         largest = max(paths, key=lambda p: p.stat().st_size)
-        try:  # the optimizer state a restore of it creates, made ready in the pool
+        try:
             region = RamRegion.open(largest, populate=False)
             _, layout, _ = fmt.read_header(region.array, str(largest), require_complete=False)
-            POOL.fill(restore_allocations(layout, MIN_BYTES))
+            with self._takeover:  # a rank's restore owns the pool once run() has begun
+                if self.spec is not None:
+                    return 0
+                POOL.fill(restore_allocations(layout, MIN_BYTES))
             POOL.wait()
         except (OSError, MemckptError):
-            pass  # overwritten meanwhile: the reserve below still covers it
-        # and memory for the rest (parameters), handed back at takeover
+            pass  # overwritten meanwhile: the reserve below covers it all
         return POOL.nbytes + self.reserve.hold(max(0, largest.stat().st_size - POOL.nbytes))
 
     def info(self) -> dict[str, Any]:
@@ -527,9 +531,10 @@ class Worker:
         import torch
         import torch.distributed as dist
 
-        if self.spec is None:  # a spare taking over: its pool stays as far as it got
-            POOL.stop()
-        self.spec, self.ctx = spec, None
+        with self._takeover:
+            if self.spec is None:  # a spare taking over: its pool stays as far as it got
+                POOL.stop()
+            self.spec, self.ctx = spec, None
         ahead: list = []  # what the next generation's restore will create
         self.reserve.release()  # a spare's reserve: its pages serve the restore below
         self.coordinator.register.remote(spec.rank, spec.gen, self.info())
@@ -569,7 +574,7 @@ class Worker:
             # Free this generation's training state now: it sits in reference cycles (the
             # context's callbacks, DDP's hooks), and a survivor reused for the next
             # generation would otherwise restore into fresh memory while still holding it.
-            # Freed now, its pages are what the restore gets back (see HostReserve).
+            # Freed now, its pages are what the pool below gets back (see POOL).
             self.ctx = None
             gc.collect()
             if ahead:  # in the background while the runtime stops and plans

@@ -23,6 +23,8 @@ head), so both sides see the same machine:
                      step, with local snapshots only (no replica), and with
                      snapshots off
 
+The memckpt faults are steady: they fire once the job is in standby (every node's warm
+spare up, its restore memory prepared), as in a job that has run for a while.
 Recovery is timed from the fault (the instant the victim claimed it) to the
 moment every rank has finished its first step after the restore, and split into
 the phases the runtime records (detect, stop, plan, resume, fetch_and_load_max)
