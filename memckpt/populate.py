@@ -149,6 +149,14 @@ class TensorPool:
 POOL = TensorPool()  # the process's pool: filled by memckpt.worker, drawn from by restores
 
 
+def spare_budget(shard_bytes: int, available: int, total: int) -> int:
+    """How much of a shard's worth a warm spare may hold: all of it, unless that would
+    leave the node less than a recovery may still need there (slots and state for a rank
+    moving in: three shards) plus a tenth of its RAM. A spare's memory only speeds up a
+    restore; it must never be the reason a snapshot finds no room."""
+    return max(0, min(shard_bytes, available - 3 * shard_bytes - total // 10))
+
+
 class HostReserve:
     """Host memory an idle warm spare keeps faulted in, handed back when it takes over a rank.
 

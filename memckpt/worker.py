@@ -18,6 +18,7 @@ committed.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import queue
 import socket
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
+import psutil
 
 from memckpt import shard as fmt
 from memckpt.buffers import RamRegion, resolve_ram_root
@@ -39,7 +41,7 @@ from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnaps
 from memckpt.control import STOP
 from memckpt.faults import SIGNALS, STEADY_WAIT_S
 from memckpt.persister import Persister
-from memckpt.populate import MIN_BYTES, POOL, HostReserve
+from memckpt.populate import MIN_BYTES, POOL, HostReserve, spare_budget
 from memckpt.state import TrainState, restore_allocations
 from memckpt.store import own_dir, scan
 from memckpt.transport import StoreConnection
@@ -497,8 +499,9 @@ class Worker:
         shard on this node fills. The optimizer state it creates is made ahead in
         :data:`POOL`; for the rest (the parameters), a :class:`HostReserve` is faulted in
         and unmapped at takeover. Either way the restore fills memory the kernel already
-        has. Skipped when the state lives on GPUs (the restore fills device memory) and
-        once this worker runs a rank. Returns the bytes held."""
+        has. Never more than :func:`spare_budget` allows; skipped when the state lives on
+        GPUs (the restore fills device memory) and once this worker runs a rank. Returns
+        the bytes held."""
         if self.config.workers.gpus_per_worker:
             return 0
         node_root = own_dir(resolve_ram_root(self.config.ram_root), self.config.job_name,
@@ -508,17 +511,25 @@ class Worker:
         if not paths:
             return 0
         largest = max(paths, key=lambda p: p.stat().st_size)
+        vm = psutil.virtual_memory()
+        budget = spare_budget(largest.stat().st_size, vm.available, vm.total)
         try:
             region = RamRegion.open(largest, populate=False)
             _, layout, _ = fmt.read_header(region.array, str(largest), require_complete=False)
+            specs, room = [], budget
+            for shape, dtype in restore_allocations(layout, MIN_BYTES):
+                nbytes = math.prod(shape) * dtype.itemsize
+                if nbytes <= room:
+                    specs.append((shape, dtype))
+                    room -= nbytes
             with self._takeover:  # a rank's restore owns the pool once run() has begun
                 if self.spec is not None:
                     return 0
-                POOL.fill(restore_allocations(layout, MIN_BYTES))
+                POOL.fill(specs)
             POOL.wait()
         except (OSError, MemckptError):
             pass  # overwritten meanwhile: the reserve below covers it all
-        return POOL.nbytes + self.reserve.hold(max(0, largest.stat().st_size - POOL.nbytes))
+        return POOL.nbytes + self.reserve.hold(max(0, budget - POOL.nbytes))
 
     def info(self) -> dict[str, Any]:
         return {"rank": self.spec.rank if self.spec else None, "pid": os.getpid(),

@@ -161,3 +161,13 @@ def test_stopping_a_fill_keeps_what_it_made():
     pool.wait()
     assert pool.nbytes == made  # nothing more after the stop
     pool.clear()
+
+
+def test_a_spare_holds_a_shard_only_where_a_recovery_keeps_its_room():
+    GiB = 1 << 30
+    # plenty: the whole shard
+    assert pop.spare_budget(1 * GiB, available=20 * GiB, total=24 * GiB) == 1 * GiB
+    # a node must keep 3 shards + a tenth of its RAM available for a rank moving in
+    assert pop.spare_budget(1 * GiB, available=5 * GiB, total=10 * GiB) == 1 * GiB
+    assert pop.spare_budget(1 * GiB, available=4 * GiB + GiB // 2, total=10 * GiB) == GiB // 2
+    assert pop.spare_budget(1 * GiB, available=3 * GiB, total=10 * GiB) == 0
