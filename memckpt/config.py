@@ -175,15 +175,19 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class ChaosEvent:
-    """A scheduled fault for unattended drills: at ``step`` kill ``target``."""
+    """A scheduled fault for unattended drills: at ``step`` kill ``target``. ``steady``: hold
+    the fault until the job is in standby (every node's warm spare ready), to time the
+    recovery a long-running job gets."""
 
     step: int
     target: str = "worker"  # worker | node | random | store | coordinator
     rank: Optional[int] = None  # which rank (worker, store: the rank's node); None with random
     signal: str = "KILL"
+    steady: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("chaos.step", self.step)
+        _bool("chaos.steady", self.steady)
         _choice("chaos.target", self.target, CHAOS_TARGETS)
         _choice("chaos.signal", self.signal, SIGNALS)
         if self.rank is not None:

@@ -102,7 +102,7 @@ class Fault:
 
     @staticmethod
     def from_chaos(ev: ChaosEvent) -> "Fault":
-        return Fault(ev.step, ev.target, ev.rank, ev.signal)
+        return Fault(ev.step, ev.target, ev.rank, ev.signal, ev.steady)
 
     @property
     def key(self) -> str:

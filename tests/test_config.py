@@ -87,6 +87,8 @@ INVALID = [
      "chaos.step", "0", ">= 1"),
     ("chaos_target", lambda: ChaosEvent(step=1, target="gpu", rank=0),
      "chaos.target", "'gpu'", "worker, node, random"),
+    ("chaos_steady_not_bool", lambda: ChaosEvent(step=1, rank=0, steady="yes"),
+     "chaos.steady", "'yes'", "True or False"),
     ("workers_per_node_not_dividing", lambda: WorkersConfig(num_workers=3, workers_per_node=2),
      "workers.workers_per_node", "2", "divide workers.num_workers=3"),
     ("num_workers_zero", lambda: WorkersConfig(num_workers=0),
@@ -223,3 +225,9 @@ def test_fingerprint_tracks_layout_not_drills():
     ]
     for other in same:
         assert other.fingerprint() == fp, other
+
+
+def test_a_steady_chaos_event_schedules_a_steady_fault():
+    from memckpt.faults import Fault
+    assert Fault.from_chaos(ChaosEvent(step=4, rank=1, steady=True)).steady is True
+    assert Fault.from_chaos(ChaosEvent(step=4, rank=1)).steady is False
