@@ -422,8 +422,9 @@ def release_frames(exc: BaseException) -> None:
     """Drop the local variables of the finished frames an exception's traceback holds (and
     those of the exceptions it chains): a generation ended by recovery unwinds through the
     training function, whose model and optimizer would otherwise stay alive as long as the
-    exception does, and Ray keeps it until after the next generation has begun. The
-    traceback itself, file and line of every frame, is unchanged."""
+    exception does: through the ``gc.collect()`` that runs while it propagates, then for
+    as long as Ray holds it. The traceback itself, file and line of every frame, is
+    unchanged."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
