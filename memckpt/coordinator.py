@@ -22,7 +22,7 @@ import json
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from memckpt.metrics import JobMetrics
 
@@ -211,13 +211,18 @@ class Coordinator:
     async def wait_commit(self, gen: int, step: int,
                           timeout_s: float) -> tuple[Optional[int], Optional[int], Optional[str]]:
         """Wait until ``step`` is committed (or the generation changes, or time runs out)."""
+        await self._until(lambda: self.s["gen"] != gen or _at_least(self.s["committed"], step),
+                          timeout_s)
+        return self._commit_view()
+
+    async def _until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until ``predicate()`` holds (checked at every notify); False on timeout."""
         async with self._cond:
             try:
-                await asyncio.wait_for(self._cond.wait_for(
-                    lambda: self.s["gen"] != gen or _at_least(self.s["committed"], step)), timeout_s)
+                await asyncio.wait_for(self._cond.wait_for(predicate), timeout_s)
+                return True
             except asyncio.TimeoutError:
-                pass
-            return self._commit_view()
+                return False
 
     async def committed(self) -> Optional[int]:
         return self.s["committed"]
@@ -285,13 +290,9 @@ class Coordinator:
         """Fire-once: True the first time ``key`` is claimed in this job. With a timeout, a
         steady fault: first wait (up to it) until the job is in standby (set_standby)."""
         if standby_timeout_s > 0 and key not in self.s["fired"]:
-            async with self._cond:
-                try:
-                    await asyncio.wait_for(self._cond.wait_for(
-                        lambda: self.s.get("standby", False) or key in self.s["fired"]),
-                        standby_timeout_s)
-                except asyncio.TimeoutError:
-                    pass  # fire anyway: a drill must not hang on a spare that never came
+            # on timeout, fire anyway: a drill must not hang on a spare that never came
+            await self._until(lambda: self.s.get("standby", False) or key in self.s["fired"],
+                              standby_timeout_s)
         if key in self.s["fired"]:
             return False
         self.s["fired"].append(key)
@@ -322,12 +323,7 @@ class Coordinator:
             self._cond.notify_all()
 
     async def wait_fault(self, key: str, timeout_s: float) -> None:
-        async with self._cond:
-            try:
-                await asyncio.wait_for(self._cond.wait_for(
-                    lambda: self.s.get("fault_requests", {}).get(key) == "done"), timeout_s)
-            except asyncio.TimeoutError:
-                pass
+        await self._until(lambda: self.s.get("fault_requests", {}).get(key) == "done", timeout_s)
 
     async def log_event(self, kind: str, fields: dict[str, Any]) -> None:
         if kind == "failure_detected":  # where the job was: the start of what a resume redoes

@@ -267,7 +267,7 @@ class Runtime:
             refs[w.run.remote(self.train_fn, master, spec)] = rank
         self._event("generation_started", gen=gen, assignment=assignment, workers=how,
                     restore={r: i.step for r, i in restore.items()})
-        if gen == 0:  # after a recovery: once it is over (a new process competes for the CPU)
+        if gen == 0:  # the first spares; after a recovery, once it is over (_progress_and_faults)
             self._top_up_spares()
         return Generation(gen, workers, refs, info)
 

@@ -167,10 +167,7 @@ class SnapshotEngine:
 
         def into(nbytes: int) -> np.ndarray:
             if slot.region is None or slot.region.size != nbytes:
-                if slot.region is not None:
-                    slot.region.close(unlink=False)
-                slot.region = RamRegion.reuse_or_create(slot.path, nbytes, pin=self._pin)
-                self.stats.allocations += 1
+                self._map_file(slot, nbytes)
             fmt.mark_writing(slot.region.array)
             return slot.region.array
 
@@ -245,11 +242,15 @@ class SnapshotEngine:
 
     def _map_slot(self, slot: Slot, layout: fmt.Layout, cap: int) -> None:
         """Map ``slot``'s file sized for ``layout`` with a header of ``cap`` bytes."""
-        if slot.region is not None:
-            slot.region.close(unlink=False)
-        slot.region = RamRegion.reuse_or_create(slot.path, fmt.region_size(layout, cap), pin=self._pin)
+        self._map_file(slot, fmt.region_size(layout, cap))
         slot.layout, slot.header_capacity = layout, cap
         slot.views = fmt.tensor_views(slot.region.tensor, layout, cap)
+
+    def _map_file(self, slot: Slot, nbytes: int) -> None:
+        """(Re)map ``slot``'s file at ``nbytes``, in place when it already has that size."""
+        if slot.region is not None:
+            slot.region.close(unlink=False)
+        slot.region = RamRegion.reuse_or_create(slot.path, nbytes, pin=self._pin)
         self.stats.allocations += 1
 
     def _copy(self, slot: Slot, tensors: list[tuple[str, torch.Tensor]]) -> None:
