@@ -109,7 +109,7 @@ def test_releasing_a_host_reserve_interrupts_a_hold_in_progress():
     held: list[int] = []
     t = threading.Thread(target=lambda: held.append(reserve.hold(4096 * MB)))
     t.start()
-    while reserve.nbytes == 0:  # the hold has begun (a chunk is in)
+    while reserve.nbytes == 0 and t.is_alive():  # the hold has begun (a chunk is in)
         pass
     freed = reserve.release()
     t.join(timeout=60)
