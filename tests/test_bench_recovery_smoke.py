@@ -13,7 +13,8 @@ EXPECTED = {
     ("recovery", "memckpt-worker"), ("recovery", "memckpt-node"),
     ("recovery", "restart+torch.load"), ("transfer", "memckpt-peer-fetch"),
     ("transfer", "memckpt-replication"), ("transfer", "raw-tcp"),
-    ("transfer", "raw-tcp-2way"),
+    ("transfer", "raw-tcp-2way"), ("transfer", "memckpt-replication-path"),
+    ("transfer", "memckpt-fetch-path"),
     ("step-time", "gpt-tiny-snapshot-every-step"), ("step-time", "gpt-tiny-local-snapshot-only"),
     ("step-time", "gpt-tiny-snapshot-every-step-persist-every-10"),
     ("step-time", "gpt-tiny-no-snapshot"),
@@ -44,10 +45,16 @@ def test_recovery_bench_rows(tmp_path):
     base = by[("recovery", "restart+torch.load")]["phases_s"]
     for phase in ("detect", "stop", "start_actors", "torch_load", "first_step", "total"):
         assert base[phase] > 0, (phase, base)
-    for method in ("memckpt-peer-fetch", "memckpt-replication"):
+    for method in ("memckpt-peer-fetch", "memckpt-replication", "memckpt-replication-path",
+                   "memckpt-fetch-path"):
         r = by[("transfer", method)]
         assert r["throughput_Bps"] > 0 and r["ratio_to_raw"] > 0
         assert r["state_bytes"] >= 4 * 2**20  # a whole shard moved
+    # the steady rounds of both directions, and a raw figure from the same call for each
+    path = by[("transfer", "memckpt-replication-path")]
+    steady = recovery.PATH_ROUNDS - recovery.PATH_STEADY_FROM + 1
+    assert len(path["samples_s"]) == 2 * steady and len(path["raw_s"]) == 2
+    assert len(by[("transfer", "memckpt-fetch-path")]["samples_s"]) == 1
     assert by[("step-time", "gpt-tiny-snapshot-every-step")]["slowdown"] is not None
     for method in ("memckpt-worker", "memckpt-node"):
         split = by[("recovery", method)]["resume_split_s"]

@@ -19,6 +19,11 @@ head), so both sides see the same machine:
                      nodes (sendall -> recv_into): the path it takes
   replication        vs raw TCP transfers of the same bytes between the same two
                      nodes, both ways at once (sendall -> recv_into): the path it takes
+  transfer paths     the same two paths with nothing else running (a shard streamed
+                     into a peer's store both ways at once and verified there; one
+                     fetched back), against raw TCP measured in the same call. In the
+                     job, the 2 cores of this machine also run the training, the other
+                     rank's restore and every simulated node's processes
   step time          memckpt.demo.job.GPTJob with a snapshot + replication every
                      step, with local snapshots only (no replica), and with
                      snapshots off
@@ -57,7 +62,7 @@ from typing import Any, Callable, Optional
 from memckpt.bench.common import (finish_report, human_bytes, human_s, machine_line, positive_int,
                                   standalone, write_rows)
 from memckpt.bench.common import machine_info as _base_machine_info
-from memckpt.bench.recovery_actors import ColdWorker, RawReceiver, RawSender
+from memckpt.bench.recovery_actors import ColdWorker, PathClient, RawReceiver, RawSender
 from memckpt.bench.recovery_job import (DEFAULT_COMPUTE_ITERS, DEFAULT_KILL_AT, DEFAULT_LAYERS,
                                         DEFAULT_STATE_MB, DEFAULT_STEPS_AFTER, RecoveryJob,
                                         StepTimedJob, layout, state_nbytes)
@@ -68,6 +73,9 @@ GPT_WARMUP_STEPS = 3  # step intervals left out of the step-time median
 WORLD_SIZE = 2
 NODES = 3
 CPUS_PER_NODE = 2
+PATH_ROUNDS = 4  # replications per direction in the transfer-path measurement
+PATH_STEADY_FROM = 3  # from this round on both of a holder's slot files exist, as in a job
+PATH_JOB = "bench-transfer-path"
 _GIB = 1 << 30
 
 # Targets of issue 3 (defined at 1 GB of state per rank).
@@ -368,6 +376,46 @@ class _Bench:
                 ray.kill(x, no_restart=True)
         return sent
 
+    def transfer_paths(self, a: str, b: str, nbytes: int) -> dict[str, Any]:
+        """memckpt's replication and fetch paths between nodes ``a`` and ``b`` with no job
+        running, and raw TCP between the same nodes in the same call. A client per node
+        streams a sealed shard into a :class:`~memckpt.store.ReplicaStore` on the other node,
+        both at once, :data:`PATH_ROUNDS` times (a new step each round; the store verifies
+        before it acks); then ``b``'s client fetches its shard back from ``a``'s store."""
+        ray = self.ray
+        from memckpt.store import ReplicaStore
+        raw_2way = self.raw_tcp([(a, b), (b, a)], nbytes)
+        (raw_1way,) = self.raw_tcp([(a, b)], nbytes)
+        actors = []
+        try:
+            stores, clients = {}, {}
+            for rank, node in enumerate((a, b)):
+                stores[node] = ray.remote(ReplicaStore).options(
+                    num_cpus=0, max_concurrency=16, scheduling_strategy=_affinity(node)
+                ).remote(str(self.ram_root), PATH_JOB, node)
+                clients[node] = ray.remote(PathClient).options(
+                    num_cpus=0, scheduling_strategy=_affinity(node)).remote(nbytes, rank)
+                actors += [stores[node], clients[node]]
+            addr = {n: ray.get(s.address.remote(), timeout=120) for n, s in stores.items()}
+            ray.get([c.ready.remote() for c in clients.values()], timeout=600)
+            rounds = []
+            for step in range(1, PATH_ROUNDS + 1):
+                rounds.append(ray.get([clients[a].send.remote(addr[b], step),
+                                       clients[b].send.remote(addr[a], step)], timeout=600))
+            fetch = ray.get(clients[b].fetch.remote(addr[a], 1, PATH_ROUNDS), timeout=600)
+            ray.get([s.clear.remote() for s in stores.values()], timeout=120)
+        finally:
+            for x in actors:
+                ray.kill(x, no_restart=True)
+            shutil.rmtree(self.ram_root / PATH_JOB, ignore_errors=True)
+        steady = [t for r in rounds[PATH_STEADY_FROM - 1:] for t in r]
+        self.log(f"transfer paths {nbytes / 2**20:.0f} MiB, nothing else running: replication "
+                 f"both ways {', '.join(f'{t:.2f}' for r in rounds for t in r)} s (raw "
+                 f"{', '.join(f'{t:.2f}' for t in raw_2way)} s); fetch {fetch:.2f} s (raw "
+                 f"{raw_1way:.2f} s)")
+        return {"bytes": nbytes, "replicate_s": steady, "first_rounds_s": rounds[:PATH_STEADY_FROM - 1],
+                "raw_2way_s": raw_2way, "fetch_s": fetch, "raw_1way_s": raw_1way}
+
     # -- the alternative ----------------------------------------------------------------------
     def restart_baseline(self, rep: int, worker: type = ColdWorker) -> dict[str, Any]:
         """``worker``: the actor class of a rank, ColdWorker or one with its interface (the
@@ -597,15 +645,16 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
         b._restore_nodes()
         log(f"state per rank: {b.n} x Linear({b.d}) + AdamW = {b.state_bytes / 2**20:.1f} MiB; "
             f"fault at step {kill_at}; torch.save files in {disk} ({_fs_type(disk)})")
-        worker, node, base, raw, raw2 = [], [], [], [], []
+        worker, node, base, raw, raw2, paths = [], [], [], [], [], []
         for rep in range(repeats):
             log(f"repeat {rep + 1}/{repeats}")
             s = b.measure(b.memckpt_recovery, "worker", rep)
             worker.append(s)
             nodes = sorted({r["node_id"] for r in s["results"]})
             if len(nodes) == 2 and s["replication"]:
-                raw2.append(b.measure(b.raw_transfer_2way, nodes[0], nodes[1],
-                                      max(x[0] for x in s["replication"])))
+                shard = max(x[0] for x in s["replication"])
+                raw2.append(b.measure(b.raw_transfer_2way, nodes[0], nodes[1], shard))
+                paths.append(b.measure(b.transfer_paths, nodes[0], nodes[1], shard))
             try:
                 s = b.measure(b.memckpt_recovery, "node", rep)
                 node.append(s)
@@ -621,7 +670,8 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
             persist.append(b.measure(b.step_time, "persist", rep, gpt_size, gpt_steps))
             local.append(b.measure(b.step_time, "local", rep, gpt_size, gpt_steps))
             off.append(b.measure(b.step_time, "off", rep, gpt_size, gpt_steps))
-        rows = build_rows(b, worker, node, base, raw, raw2, on, local, off, gpt_size, persist)
+        rows = build_rows(b, worker, node, base, raw, raw2, on, local, off, gpt_size, persist,
+                          paths)
         info = machine_info()
         for r in rows:
             r["machine"] = info
@@ -637,7 +687,8 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
 
 
 def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2: list, on: list,
-               local: list, off: list, gpt_size: str, persist: tuple = ()) -> list[dict[str, Any]]:
+               local: list, off: list, gpt_size: str, persist: tuple = (),
+               paths: tuple = ()) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     base_total = _med([s["total_s"] for s in base])
 
@@ -707,6 +758,7 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
                     "holder's file, holder verifies before it acks); both ranks replicate at once, "
                     "so the raw figure is two raw TCP transfers at once",
         })
+    rows += _path_rows(paths)
     for samples, method, note in (
             (raw, "raw-tcp", "one raw TCP transfer from the holder's node to the restoring "
                              "rank's node (sendall into recv_into a preallocated buffer)"),
@@ -745,6 +797,38 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
             "foreign_cpu": _max_foreign(runs),
             "slowdown": (step / step_off - 1) if step and step_off else None,
             "note": note,
+        })
+    return rows
+
+
+def _path_rows(paths: list) -> list[dict[str, Any]]:
+    """The transfer-path rows: each path's median against the raw TCP medians measured in
+    the same calls (both ways at once for replication, one way for a fetch)."""
+    if not paths:
+        return []
+    nbytes = paths[0]["bytes"]
+    rows = []
+    for method, key, raw_key, note in (
+            ("memckpt-replication-path", "replicate_s", "raw_2way_s",
+             "nothing else running: a shard streamed into a peer's ReplicaStore, both ways at "
+             f"once, verified there before the ack; rounds {PATH_STEADY_FROM}-{PATH_ROUNDS} of "
+             f"{PATH_ROUNDS} (both of a holder's slot files exist, as in a running job); vs "
+             "two raw TCP transfers at once in the same call"),
+            ("memckpt-fetch-path", "fetch_s", "raw_1way_s",
+             "nothing else running: a shard fetched from a peer's store into a preallocated "
+             "buffer (a restore verifies it afterwards); vs one raw TCP transfer in the same "
+             "call")):
+        vals = [t for p in paths for t in (p[key] if isinstance(p[key], list) else [p[key]])]
+        raws = [t for p in paths for t in (p[raw_key] if isinstance(p[raw_key], list)
+                                          else [p[raw_key]])]
+        med, raw = _med(vals), _med(raws)
+        rows.append({
+            "benchmark": "transfer", "method": method, "state_bytes": nbytes, "median_s": med,
+            "samples_s": vals, "raw_s": raws, "raw_median_s": raw,
+            "phases_s": {"replicate" if key == "replicate_s" else "fetch": med},
+            "throughput_Bps": nbytes / med if med else None,
+            "ratio_to_raw": raw / med if med and raw else None,
+            "foreign_cpu": _max_foreign(paths), "note": note,
         })
     return rows
 
@@ -813,9 +897,13 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[Optional[bool], str]
         if det is not None:
             out.append((det <= limit, f"{label} failure detected in {human_s(det)} "
                                       f"(target ≤ {limit:.0f} s)"))
-    for method, label, raw in (("memckpt-peer-fetch", "peer fetch", "a raw TCP transfer"),
-                               ("memckpt-replication", "replication",
-                                "raw TCP transfers running both ways at once")):
+    for method, label, raw in (
+            ("memckpt-peer-fetch", "peer fetch in the recovery", "a raw TCP transfer"),
+            ("memckpt-replication", "replication while training",
+             "raw TCP transfers running both ways at once"),
+            ("memckpt-fetch-path", "fetch path, nothing else running", "a raw TCP transfer"),
+            ("memckpt-replication-path", "replication path, nothing else running",
+             "raw TCP transfers running both ways at once")):
         r = by.get(method)
         if r and r.get("ratio_to_raw"):
             out.append((r["ratio_to_raw"] >= TARGET_TRANSFER_RATIO,

@@ -6,6 +6,8 @@ limit of its peer fetch and replication.
                 fails, and on restart (a new, cold process) torch.load + one step
   RawSender     sendall of a preallocated array to a RawReceiver
   RawReceiver   recv_into a preallocated buffer, then an ack
+  PathClient    memckpt's own transfer path with nothing else running: a shard streamed
+                into a peer's ReplicaStore (verified there) and fetched back
 
 ``ray.remote(cls)`` pickles these classes by reference: they stay at module top level.
 """
@@ -144,3 +146,58 @@ class RawReceiver:
             conn.sendall(b"k")
         self.srv.close()
         return time.perf_counter() - t0
+
+
+# -- memckpt's own transfer path, with nothing else running ------------------------------------
+class PathClient:
+    """A rank's side of memckpt's transfer path, without a training job around it: streams a
+    sealed shard into a peer's :class:`~memckpt.store.ReplicaStore` as replication does (the
+    store writes it into its slot file and verifies it before it acks), and fetches one back
+    as a peer restore does (into a preallocated buffer; a restore verifies afterwards)."""
+
+    def __init__(self, nbytes: int, rank: int) -> None:
+        import numpy as np
+
+        from memckpt import shard as fmt
+        layout = fmt.Layout((fmt.TensorEntry("data", "uint8", (nbytes,), 0, nbytes),), nbytes)
+        self.rank, self.layout = rank, layout
+        self.cap = fmt.header_capacity_for(layout)
+        self.region = np.ones(fmt.region_size(layout, self.cap), dtype=np.uint8)  # touched
+        self.landing = np.ones_like(self.region)  # where fetches land, touched up front
+        self._conns: dict = {}
+
+    def ready(self) -> bool:
+        return True
+
+    def send(self, address: tuple[str, int], step: int) -> float:
+        """Seal ``step`` (untimed: the snapshot does that) and replicate it; seconds from the
+        first byte to the store's verified ack, over a kept connection as the Replicator."""
+        from memckpt import shard as fmt
+        from memckpt.transport import StoreConnection
+        digest = fmt.seal(self.region, self.layout, self.cap, step, {})
+        address = tuple(address)
+        conn = self._conns.get(address)
+        if conn is None:
+            conn = self._conns[address] = StoreConnection(address)
+        t0 = time.perf_counter()
+        if not conn.send(self.rank, step, self.region, digest, gen=0):
+            raise RuntimeError(f"the store already held rank {self.rank} step {step}")
+        return time.perf_counter() - t0
+
+    def fetch(self, address: tuple[str, int], rank: int, step: int) -> float:
+        """Fetch ``rank``'s shard of ``step`` from the store at ``address``; seconds."""
+        from memckpt.transport import StoreConnection
+        conn = StoreConnection(tuple(address))
+        try:
+            t0 = time.perf_counter()
+            got = conn.fetch(rank, step, lambda n: self.landing[:n])
+            elapsed = time.perf_counter() - t0
+        finally:
+            conn.close()
+        if len(got) != len(self.region):
+            raise RuntimeError(f"fetched {len(got)} bytes, expected {len(self.region)}")
+        return elapsed
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
