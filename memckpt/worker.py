@@ -289,11 +289,16 @@ class WorkerContext:
                     shard = fmt.open_shard(region.array, source)
                 else:  # a peer's store streams it over TCP into this rank's own slot
                     source = f"peer:{node}"
+                    t0 = time.perf_counter()
                     conn = StoreConnection(ray.get(self.spec.stores[node].address.remote()))
+                    t1 = time.perf_counter()
                     try:
                         shard = self.ckpt.engine.install(
                             instr.step, lambda into: self._fetch(conn, instr.step, into),
                             source)  # verified
+                        # install = slot allocation + fetch (timed in _fetch) + verification
+                        self.restore_seconds.update(connect_s=t1 - t0,
+                                                    install_s=time.perf_counter() - t1)
                     finally:
                         conn.close()
                 step = self.ckpt.load_shard(state, shard, source)

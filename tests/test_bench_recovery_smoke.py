@@ -58,7 +58,8 @@ def test_recovery_bench_rows(tmp_path):
     assert by[("step-time", "gpt-tiny-snapshot-every-step")]["slowdown"] is not None
     for method in ("memckpt-worker", "memckpt-node"):
         split = by[("recovery", method)]["resume_split_s"]
-        assert set(split) >= {"start", "build", "fetch", "load", "resnapshot", "first_snapshot"}
+        assert set(split) >= {"start", "build", "connect", "fetch", "verify", "load", "other",
+                              "resnapshot", "first_snapshot"}
     table = recovery.format_table(rows)
     assert table.startswith("| benchmark | method | state | median |")
     assert len(table.splitlines()) == len(rows) + 2

@@ -522,13 +522,20 @@ def _resume_split(results: list[dict[str, Any]], started: float) -> dict[str, fl
     last = max(results, key=lambda r: r["first_step_done_at"])
     fs = crit["first_step"]
     fal = crit["fetch_and_load_s"] or 0.0
+    if crit.get("install_s") is not None:  # a peer restore times its install apart
+        verify = crit["install_s"] - crit["slot_alloc_s"] - crit["fetch_s"]
+    else:  # a local restore: what is neither loading nor fetching is verifying
+        verify = fal - crit["slot_alloc_s"] - crit["fetch_s"] - crit["load_s"]
     return {
         "start": crit["t_enter"] - started,  # generation start, worker, process group
         "build": crit["t_built"] - crit["t_enter"],
+        "connect": crit.get("connect_s", 0.0),  # to the holder's store (a peer restore)
         "slot_alloc": crit["slot_alloc_s"],
         "fetch": crit["fetch_s"],
-        "verify": max(0.0, fal - crit["slot_alloc_s"] - crit["fetch_s"] - crit["load_s"]),
+        "verify": max(0.0, verify),
         "load": crit["load_s"],
+        "other": max(0.0, fal - crit.get("connect_s", 0.0) - crit["slot_alloc_s"]
+                     - crit["fetch_s"] - verify - crit["load_s"]),
         "resnapshot": (crit["t_restored"] - crit["t_built"]) - fal,
         "compute": fs["t_all_reduce"] - crit["t_restored"],
         "all_reduce": max(r["first_step"]["t_snapshot"] for r in results) - fs["t_all_reduce"],

@@ -167,6 +167,8 @@ class RecoveryJob:
             "fetch_s": ctx.restore_seconds.get("fetch_s", 0.0),
             "slot_alloc_s": ctx.restore_seconds.get("slot_alloc_s", 0.0),
             "fetch_bytes": int(ctx.restore_seconds.get("fetch_bytes", 0)), "load_s": probe.load_s,
+            "connect_s": ctx.restore_seconds.get("connect_s", 0.0),
+            "install_s": ctx.restore_seconds.get("install_s"),
             "load_usage": probe.usage,
             "fetch_and_load_s": ctx.restore_seconds.get("fetch_and_load_s"),
             # time the snapshots waited for a free slot (the gate: the newest step committed)
