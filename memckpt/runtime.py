@@ -424,7 +424,7 @@ class Runtime:
         todo = [n for n in self.spares if n not in asked]
         if not pending and todo:
             spare = self.spares[todo[0]]
-            self._prefaults[todo[0]] = (spare, spare.prefault.remote())
+            self._prefaults[todo[0]] = (spare, spare.prefault.remote(self._largest_shard()))
         standby = not self.config.failure.warm_spares or (
             not pending and not todo and set(self.spares) >= self._spare_nodes)
         if standby != self._standby:
@@ -432,6 +432,19 @@ class Runtime:
             self.coordinator.set_standby.remote(standby)
             if standby:  # every prefault has returned: what each node's spare holds
                 self._event("standby", held_bytes={n[:12]: b for n, b in self._held(asked)})
+
+    def _largest_shard(self) -> Optional[tuple[int, list, int]]:
+        """The largest shard any live node's store holds (see ReplicaStore.largest_shard):
+        what a spare prepares for, wherever it is, as any rank may move to its node."""
+        refs = [self.stores[n].largest_shard.remote() for n in self._spare_nodes if n in self.stores]
+        found = []
+        for ref in refs:
+            try:
+                found.append(self.ray.get(ref, timeout=30))
+            except self.ray.exceptions.RayError:
+                pass  # a store that is restarting or gone: the others answer
+        found = [f for f in found if f is not None]
+        return max(found, key=lambda f: f[0]) if found else None
 
     def _held(self, prefaults: dict[str, Any]) -> list[tuple[str, int]]:
         """(node, bytes its spare holds) for each finished prefault; a spare that died

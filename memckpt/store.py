@@ -227,6 +227,29 @@ class ReplicaStore:
                 out.setdefault(rank, set()).update(steps)
         return {r: sorted(s) for r, s in out.items()}
 
+    def largest_shard(self) -> Optional[tuple[int, list, int]]:
+        """(file bytes, tensor table, data bytes) of the largest complete shard this node
+        holds, own or replica: what a spare prepares a restore for (``Worker.prefault``)."""
+        held = []
+        for directory in (self.own, self.replicas):
+            for steps in scan(directory).values():
+                for path in steps.values():
+                    try:
+                        held.append((path.stat().st_size, path))
+                    except OSError:
+                        pass  # replaced meanwhile
+        for size, path in sorted(held, reverse=True):
+            try:
+                region = RamRegion.open(path, populate=False)
+                try:
+                    _, layout, _ = fmt.read_header(region.array, str(path), require_complete=False)
+                finally:
+                    region.close()
+            except (OSError, MemckptError):
+                continue  # overwritten meanwhile: the next largest
+            return size, layout.to_json(), layout.data_len
+        return None
+
     def locate(self, rank: int, step: int) -> Path:
         for directory in (self.own, self.replicas):
             path = scan(directory).get(rank, {}).get(step)

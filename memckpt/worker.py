@@ -500,41 +500,33 @@ class Worker:
         if ctx is not None and spec is not None and spec.gen == gen:
             ctx.abort()
 
-    def prefault(self) -> int:
-        """A spare, once the job's shards exist: prepare the memory a restore of the largest
-        shard on this node fills. The optimizer state it creates is made ahead in
+    def prefault(self, shard: Optional[tuple[int, list, int]]) -> int:
+        """A spare, once the job's shards exist: prepare the memory a restore of ``shard``
+        fills (file bytes, tensor table, data bytes: the job's largest shard, from
+        :meth:`memckpt.store.ReplicaStore.largest_shard`; the spare may take over any rank,
+        a lost node's too). The optimizer state it creates is made ahead in
         :data:`POOL`; for the rest (the parameters), a :class:`HostReserve` is faulted in
         and unmapped at takeover. Either way the restore fills memory the kernel already
         has. Never more than :func:`spare_budget` allows; skipped when the state lives on
         GPUs (the restore fills device memory) and once this worker runs a rank. Returns
         the bytes held."""
-        if self.config.workers.gpus_per_worker:
+        if self.config.workers.gpus_per_worker or shard is None:
             return 0
-        node_root = own_dir(resolve_ram_root(self.config.ram_root), self.config.job_name,
-                            self.node_id).parent
-        paths = [path for sub in ("own", "replicas")
-                 for steps in scan(node_root / sub).values() for path in steps.values()]
-        if not paths:
-            return 0
-        largest = max(paths, key=lambda p: p.stat().st_size)
+        nbytes, table, data_len = shard
+        layout = fmt.Layout.from_json(table, data_len, "the job's largest shard")
         vm = psutil.virtual_memory()
-        budget = spare_budget(largest.stat().st_size, vm.available, vm.total)
-        try:
-            region = RamRegion.open(largest, populate=False)
-            _, layout, _ = fmt.read_header(region.array, str(largest), require_complete=False)
-            specs, room = [], budget
-            for shape, dtype in restore_allocations(layout, MIN_BYTES):
-                nbytes = math.prod(shape) * dtype.itemsize
-                if nbytes <= room:
-                    specs.append((shape, dtype))
-                    room -= nbytes
-            with self._takeover:  # a rank's restore owns the pool once run() has begun
-                if self.spec is not None:
-                    return 0
-                POOL.fill(specs)
-            POOL.wait()
-        except (OSError, MemckptError):
-            pass  # overwritten meanwhile: the reserve below covers it all
+        budget = spare_budget(nbytes, vm.available, vm.total)
+        specs, room = [], budget
+        for shape, dtype in restore_allocations(layout, MIN_BYTES):
+            size = math.prod(shape) * dtype.itemsize
+            if size <= room:
+                specs.append((shape, dtype))
+                room -= size
+        with self._takeover:  # a rank's restore owns the pool once run() has begun
+            if self.spec is not None:
+                return 0
+            POOL.fill(specs)
+        POOL.wait()
         return POOL.nbytes + self.reserve.hold(max(0, budget - POOL.nbytes))
 
     def info(self) -> dict[str, Any]:

@@ -245,6 +245,29 @@ def test_own_slots_are_listed_and_served(ram_root, store, shards):
     assert store.inventory() == {0: [1], 1: [5]}
 
 
+def test_largest_shard_is_what_a_spare_prepares_for(ram_root, store, shards):
+    assert store.largest_shard() is None  # nothing held yet: nothing to prepare
+    _send(store, 0, 1, *shards[1])  # a peer's replica
+    directory = own_dir(Path(ram_root), JOB, NODE)
+    ckpt = memckpt.Checkpointer(memckpt.Config(ram_root=ram_root, job_name=JOB), rank=1,
+                                world_size=2, directory=directory)
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.Linear(256, 4))
+    big = memckpt.TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    raw, _ = _snapshot(ckpt, big, 4)  # this node's own rank, larger than the replica
+    assert len(raw) > len(shards[1][0])
+    nbytes, table, data_len = store.largest_shard()
+    _, layout, _ = fmt.read_header(raw, "own")
+    assert nbytes == len(raw)
+    assert fmt.Layout.from_json(table, data_len, "answer") == layout
+    assert any(row[0].startswith("optim/") for row in table)  # what the pool is made from
+    ckpt.close(unlink=True)
+    nbytes, table, _ = store.largest_shard()  # the own slots are gone: the replica is left
+    assert nbytes == len(shards[1][0])
+    assert table == fmt.read_header(shards[1][0], "replica")[1].to_json()
+
+
 def test_restarted_store_adopts_everything(ram_root, store, shards):
     for s in (1, 2):
         _send(store, 0, s, *shards[s])
