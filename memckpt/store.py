@@ -293,3 +293,7 @@ class ReplicaStore:
                 self._server.close()
                 self._server = None
         remove_path(self.root)
+        try:  # the job's folder, once no other node's store (same machine) still uses it
+            self.root.parent.rmdir()
+        except OSError:
+            pass

@@ -300,13 +300,18 @@ def test_memory_reports_held_bytes(store, shards):
     assert mem["available_bytes"] > 0
 
 
-def test_clear_removes_node_directory(store, shards):
+def test_clear_removes_node_directory(ram_root, store, shards):
+    other = ReplicaStore(ram_root=ram_root, job=JOB, node_id="nodeB")  # same machine, same job
     _send(store, 0, 1, *shards[1])
+    _send(other, 1, 1, *shards[1])
     assert store.root.is_dir()
     store.clear()
     assert not store.root.exists()
     assert store.inventory() == {}
     assert store.memory()["held_bytes"] == 0
+    assert other.inventory() == {1: [1]}  # the other node's shards are untouched
+    other.clear()  # the last one out removes the job's folder too
+    assert not (Path(ram_root) / JOB).exists() and Path(ram_root).is_dir()
 
 
 def test_begin_refuses_when_node_lacks_ram(store, shards):
