@@ -36,8 +36,9 @@ from memckpt.worker import RestoreInstruction, Worker, WorkerSpec
 log = logging.getLogger("memckpt")
 POLL_S = 0.1
 STOP_PERSIST_TIMEOUT_S = 300.0  # stop anyway if persisting for a stop takes longer
-GRACE_S = 3.0
-STARTUP_TIMEOUT_S = 120.0  # a rank silent this long before its first step is hung  # how long survivors get to notice a failure and return before being killed
+GRACE_S = 3.0  # how long survivors get to notice a failure and return before being killed
+STARTUP_TIMEOUT_S = 120.0  # a rank silent this long before its first step is hung
+LARGEST_SHARD_WAIT_S = 2.0  # stores answering what spares prepare for (see _largest_shard)
 
 
 def _affinity(node_id: str):
@@ -437,12 +438,16 @@ class Runtime:
         """The largest shard any live node's store holds (see ReplicaStore.largest_shard):
         what a spare prepares for, wherever it is, as any rank may move to its node."""
         refs = [self.stores[n].largest_shard.remote() for n in self._spare_nodes if n in self.stores]
+        # This runs in the control loop: a store that is restarting (or on a node about to
+        # be declared dead) must not hold up failure detection; the others answer in ms.
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=LARGEST_SHARD_WAIT_S) \
+            if refs else ([], [])
         found = []
-        for ref in refs:
+        for ref in ready:
             try:
-                found.append(self.ray.get(ref, timeout=30))
+                found.append(self.ray.get(ref))
             except self.ray.exceptions.RayError:
-                pass  # a store that is restarting or gone: the others answer
+                pass  # a store that died meanwhile: the others answer
         found = [f for f in found if f is not None]
         return max(found, key=lambda f: f[0]) if found else None
 
