@@ -268,11 +268,17 @@ def open_shard(region: np.ndarray, source: str, verify: bool = True,
     """
     region = np.asarray(region, dtype=np.uint8).reshape(-1)
     header, layout, cap = read_header(region, source, require_complete=require_complete)
-    off = data_offset(cap)
+    shard = Shard(header, layout, region[: data_offset(cap) + layout.data_len], cap)
     if verify:
-        got = checksum(region[off: off + layout.data_len])
-        if got != header["data_xxh3"]:
-            raise ChecksumError(f"{source}: data checksum mismatch (stored {header['data_xxh3']}, "
-                                f"computed {got}): the shard is corrupt")
-    raw = region[: off + layout.data_len]
-    return Shard(header, layout, raw, cap)
+        verify_data(shard, source)
+    return shard
+
+
+def verify_data(shard: Shard, source: str) -> None:
+    """Raise :class:`ChecksumError` naming ``source`` unless the data of ``shard`` (opened
+    with ``verify=False``) matches its header's checksum."""
+    off = data_offset(shard.header_capacity)
+    got = checksum(shard.raw[off: off + shard.layout.data_len])
+    if got != shard.header["data_xxh3"]:
+        raise ChecksumError(f"{source}: data checksum mismatch (stored "
+                            f"{shard.header['data_xxh3']}, computed {got}): the shard is corrupt")

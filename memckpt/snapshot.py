@@ -293,10 +293,17 @@ class SnapshotEngine:
 
     def discard_newer(self, step: int) -> None:
         """Invalidate held snapshots newer than ``step`` (a rollback made them obsolete)."""
+        self._discard(lambda s: s > step)
+
+    def discard_step(self, step: int) -> None:
+        """Invalidate the snapshot of ``step`` (found corrupt): nothing restores or sends it."""
+        self._discard(lambda s: s == step)
+
+    def _discard(self, doomed: Callable[[int], bool]) -> None:
         self.wait()
         with self._cond:
-            for i, slot in enumerate(self.slots):
-                if slot.complete and slot.step is not None and slot.step > step:
+            for slot in self.slots:
+                if slot.complete and slot.step is not None and doomed(slot.step):
                     fmt.mark_writing(slot.region.array)
                     slot.complete, slot.step = False, None
             done = [i for i, s in enumerate(self.slots) if s.complete]

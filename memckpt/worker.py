@@ -17,6 +17,7 @@ committed.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import gc
 import math
 import os
@@ -43,7 +44,7 @@ from memckpt.faults import SIGNALS, STEADY_WAIT_S
 from memckpt.persister import Persister
 from memckpt.populate import MIN_BYTES, POOL, HostReserve, spare_budget
 from memckpt.state import TrainState, restore_allocations
-from memckpt.store import own_dir, scan
+from memckpt.store import invalidate, own_dir, scan
 from memckpt.transport import StoreConnection
 
 RETRIES = 5  # tries per replica holder before the replication fails
@@ -248,6 +249,12 @@ class WorkerContext:
             finally:
                 POOL.clear()  # what the restore did not take
             self.restore_seconds["fetch_and_load_s"] = time.perf_counter() - t0
+            # Where the state really came from: the plan's first source, unless that copy
+            # failed its check and a later one served (see _load).
+            self.spec.coordinator.log_event.remote("restored", {
+                "rank": self.rank, "gen": self.generation, "step": step,
+                "source": self.restore_source,
+                "seconds": round(self.restore_seconds["fetch_and_load_s"], 4)})
             self.ckpt.engine.discard_newer(step)
             self.ckpt.engine.set_committed(step)
         if instr is not None and step in self.ckpt.engine.steps():
@@ -278,29 +285,40 @@ class WorkerContext:
                     # this rank's own slot: read it through the engine's mapping, which the
                     # next snapshot reuses (a second mapping would fault every page again)
                     source = f"local:{self.ckpt.directory}"
-                    with self.ckpt.engine.reading(instr.step) as shard:
-                        step = self.ckpt.load_shard(state, shard, source)
+                    try:
+                        with self.ckpt.engine.reading(instr.step, verify=False) as shard:
+                            step = self._load_verifying(state, shard, source)
+                    except ChecksumError:
+                        self.ckpt.engine.discard_step(instr.step)  # never restored or sent on
+                        raise
                     self.restore_source = source
                     return step
                 if node == self.node_id:  # same node, a replica: read the shm file
                     path = self._local_path(instr.step)
                     region = RamRegion.open(path)
                     source = f"local:{path}"
-                    shard = fmt.open_shard(region.array, source)
-                else:  # a peer's store streams it over TCP into this rank's own slot
-                    source = f"peer:{node}"
-                    t0 = time.perf_counter()
-                    conn = StoreConnection(ray.get(self.spec.stores[node].address.remote()))
-                    t1 = time.perf_counter()
                     try:
-                        shard = self.ckpt.engine.install(
-                            instr.step, lambda into: self._fetch(conn, instr.step, into),
-                            source)  # verified
-                        # install = slot allocation + fetch (timed in _fetch) + verification
-                        self.restore_seconds.update(connect_s=t1 - t0,
-                                                    install_s=time.perf_counter() - t1)
-                    finally:
-                        conn.close()
+                        step = self._load_verifying(
+                            state, fmt.open_shard(region.array, source, verify=False), source)
+                    except ChecksumError:
+                        invalidate(path)  # never restored or served again
+                        raise
+                    self.restore_source = source
+                    return step
+                # a peer's store streams it over TCP into this rank's own slot (verified)
+                source = f"peer:{node}"
+                t0 = time.perf_counter()
+                conn = StoreConnection(ray.get(self.spec.stores[node].address.remote()))
+                t1 = time.perf_counter()
+                try:
+                    shard = self.ckpt.engine.install(
+                        instr.step, lambda into: self._fetch(conn, instr.step, into),
+                        source)  # verified
+                    # install = slot allocation + fetch (timed in _fetch) + verification
+                    self.restore_seconds.update(connect_s=t1 - t0,
+                                                install_s=time.perf_counter() - t1)
+                finally:
+                    conn.close()
                 step = self.ckpt.load_shard(state, shard, source)
                 self.restore_source = source
                 return step
@@ -308,6 +326,20 @@ class WorkerContext:
                 errors.append(f"{node[:12]}: {e}")
         raise NoSnapshotError(f"rank {self.rank}: no source could provide step {instr.step}: "
                               + "; ".join(errors))
+
+    def _load_verifying(self, state: TrainState, shard: fmt.Shard, source: str) -> int:
+        """Load ``shard`` into ``state`` while a second thread checks its data checksum
+        (xxh3 releases the GIL, so the two overlap). A mismatch raises
+        :class:`ChecksumError` once the load is done: the caller then loads the next
+        source over everything, and training never starts from the corrupt bytes."""
+        check = cf.ThreadPoolExecutor(1, thread_name_prefix="memckpt-verify")
+        verified = check.submit(fmt.verify_data, shard, source)
+        try:
+            step = self.ckpt.load_shard(state, shard, source)
+        finally:
+            check.shutdown(wait=True)
+        verified.result()
+        return step
 
     def _fetch(self, conn: StoreConnection, step: int, into: Callable[[int], np.ndarray]
                ) -> np.ndarray:

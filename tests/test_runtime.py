@@ -94,6 +94,29 @@ def test_node_loss_restores_from_peer_replica(full_cluster, reference, tmp_path)
     assert rec["phases_s"]["detect"] < 3.0
 
 
+def test_corrupt_local_snapshot_falls_back_to_the_peer_replica(full_cluster, reference, tmp_path):
+    """Rank 1's own copy of the step the job resumes at has a flipped byte when the rank is
+    killed: its restore finds the local copy corrupt and streams its replica from the
+    holder instead; the run still matches the reference exactly."""
+    import ray
+
+    import _corrupt_job
+    ray.cloudpickle.register_pickle_by_value(_corrupt_job)  # the workers cannot import tests/
+    job = _corrupt_job.CorruptOwnSlotThenDie(JOB, at_step=KILL_AT)
+    inj = FaultInjector().kill_worker(rank=1, at_step=KILL_AT)
+    result = memckpt.run(job, config("corrupt-local"), run_dir=tmp_path, injector=inj,
+                         quiet=True)
+    assert_same_run(result, reference)
+    (rec,) = result["recoveries"]
+    assert rec["died_ranks"] == [1] and rec["resumed_step"] == KILL_AT - 1
+    assert rec["sources"]["1"] == "local"  # the plan: the rank's own node holds the step
+    # where the state came from: rank 1 from the holder (its own copy failed the check),
+    # the others from their own slots
+    restored = {e["rank"]: e for e in events(tmp_path) if e["event"] == "restored"}
+    assert restored[1]["source"].startswith("peer:") and restored[1]["step"] == KILL_AT - 1
+    assert all(restored[r]["source"].startswith("local:") for r in (0, 2)), restored
+
+
 @pytest.mark.chaos
 def test_two_failures_on_different_nodes(full_cluster, reference, tmp_path):
     inj = (FaultInjector(node_killer=full_cluster.remove_node)

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memckpt
-from memckpt.errors import ChecksumError, StateError
+from memckpt.errors import ChecksumError, NoSnapshotError, StateError
 from memckpt.snapshot import verify_slot
 
 
@@ -278,6 +278,26 @@ def _two_snapshots(ram_root, policy):
         assert ckpt.step(state, s)
         ckpt.wait()  # sealed: the next snapshot does not have to wait for it
     return model, opt, state, ckpt
+
+
+def test_a_discarded_step_is_never_read_again_and_its_slot_is_taken_next(ram_root):
+    """What a restore does with its own snapshot that failed the checksum: discard it."""
+    from memckpt.store import scan
+    model, opt, state, ckpt = _two_snapshots(ram_root, "wait")
+    newest = next(sl for sl in ckpt.engine.slots if sl.step == 2)
+    ckpt.engine.discard_step(2)
+    assert ckpt.engine.steps() == [1]
+    with pytest.raises(NoSnapshotError):
+        with ckpt.engine.reading(2):
+            pass
+    # flagged in the file too: a store scanning the node lists only step 1
+    assert {s for steps in scan(ckpt.directory.parent).values() for s in steps} == {1}
+    _train(model, opt, 3)
+    assert ckpt.step(state, 3)
+    ckpt.wait()
+    assert newest.step == 3  # the discarded slot is overwritten, step 1 is kept
+    assert ckpt.engine.steps() == [3, 1]
+    ckpt.close(unlink=True)
 
 
 def test_fall_behind_skip_while_a_reader_pins_the_other_slot(ram_root):
