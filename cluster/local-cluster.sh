@@ -2,7 +2,7 @@
 # A multi-node Ray cluster on one machine, for drills: each node is a real raylet with
 # its own workers and object store. The head runs no training and serves the dashboard
 # (job submission) on http://127.0.0.1:8265. Health checks are tightened so a killed
-# node is declared dead in ~1.5 s.
+# node is declared dead in under 1 s.
 #
 #   cluster/local-cluster.sh start [NODES] [CPUS_PER_NODE]   # default 3 nodes x 2 CPUs
 #   cluster/local-cluster.sh status

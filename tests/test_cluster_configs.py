@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 from pathlib import Path
 
 import yaml
+
+from memckpt.localcluster import FAST_HEALTH_CHECKS
 
 ROOT = Path(__file__).resolve().parents[1] / "cluster"
 
@@ -17,7 +21,8 @@ def test_ray_cluster_launcher_yaml():
     setup = " ".join(cfg["setup_commands"])
     assert "torch==2.13.0" in setup and setup.index("torch==2.13.0") < setup.index("memckpt")
     head = " ".join(cfg["head_start_ray_commands"])
-    assert "health_check_period_ms" in head and "--num-cpus=0" in head
+    assert "--num-cpus=0" in head
+    assert json.loads(re.search(r"--system-config='([^']*)'", head).group(1)) == FAST_HEALTH_CHECKS
 
 
 def test_kuberay_rayjob_yaml():
@@ -31,7 +36,14 @@ def test_kuberay_rayjob_yaml():
     volumes = workers["template"]["spec"]["volumes"]
     assert any(v["name"] == "dshm" and v["emptyDir"]["medium"] == "Memory" for v in volumes)
     head = spec["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]
-    assert head["num-cpus"] == "0" and "health_check_period_ms" in head["system-config"]
+    assert head["num-cpus"] == "0"
+    assert json.loads(head["system-config"]) == FAST_HEALTH_CHECKS  # the same as LocalCluster's
+
+
+def test_the_guide_recommends_the_same_health_checks():
+    guide = (ROOT / "README.md").read_text()
+    quoted = re.search(r"--system-config='([^']*)'", guide).group(1)
+    assert json.loads(quoted) == FAST_HEALTH_CHECKS
 
 
 def test_local_cluster_script_usage():
