@@ -809,11 +809,17 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
 
 
 def _path_rows(paths: list) -> list[dict[str, Any]]:
-    """The transfer-path rows: each path's median against the raw TCP medians measured in
-    the same calls (both ways at once for replication, one way for a fetch)."""
+    """The transfer-path rows: each path against raw TCP measured in the same call (both
+    ways at once for replication, one way for a fetch). The ratio is the median over calls
+    of each call's own ratio, so a raw transfer slowed by a passing load in one call does
+    not set the figure for all of them."""
     if not paths:
         return []
     nbytes = paths[0]["bytes"]
+
+    def listed(value: Any) -> list:
+        return value if isinstance(value, list) else [value]
+
     rows = []
     for method, key, raw_key, note in (
             ("memckpt-replication-path", "replicate_s", "raw_2way_s",
@@ -825,17 +831,16 @@ def _path_rows(paths: list) -> list[dict[str, Any]]:
              "nothing else running: a shard fetched from a peer's store into a preallocated "
              "buffer (a restore verifies it afterwards); vs one raw TCP transfer in the same "
              "call")):
-        vals = [t for p in paths for t in (p[key] if isinstance(p[key], list) else [p[key]])]
-        raws = [t for p in paths for t in (p[raw_key] if isinstance(p[raw_key], list)
-                                          else [p[raw_key]])]
+        vals = [t for p in paths for t in listed(p[key])]
+        raws = [t for p in paths for t in listed(p[raw_key])]
         med, raw = _med(vals), _med(raws)
+        ratio = _med([median(listed(p[raw_key])) / median(listed(p[key])) for p in paths])
         rows.append({
             "benchmark": "transfer", "method": method, "state_bytes": nbytes, "median_s": med,
             "samples_s": vals, "raw_s": raws, "raw_median_s": raw,
             "phases_s": {"replicate" if key == "replicate_s" else "fetch": med},
             "throughput_Bps": nbytes / med if med else None,
-            "ratio_to_raw": raw / med if med and raw else None,
-            "foreign_cpu": _max_foreign(paths), "note": note,
+            "ratio_to_raw": ratio, "foreign_cpu": _max_foreign(paths), "note": note,
         })
     return rows
 
