@@ -197,7 +197,3 @@ class PathClient:
         if len(got) != len(self.region):
             raise RuntimeError(f"fetched {len(got)} bytes, expected {len(self.region)}")
         return elapsed
-
-    def close(self) -> None:
-        for conn in self._conns.values():
-            conn.close()
