@@ -9,17 +9,19 @@ hard-killed node is declared dead in under 1 s instead of Ray's default ~30 s.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from contextlib import contextmanager
+from types import MappingProxyType
 from typing import Iterator, Optional
 
 # A dead raylet refuses the check at once: declared dead after ~threshold x period (0.8 s).
 # A live raylet that stalls is declared dead only after ~threshold x (period + timeout)
 # (2.8 s) without answering; the cluster configs in cluster/ use the same values.
-FAST_HEALTH_CHECKS = {
-    "health_check_period_ms": 200,
+FAST_HEALTH_CHECKS: Mapping[str, int] = MappingProxyType({  # read-only: Ray adds to
+    "health_check_period_ms": 200,                        # the dict it is given
     "health_check_failure_threshold": 4,
     "health_check_timeout_ms": 500,
-}
+})
 
 
 class LocalCluster:
@@ -37,7 +39,7 @@ class LocalCluster:
         self.object_store_mb = object_store_mb
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
             num_cpus=0, object_store_memory=object_store_mb << 20, include_dashboard=dashboard,
-            dashboard_host="127.0.0.1", _system_config=FAST_HEALTH_CHECKS))
+            dashboard_host="127.0.0.1", _system_config=dict(FAST_HEALTH_CHECKS)))
         self.nodes = {}
         for _ in range(nodes):
             self.add_node()

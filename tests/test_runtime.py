@@ -169,6 +169,15 @@ def test_store_killed(full_cluster, reference, tmp_path):
     assert_same_run(result, reference)
 
 
+def test_starting_a_cluster_leaves_the_shared_health_checks_alone(cluster):
+    """Ray adds its spilling settings to the _system_config dict it is given; the shared
+    constant must not collect them (nor pass one session's spill folder to the next)."""
+    from memckpt.localcluster import FAST_HEALTH_CHECKS
+    assert dict(FAST_HEALTH_CHECKS) == {"health_check_period_ms": 200,
+                                        "health_check_failure_threshold": 4,
+                                        "health_check_timeout_ms": 500}
+
+
 def test_placement_needs_enough_nodes(full_cluster, tmp_path):
     cfg = memckpt.Config(job_name="too-big",
                          workers=memckpt.WorkersConfig(num_workers=4, cpus_per_worker=1),
