@@ -22,7 +22,7 @@ import os
 import struct
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import psutil
@@ -61,6 +61,20 @@ def scan(directory: Path) -> dict[int, dict[int, Path]]:
             if step is not None:
                 out.setdefault(rank, {})[step] = rank_dir / name
     return out
+
+
+def held(node_root: Path) -> Iterator[tuple[int, int, Path]]:
+    """(rank, step, file) of every complete shard a node holds: its own ranks' slots
+    (``own/``) and the replicas placement gave it (``replicas/``)."""
+    for sub in ("own", "replicas"):
+        for rank, steps in scan(node_root / sub).items():
+            for step, path in steps.items():
+                yield rank, step, path
+
+
+def find(node_root: Path, rank: int, step: int) -> Optional[Path]:
+    """The file holding ``rank``'s shard of ``step`` on this node, if any."""
+    return next((p for r, s, p in held(node_root) if (r, s) == (rank, step)), None)
 
 
 def peek_step(path: Path) -> Optional[int]:
@@ -222,23 +236,20 @@ class ReplicaStore:
     def inventory(self) -> dict[int, list[int]]:
         """rank -> steps held on this node (own slots and replicas), complete ones only."""
         out: dict[int, set[int]] = {}
-        for directory in (self.own, self.replicas):
-            for rank, steps in scan(directory).items():
-                out.setdefault(rank, set()).update(steps)
+        for rank, step, _ in held(self.root):
+            out.setdefault(rank, set()).add(step)
         return {r: sorted(s) for r, s in out.items()}
 
     def largest_shard(self) -> Optional[tuple[int, list, int]]:
         """(file bytes, tensor table, data bytes) of the largest complete shard this node
         holds, own or replica: what a spare prepares a restore for (``Worker.prefault``)."""
-        held = []
-        for directory in (self.own, self.replicas):
-            for steps in scan(directory).values():
-                for path in steps.values():
-                    try:
-                        held.append((path.stat().st_size, path))
-                    except OSError:
-                        pass  # replaced meanwhile
-        for size, path in sorted(held, reverse=True):
+        sized = []
+        for _, _, path in held(self.root):
+            try:
+                sized.append((path.stat().st_size, path))
+            except OSError:
+                pass  # replaced meanwhile
+        for size, path in sorted(sized, reverse=True):
             try:
                 region = RamRegion.open(path, populate=False)
                 try:
@@ -251,11 +262,11 @@ class ReplicaStore:
         return None
 
     def locate(self, rank: int, step: int) -> Path:
-        for directory in (self.own, self.replicas):
-            path = scan(directory).get(rank, {}).get(step)
-            if path is not None:
-                return path
-        raise NoSnapshotError(f"node {self.node_id[:12]} holds no shard of rank {rank} at step {step}")
+        path = find(self.root, rank, step)
+        if path is None:
+            raise NoSnapshotError(f"node {self.node_id[:12]} holds no shard of rank {rank} at "
+                                  f"step {step}")
+        return path
 
     def read(self, rank: int, step: int) -> np.ndarray:
         """The verified bytes of ``rank``'s shard at ``step`` (a Ray call; restores stream
@@ -272,12 +283,10 @@ class ReplicaStore:
     def discard_after(self, step: int) -> int:
         """Invalidate every held shard newer than ``step`` (after a rollback). Returns count."""
         n = 0
-        for directory in (self.own, self.replicas):
-            for steps in scan(directory).values():
-                for s, path in steps.items():
-                    if s > step:
-                        invalidate(path)
-                        n += 1
+        for _, s, path in held(self.root):
+            if s > step:
+                invalidate(path)
+                n += 1
         return n
 
     def memory(self) -> dict[str, int]:

@@ -44,7 +44,7 @@ from memckpt.faults import SIGNALS, STEADY_WAIT_S
 from memckpt.persister import Persister
 from memckpt.populate import MIN_BYTES, POOL, HostReserve, spare_budget
 from memckpt.state import TrainState, restore_allocations
-from memckpt.store import invalidate, own_dir, scan
+from memckpt.store import find, invalidate, node_dir, own_dir
 from memckpt.transport import StoreConnection
 
 RETRIES = 5  # tries per replica holder before the replication fails
@@ -285,26 +285,14 @@ class WorkerContext:
                     # this rank's own slot: read it through the engine's mapping, which the
                     # next snapshot reuses (a second mapping would fault every page again)
                     source = f"local:{self.ckpt.directory}"
-                    try:
-                        with self.ckpt.engine.reading(instr.step, verify=False) as shard:
-                            step = self._load_verifying(state, shard, source)
-                    except ChecksumError:
-                        self.ckpt.engine.discard_step(instr.step)  # never restored or sent on
-                        raise
-                    self.restore_source = source
-                    return step
+                    with self.ckpt.engine.reading(instr.step, verify=False) as shard:
+                        return self._load_verifying(
+                            state, shard, source, lambda: self.ckpt.engine.discard_step(instr.step))
                 if node == self.node_id:  # same node, a replica: read the shm file
                     path = self._local_path(instr.step)
-                    region = RamRegion.open(path)
                     source = f"local:{path}"
-                    try:
-                        step = self._load_verifying(
-                            state, fmt.open_shard(region.array, source, verify=False), source)
-                    except ChecksumError:
-                        invalidate(path)  # never restored or served again
-                        raise
-                    self.restore_source = source
-                    return step
+                    shard = fmt.open_shard(RamRegion.open(path).array, source, verify=False)
+                    return self._load_verifying(state, shard, source, lambda: invalidate(path))
                 # a peer's store streams it over TCP into this rank's own slot (verified)
                 source = f"peer:{node}"
                 t0 = time.perf_counter()
@@ -327,18 +315,25 @@ class WorkerContext:
         raise NoSnapshotError(f"rank {self.rank}: no source could provide step {instr.step}: "
                               + "; ".join(errors))
 
-    def _load_verifying(self, state: TrainState, shard: fmt.Shard, source: str) -> int:
-        """Load ``shard`` into ``state`` while a second thread checks its data checksum
-        (xxh3 releases the GIL, so the two overlap). A mismatch raises
-        :class:`ChecksumError` once the load is done: the caller then loads the next
-        source over everything, and training never starts from the corrupt bytes."""
+    def _load_verifying(self, state: TrainState, shard: fmt.Shard, source: str,
+                        discard: Callable[[], None]) -> int:
+        """Load a local ``shard`` into ``state`` while a second thread checks its data
+        checksum (xxh3 releases the GIL, so the two overlap). A mismatch calls ``discard``
+        (the copy is never restored or sent on again) and raises :class:`ChecksumError`
+        once the load is done: the caller then loads the next source over everything, and
+        training never starts from the corrupt bytes."""
         check = cf.ThreadPoolExecutor(1, thread_name_prefix="memckpt-verify")
         verified = check.submit(fmt.verify_data, shard, source)
         try:
             step = self.ckpt.load_shard(state, shard, source)
         finally:
             check.shutdown(wait=True)
-        verified.result()
+        try:
+            verified.result()
+        except ChecksumError:
+            discard()
+            raise
+        self.restore_source = source
         return step
 
     def _fetch(self, conn: StoreConnection, step: int, into: Callable[[int], np.ndarray]
@@ -370,12 +365,10 @@ class WorkerContext:
         return self.ckpt.load_shard(state, fmt.open_shard(region, source), source)
 
     def _local_path(self, step: int) -> Path:
-        node_root = own_dir(self._ram_root, self.config.job_name, self.node_id).parent
-        for sub in ("own", "replicas"):
-            path = scan(node_root / sub).get(self.rank, {}).get(step)
-            if path is not None:
-                return path
-        raise NoSnapshotError(f"this node holds no shard of rank {self.rank} at step {step}")
+        path = find(node_dir(self._ram_root, self.config.job_name, self.node_id), self.rank, step)
+        if path is None:
+            raise NoSnapshotError(f"this node holds no shard of rank {self.rank} at step {step}")
+        return path
 
     def restore_allocations(self) -> list:
         """What a restore of this rank's newest snapshot creates (see :data:`POOL`); none

@@ -414,7 +414,7 @@ class _Bench:
                  f"{', '.join(f'{t:.2f}' for t in raw_2way)} s); fetch {fetch:.2f} s (raw "
                  f"{raw_1way:.2f} s)")
         return {"bytes": nbytes, "replicate_s": steady, "first_rounds_s": rounds[:PATH_STEADY_FROM - 1],
-                "raw_2way_s": raw_2way, "fetch_s": fetch, "raw_1way_s": raw_1way}
+                "raw_2way_s": raw_2way, "fetch_s": [fetch], "raw_1way_s": [raw_1way]}
 
     # -- the alternative ----------------------------------------------------------------------
     def restart_baseline(self, rep: int, worker: type = ColdWorker) -> dict[str, Any]:
@@ -816,10 +816,6 @@ def _path_rows(paths: list) -> list[dict[str, Any]]:
     if not paths:
         return []
     nbytes = paths[0]["bytes"]
-
-    def listed(value: Any) -> list:
-        return value if isinstance(value, list) else [value]
-
     rows = []
     for method, key, raw_key, note in (
             ("memckpt-replication-path", "replicate_s", "raw_2way_s",
@@ -831,10 +827,10 @@ def _path_rows(paths: list) -> list[dict[str, Any]]:
              "nothing else running: a shard fetched from a peer's store into a preallocated "
              "buffer (a restore verifies it afterwards); vs one raw TCP transfer in the same "
              "call")):
-        vals = [t for p in paths for t in listed(p[key])]
-        raws = [t for p in paths for t in listed(p[raw_key])]
+        vals = [t for p in paths for t in p[key]]
+        raws = [t for p in paths for t in p[raw_key]]
         med, raw = _med(vals), _med(raws)
-        ratio = _med([median(listed(p[raw_key])) / median(listed(p[key])) for p in paths])
+        ratio = _med([median(p[raw_key]) / median(p[key]) for p in paths])
         rows.append({
             "benchmark": "transfer", "method": method, "state_bytes": nbytes, "median_s": med,
             "samples_s": vals, "raw_s": raws, "raw_median_s": raw,
