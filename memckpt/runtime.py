@@ -645,6 +645,10 @@ class Runtime:
             "losses": losses, "final_digest": digest,
             "rank_digests": [r["digest"] for r in results], "recoveries": self.recoveries,
             "faults": self.injector.fired, "results": [r["result"] for r in results],
+            # the last generation's replica traffic: bytes sent, and bytes holders filled
+            # from copies on their own node instead (DDP's identical parameters)
+            "replication": {str(r["rank"]): r["replication"] for r in results
+                            if "replication" in r},
             "committed": prog["committed"], "seconds": time.time() - t_start,
             "stopped_at": stopped_at,
             "persisted": self.ray.get(self.coordinator.persisted.remote()),

@@ -10,6 +10,10 @@ It keeps two kinds of shards, all in shared-memory files under
   verified against their checksum before they are acknowledged. Bytes land in
   the store's own memory: an object put by a worker dies with the worker.
 
+A replica's data chunks that the node already holds at the same step (DDP keeps
+parameters identical on every rank, so a holder's own rank has the same bytes) are
+copied locally instead of received: see :meth:`ReplicaStore.fill_local`.
+
 Because everything lives in files, a restarted store process adopts what the
 previous one held. Replica slots per rank: receiving step t overwrites the slot
 already holding t, else the older slot; the runtime only sends t+1 once t is
@@ -18,14 +22,17 @@ committed, so the newest committed copy is never overwritten.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import psutil
+import xxhash
 
 from memckpt import shard as fmt
 from memckpt.buffers import RamRegion, remove_path, resolve_ram_root
@@ -35,6 +42,13 @@ from memckpt.errors import (ChecksumError, MemckptError, NoSnapshotError, Placem
 
 SLOTS = ("slot0.shard", "slot1.shard")
 RAM_HEADROOM = 256 << 20  # keep this much RAM free for the node's other processes
+# How long a holder waits for its own ranks to seal the step a replica arrives for (they
+# finish the same step at about the same time) before it takes every byte over the wire.
+FILL_WAIT_S = 0.25
+FILL_POLL_S = 0.002
+FILL_WAIT_BACKOFF = 20  # after a wait found nothing: puts of that rank that do not wait
+
+log = logging.getLogger(__name__)
 
 
 def node_dir(ram_root: Path, job: str, node_id: str) -> Path:
@@ -78,20 +92,40 @@ def find(node_root: Path, rank: int, step: int) -> Optional[Path]:
 
 
 def peek_step(path: Path) -> Optional[int]:
-    """Step of a complete shard file (prefix and header checked, data not), else None."""
+    """Step of a complete shard file (prefix and header checksum checked; data not, and the
+    header's JSON not parsed: stores call this for every file on every put)."""
     try:
         with open(path, "rb") as f:
             head = f.read(fmt.PREFIX.size)
             if len(head) < fmt.PREFIX.size:
                 return None
-            magic, version, state, cap, hlen, *_ = fmt.PREFIX.unpack(head)
-            if magic != fmt.MAGIC or state != fmt.STATE_COMPLETE or hlen > cap:
+            magic, version, state, cap, hlen, hsum, off, _, step = fmt.PREFIX.unpack(head)
+            if (magic != fmt.MAGIC or version != fmt.FORMAT_VERSION or state != fmt.STATE_COMPLETE
+                    or hlen > cap or off != fmt.PREFIX.size + cap):
                 return None
-            region = np.frombuffer(head + f.read(hlen), dtype=np.uint8)
-        header, _, _ = fmt.read_header(region, str(path), check_length=False)
-        return int(header["step"])
-    except (OSError, MemckptError, ValueError, KeyError):
+            blob = f.read(hlen)
+        return step if len(blob) == hlen and xxhash.xxh3_64_intdigest(blob) == hsum else None
+    except OSError:
         return None
+
+
+def _own_prefix_steps(own: Path) -> dict[str, list[int]]:
+    """Own rank folder -> steps of its slots that their 64-byte prefix calls complete (the
+    header is not checked: for polling only)."""
+    out: dict[str, list[int]] = {}
+    for rank_dir in own.glob("rank*"):
+        steps = out.setdefault(rank_dir.name, [])
+        for name in SLOTS:
+            try:
+                with open(rank_dir / name, "rb") as f:
+                    head = f.read(fmt.PREFIX.size)
+            except OSError:
+                continue
+            if len(head) == fmt.PREFIX.size:
+                magic, _, state, *_, step = fmt.PREFIX.unpack(head)
+                if magic == fmt.MAGIC and state == fmt.STATE_COMPLETE:
+                    steps.append(step)
+    return out
 
 
 def invalidate(path: Path) -> None:
@@ -118,13 +152,16 @@ class ReplicaStore:
         self._open: dict[tuple[int, int], RamRegion] = {}  # (rank, step) being received
         self.generation = -1  # writes from older generations of workers are refused
         self._server: Optional[ShardServer] = None
-        self._mapped: dict[Path, tuple[int, RamRegion]] = {}  # replica file -> (inode, mapping)
+        self._mapped: dict[Path, tuple[int, RamRegion]] = {}  # shard file -> (inode, mapping)
+        self._fill_backoff: dict[int, int] = {}  # rank -> puts left that skip the fill wait
+        self._filled: dict[tuple[int, int], tuple[fmt.Chunks, set[int]]] = {}  # checked chunks
 
     def set_generation(self, gen: int) -> None:
         """Fence off an older generation's in-flight replication (called during recovery)."""
         with self._lock:
             self.generation = max(self.generation, gen)
             self._open.clear()
+            self._filled.clear()
 
     def _fence(self, gen: int) -> None:
         if gen < self.generation:
@@ -164,7 +201,74 @@ class ReplicaStore:
             region = self._mapping(path, nbytes)
             fmt.mark_writing(region.array)
             self._open[(rank, step)] = region
+            self._filled.pop((rank, step), None)  # a fill belongs to one put
             return True
+
+    def fill_local(self, rank: int, step: int, chunks: fmt.Chunks) -> list[int]:
+        """Fill the data chunks of ``rank``'s begun replica of ``step`` that a complete shard
+        this node already holds at ``step`` has with the same checksum (another rank's own
+        slot, or another replica), by a local copy. Returns their indices: the sender skips
+        them. Each copied chunk is checksummed again before it counts (a source overwritten
+        meanwhile is just sent), and :meth:`finish` verifies the whole shard as always.
+        Never raises: a fill that fails only means more bytes on the wire."""
+        region = self._open.get((rank, step))
+        if region is None:
+            return []
+        filled: set[int] = set()
+        try:
+            dest = region.array
+            data_len = len(dest) - chunks.data_offset
+            for source in self._fill_sources(rank, step):
+                theirs = source.chunks
+                if theirs is None or theirs.chunk_bytes != chunks.chunk_bytes:
+                    continue
+                src_len = source.layout.data_len
+                for i, digest in enumerate(chunks.digests):
+                    if i in filled or i >= len(theirs.digests) or theirs.digests[i] != digest:
+                        continue
+                    at, n = chunks.span(i, data_len)
+                    src_at, src_n = theirs.span(i, src_len)
+                    if n != src_n:
+                        continue
+                    np.copyto(dest[at: at + n], source.raw[src_at: src_at + n])
+                    if xxhash.xxh3_64_hexdigest(memoryview(dest[at: at + n])) == digest:
+                        filled.add(i)
+        except (OSError, ValueError, MemckptError) as e:
+            log.info("memckpt: filling rank %d's replica of step %d locally stopped: %s",
+                     rank, step, e)
+        self._filled[(rank, step)] = (chunks, filled)  # finish() need not hash them again
+        return sorted(filled)
+
+    def _fill_sources(self, rank: int, step: int) -> list[fmt.Shard]:
+        """Complete shards of ``step`` on this node other than ``rank``'s (unverified: each
+        copied chunk is checked), after waiting up to FILL_WAIT_S for this node's own ranks
+        to seal ``step`` if they have not yet. A wait that finds nothing (an own rank that
+        died, or snapshots at other steps) is not repeated for the next FILL_WAIT_BACKOFF
+        puts of ``rank``."""
+        deadline = time.monotonic() + FILL_WAIT_S
+        may_wait = self._fill_backoff.get(rank, 0) == 0
+        self._fill_backoff[rank] = max(0, self._fill_backoff.get(rank, 0) - 1)
+        while may_wait:
+            # The prefix alone (64 bytes per slot): polling must not cost the node's CPU.
+            newest = [max(steps) for steps in _own_prefix_steps(self.own).values() if steps]
+            if not newest or min(newest) >= step:
+                break  # every own rank has sealed the step (or there is none)
+            if time.monotonic() > deadline:
+                self._fill_backoff[rank] = FILL_WAIT_BACKOFF
+                break
+            time.sleep(FILL_POLL_S)
+        paths = [p for r, s, p in held(self.root) if s == step and r != rank]
+        out = []
+        for path in paths:
+            try:
+                with self._lock:
+                    array = self._mapping(path, path.stat().st_size).array
+                shard = fmt.open_shard(array, str(path), verify=False)
+            except (OSError, MemckptError):
+                continue  # overwritten meanwhile
+            if shard.step == step:
+                out.append(shard)
+        return out
 
     def _mapping(self, path: Path, nbytes: int) -> RamRegion:
         """The replica file at ``path``, sized ``nbytes``, mapped once and kept: mapping it
@@ -227,9 +331,11 @@ class ReplicaStore:
         with self._lock:
             self._fence(gen)
             region = self._open.pop((rank, step), None)
+            verified = self._filled.pop((rank, step), None)
         if region is None:
             raise MemckptError(f"replica of rank {rank} step {step} was not begun on this store")
-        shard = fmt.accept_received(region.array, f"replica of rank {rank} step {step}", step)
+        shard = fmt.accept_received(region.array, f"replica of rank {rank} step {step}", step,
+                                    verified=verified)
         return shard.header["data_xxh3"]
 
     # -- serving ----------------------------------------------------------------------------
@@ -297,6 +403,7 @@ class ReplicaStore:
         """Free everything this node holds for the job (the job finished)."""
         with self._lock:
             self._open.clear()
+            self._filled.clear()
             self._mapped.clear()
             if self._server is not None:
                 self._server.close()

@@ -8,15 +8,22 @@ from its snapshot slot; the store ``recv_into``s it directly into the replica's
 shared-memory file, verifies the checksum and acknowledges. Control (which
 store, which generation) stays on Ray; only the bytes take this path.
 
+Before the bytes flow, the store fills the data chunks its own node already holds
+at that step (the same checksum in a shard of another rank: DDP's parameters are
+identical on every rank) with a local copy, and the sender skips them: only what
+the holder lacks crosses the network (see :meth:`memckpt.store.ReplicaStore.fill_local`).
+
 A restore after a node failure pulls a shard the same way in the other direction
 (``fetch``): the store ``sendall``s its file, the worker receives it into one
 buffer and verifies it before loading.
 
 Protocol, per shard, on a connection that carries many requests in turn::
 
-    put:   client -> {"rank", "step", "nbytes", "checksum", "gen"}   (length-prefixed JSON)
-           server -> {"ok": true, "send": bool} | {"ok": false, "error", "message"}
-           client -> nbytes raw bytes                                (only if "send")
+    put:   client -> {"rank", "step", "nbytes", "checksum", "gen",   (length-prefixed JSON)
+                      "chunks": {"data_offset", "chunk_bytes", "digests"}}
+           server -> {"ok": true, "send": bool, "filled": [chunk index, ...]}
+                   | {"ok": false, "error", "message"}
+           client -> the nbytes raw bytes but the filled chunks          (only if "send")
            server -> {"ok": true, "checksum"} | {"ok": false, "error", "message"}
     fetch: client -> {"op": "fetch", "rank", "step"}
            server -> {"ok": true, "nbytes"} + nbytes raw bytes | {"ok": false, ...}
@@ -28,7 +35,7 @@ import json
 import socket
 import struct
 import threading
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 
@@ -54,6 +61,8 @@ class Receiver(Protocol):
 
     def receive(self, rank: int, step: int, offset: int, nbytes: int,
                 fill: Callable[[memoryview], None], gen: int = -1) -> int: ...
+
+    def fill_local(self, rank: int, step: int, chunks: fmt.Chunks) -> list[int]: ...
 
     def finish(self, rank: int, step: int, gen: int = -1) -> str: ...
 
@@ -92,6 +101,52 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+
+
+def _pieces(offset: int, nbytes: int) -> Iterator[tuple[int, int]]:
+    """``offset .. offset+nbytes`` in RECV_CHUNK pieces (the receiver re-checks its
+    generation fence between pieces; the sender checks for cancellation)."""
+    for off in range(offset, offset + nbytes, RECV_CHUNK):
+        yield off, min(RECV_CHUNK, offset + nbytes - off)
+
+
+def _spans(nbytes: int, chunks: Optional[fmt.Chunks], filled: list[int]) -> list[tuple[int, int]]:
+    """(offset, length) of the parts of a shard's ``nbytes`` bytes that cross the wire:
+    everything but the ``filled`` chunks, adjacent parts merged."""
+    if chunks is None or not filled:
+        return [(0, nbytes)]
+    out: list[tuple[int, int]] = []
+    pos = 0
+    for index in sorted(set(filled)):
+        if not 0 <= index < len(chunks.digests):
+            continue
+        start, length = chunks.span(index, nbytes - chunks.data_offset)
+        if start > pos:
+            out.append((pos, start - pos))
+        pos = max(pos, start + length)
+    if pos < nbytes:
+        out.append((pos, nbytes - pos))
+    return out
+
+
+def _chunks_msg(chunks: Optional[fmt.Chunks]) -> Optional[dict[str, Any]]:
+    return None if chunks is None else {"data_offset": chunks.data_offset,
+                                        "chunk_bytes": chunks.chunk_bytes,
+                                        "digests": list(chunks.digests)}
+
+
+def _chunks_of(msg: Any, nbytes: int) -> Optional[fmt.Chunks]:
+    """The chunk table of a put request, if it sent a usable one."""
+    try:
+        chunks = fmt.Chunks(int(msg["data_offset"]), int(msg["chunk_bytes"]),
+                            tuple(str(d) for d in msg["digests"]))
+    except (TypeError, KeyError, ValueError):
+        return None
+    data_len = nbytes - chunks.data_offset
+    if (chunks.chunk_bytes <= 0 or not 0 <= chunks.data_offset <= nbytes
+            or len(chunks.digests) != -(-data_len // chunks.chunk_bytes)):
+        return None
+    return chunks
 
 
 def _refusal(e: MemckptError) -> dict[str, Any]:
@@ -157,21 +212,22 @@ class ShardServer:
             wanted = self.store.begin(rank, step, nbytes, req["checksum"], gen)
         except MemckptError as e:
             return send_msg(conn, _refusal(e))
-        send_msg(conn, {"ok": True, "send": wanted})
+        chunks = _chunks_of(req.get("chunks"), nbytes)
+        filled = self.store.fill_local(rank, step, chunks) if wanted and chunks else []
+        send_msg(conn, {"ok": True, "send": wanted, "filled": filled})
         if wanted:
-            send_msg(conn, self._receive(conn, rank, step, nbytes, gen))
+            send_msg(conn, self._receive(conn, rank, step, _spans(nbytes, chunks, filled), gen))
 
-    def _receive(self, conn: socket.socket, rank: int, step: int, nbytes: int,
+    def _receive(self, conn: socket.socket, rank: int, step: int, spans: list[tuple[int, int]],
                  gen: int) -> dict[str, Any]:
         error: Optional[MemckptError] = None
-        for off in range(0, nbytes, RECV_CHUNK):
-            n = min(RECV_CHUNK, nbytes - off)
+        for off, n in (piece for span in spans for piece in _pieces(*span)):
             if error is not None:  # keep the stream in step: read and drop the rest
                 _recv_into(conn, memoryview(bytearray(n)))
                 continue
             try:
                 self.store.receive(rank, step, off, n, lambda view: _recv_into(conn, view), gen)
-            except MemckptError as e:  # refused before reading: drop this chunk, then the rest
+            except MemckptError as e:  # refused before reading: drop this piece, then the rest
                 error = e
                 _recv_into(conn, memoryview(bytearray(n)))
         if error is None:
@@ -200,23 +256,29 @@ class StoreConnection:
         _tune(self._sock)
 
     def send(self, rank: int, step: int, raw: np.ndarray, checksum: str, gen: int,
-             cancelled: Callable[[], bool] = lambda: False) -> bool:
-        """Stream ``raw``; True if sent, False if the store already held this exact shard.
-        Raises the store's error (checksum mismatch, stale generation, no RAM) or OSError."""
+             cancelled: Callable[[], bool] = lambda: False,
+             chunks: Optional[fmt.Chunks] = None) -> int:
+        """Stream ``raw``, but for the data chunks (``chunks``: the shard's chunk table) the
+        store fills from what its node holds. Returns the bytes sent: 0 if the store
+        already held this exact shard. Raises the store's error (checksum mismatch, stale
+        generation, no RAM) or OSError."""
         send_msg(self._sock, {"rank": rank, "step": step, "nbytes": len(raw),
-                              "checksum": checksum, "gen": gen})
+                              "checksum": checksum, "gen": gen, "chunks": _chunks_msg(chunks)})
         go = recv_msg(self._sock)
         _raise_from(go)
         if not go["send"]:
-            return False
+            return 0
         view = memoryview(raw).cast("B")
-        for off in range(0, len(view), RECV_CHUNK):
-            if cancelled():
-                self.close()  # the store drops the half-received slot
-                raise ConnectionError("replication cancelled")
-            self._sock.sendall(view[off: off + RECV_CHUNK])
+        sent = 0
+        for span in _spans(len(view), chunks, [int(i) for i in go.get("filled", ())]):
+            for off, n in _pieces(*span):
+                if cancelled():
+                    self.close()  # the store drops the half-received slot
+                    raise ConnectionError("replication cancelled")
+                self._sock.sendall(view[off: off + n])
+                sent += n
         _raise_from(recv_msg(self._sock))
-        return True
+        return sent
 
     def fetch(self, rank: int, step: int,
               into: Optional[Callable[[int], np.ndarray]] = None) -> np.ndarray:

@@ -80,6 +80,7 @@ class Replicator:
         self.queue: "queue.Queue[Optional[int]]" = queue.Queue()
         self.error: Optional[BaseException] = None
         self.bytes_sent = 0
+        self.bytes_filled = 0  # replica bytes holders copied from their own node instead
         self.last_seconds = 0.0
         self.cancelled = False
         self.on_committed: Optional[Callable[[int, Optional[str]], None]] = None
@@ -116,9 +117,8 @@ class Replicator:
         spec = self.spec
         t0 = time.perf_counter()
         with self.ckpt.engine.reading(step, verify=False) as shard:
-            raw, digest = shard.raw, shard.header["data_xxh3"]
             for node in spec.holders:
-                self._send(ray, node, step, raw, digest)
+                self._send(ray, node, step, shard)
         self.last_seconds = time.perf_counter() - t0
         committed, persist, action = ray.get(spec.coordinator.shard_ready.remote(
             spec.rank, spec.gen, step, list(spec.holders)))
@@ -132,8 +132,9 @@ class Replicator:
             # Called before the next step can commit, so this step's slot is still in RAM.
             self.on_committed(step, action if persist == step else None)
 
-    def _send(self, ray, node: str, step: int, raw: np.ndarray, digest: str) -> None:
-        """Stream the shard to ``node``'s store over this rank's connection to it."""
+    def _send(self, ray, node: str, step: int, shard: fmt.Shard) -> None:
+        """Stream the shard to ``node``'s store over this rank's connection to it (but the
+        chunks that store fills from its own node's copies)."""
         rank, store = self.spec.rank, self.spec.stores[node]
         for attempt in range(RETRIES):  # a restarting store comes back within seconds
             try:
@@ -141,8 +142,10 @@ class Replicator:
                 if sender is None:
                     sender = StoreConnection(ray.get(store.address.remote()))
                     self._senders[node] = sender
-                if sender.send(rank, step, raw, digest, self.spec.gen, lambda: self.cancelled):
-                    self.bytes_sent += len(raw)
+                sent = sender.send(rank, step, shard.raw, shard.header["data_xxh3"], self.spec.gen,
+                                   lambda: self.cancelled, shard.chunks)
+                self.bytes_sent += sent
+                self.bytes_filled += len(shard.raw) - sent if sent else 0
                 return
             except (OSError, ray.exceptions.RayActorError) as e:
                 self._drop(node)
@@ -397,7 +400,8 @@ class WorkerContext:
         report.update(stall_s=stall, replicate_s=self.replicator.last_seconds,
                       committed=float(self.ckpt.engine.committed or 0),
                       skipped=float(stats.skipped), waited_s=stats.waited_s,
-                      replicated_bytes=float(self.replicator.bytes_sent))
+                      replicated_bytes=float(self.replicator.bytes_sent),
+                      replica_filled_bytes=float(self.replicator.bytes_filled))
         self.spec.coordinator.report.remote(self.rank, self.generation, step, report)
 
     def _maybe_fault(self, step: int) -> None:
@@ -598,7 +602,9 @@ class Worker:
             self.ctx.finish()
             return {"rank": spec.rank, "digest": self.ctx.digest(), "result": result,
                     "restore": self.ctx.restore_seconds,
-                    "source": getattr(self.ctx, "restore_source", None)}
+                    "source": getattr(self.ctx, "restore_source", None),
+                    "replication": {"sent_bytes": self.ctx.replicator.bytes_sent,
+                                    "filled_bytes": self.ctx.replicator.bytes_filled}}
         finally:
             self._running.clear()
             if self.ctx is not None:

@@ -36,3 +36,24 @@ def full_cluster(cluster):
     while len(cluster.nodes) < 3:
         cluster.add_node()
     return cluster
+
+
+STORE_JOB, STORE_NODE = "t", "nodeA"
+
+
+@pytest.fixture
+def store(ram_root):
+    """A real ReplicaStore (no Ray) for job STORE_JOB on node STORE_NODE, cleared after."""
+    from memckpt.store import ReplicaStore
+    s = ReplicaStore(ram_root=ram_root, job=STORE_JOB, node_id=STORE_NODE)
+    yield s
+    s.clear()
+
+
+@pytest.fixture
+def sender(store):
+    """A worker's TCP connection into ``store`` (memckpt.transport)."""
+    from memckpt.transport import StoreConnection
+    snd = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
+    yield snd
+    snd.close()

@@ -15,15 +15,9 @@ import memckpt
 from memckpt import shard as fmt
 from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError, PlacementError
 from memckpt.store import SLOTS, ReplicaStore, StaleGenerationError, node_dir, own_dir
+from conftest import STORE_JOB as JOB, STORE_NODE as NODE
 
 from _shards import _snapshot, _train_state, shards  # noqa: F401 (fixture)
-
-JOB, NODE = "t", "nodeA"
-
-
-@pytest.fixture
-def store(ram_root):
-    return ReplicaStore(ram_root=ram_root, job=JOB, node_id=NODE)
 
 
 def _chunks(raw: np.ndarray, n: int = 5) -> list[tuple[int, np.ndarray]]:

@@ -21,23 +21,6 @@ from memckpt.store import ReplicaStore, scan
 from memckpt.transport import StoreConnection, send_msg
 from _shards import _train_state, shards  # noqa: F401 (fixture)
 
-JOB, NODE = "t", "nodeA"
-
-
-@pytest.fixture
-def store(ram_root):
-    s = ReplicaStore(ram_root=ram_root, job=JOB, node_id=NODE)
-    yield s
-    s.clear()
-
-
-@pytest.fixture
-def sender(store):
-    snd = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
-    yield snd
-    snd.close()
-
-
 def _held(store: ReplicaStore, rank: int, step: int) -> np.ndarray:
     path = scan(store.replicas)[rank][step]
     return np.fromfile(path, dtype=np.uint8)
@@ -46,7 +29,7 @@ def _held(store: ReplicaStore, rank: int, step: int) -> np.ndarray:
 def test_streamed_shard_lands_verified_and_byte_identical(store, sender, shards):
     for step in (1, 2):
         raw, digest = shards[step]
-        assert sender.send(0, step, raw, digest, gen=0) is True
+        assert sender.send(0, step, raw, digest, gen=0) == len(raw)
         held = _held(store, 0, step)
         assert np.array_equal(held, raw)
         assert fmt.open_shard(held, "held", verify=True).step == step
@@ -55,9 +38,9 @@ def test_streamed_shard_lands_verified_and_byte_identical(store, sender, shards)
 
 def test_one_connection_carries_many_ranks_and_resends(store, sender, shards):
     raw, digest = shards[3]
-    assert sender.send(1, 3, raw, digest, gen=0) is True
-    assert sender.send(1, 3, raw, digest, gen=0) is False  # already held intact: not resent
-    assert sender.send(2, 3, raw, digest, gen=0) is True
+    assert sender.send(1, 3, raw, digest, gen=0) == len(raw)
+    assert sender.send(1, 3, raw, digest, gen=0) == 0  # already held intact: not resent
+    assert sender.send(2, 3, raw, digest, gen=0) == len(raw)
     assert store.inventory() == {1: [3], 2: [3]}
 
 
@@ -68,7 +51,7 @@ def test_flipped_byte_is_refused_and_connection_stays_usable(store, sender, shar
     with pytest.raises(ChecksumError):
         sender.send(0, 1, bad, digest, gen=0)
     assert store.inventory() == {}  # nothing unverified is listed
-    assert sender.send(0, 1, raw, digest, gen=0) is True
+    assert sender.send(0, 1, raw, digest, gen=0) == len(raw)
     assert np.array_equal(_held(store, 0, 1), raw)
 
 
@@ -77,7 +60,7 @@ def test_stale_generation_is_refused_by_type(store, sender, shards):
     store.set_generation(3)
     with pytest.raises(StaleGenerationError, match="generation 2"):
         sender.send(0, 1, raw, digest, gen=2)
-    assert sender.send(0, 1, raw, digest, gen=3) is True
+    assert sender.send(0, 1, raw, digest, gen=3) == len(raw)
 
 
 def test_generation_change_mid_stream_drops_the_shard(store, shards, monkeypatch):
@@ -100,7 +83,7 @@ def test_generation_change_mid_stream_drops_the_shard(store, shards, monkeypatch
         with pytest.raises(StaleGenerationError):
             snd.send(0, 2, raw, digest, gen=0)
         assert store.inventory() == {}
-        assert snd.send(0, 2, raw, digest, gen=1) is True  # the stream is still in step
+        assert snd.send(0, 2, raw, digest, gen=1) == len(raw)  # the stream is still in step
     finally:
         snd.close()
 
@@ -115,7 +98,7 @@ def test_sender_dying_mid_shard_leaves_nothing_listed(store, shards):
     assert 0 not in store.inventory()
     snd = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
     try:  # the half-written slot is reused for a complete copy
-        assert snd.send(0, 1, raw, digest, gen=0) is True
+        assert snd.send(0, 1, raw, digest, gen=0) == len(raw)
     finally:
         snd.close()
     assert store.inventory() == {0: [1]}
@@ -138,7 +121,7 @@ def test_lack_of_ram_reaches_the_sender(store, sender, shards, monkeypatch):
 
 def test_fetch_returns_the_held_shard_and_refuses_what_is_not_held(store, sender, shards):
     raw, digest = shards[2]
-    assert sender.send(3, 2, raw, digest, gen=0) is True
+    assert sender.send(3, 2, raw, digest, gen=0) == len(raw)
     got = sender.fetch(3, 2)
     with pytest.raises(ChecksumError, match="incomplete"):  # unverified: not yet trusted
         fmt.open_shard(got, "fetched")
@@ -155,7 +138,7 @@ def test_fetch_returns_the_held_shard_and_refuses_what_is_not_held(store, sender
 def test_fetched_corrupt_replica_fails_verification(store, sender, shards):
     """The store streams what it holds; the restoring worker's check catches a flipped byte."""
     raw, digest = shards[1]
-    assert sender.send(0, 1, raw, digest, gen=0) is True
+    assert sender.send(0, 1, raw, digest, gen=0) == len(raw)
     path = scan(store.replicas)[0][1]
     with open(path, "r+b") as f:
         f.seek(len(raw) - 1)
@@ -174,7 +157,7 @@ def test_fetch_into_a_snapshot_slot_holds_the_step_for_the_next_process(store, s
     """A peer restore streams the replica straight into the rank's own slot: verified, then
     held as if snapshotted there (a restarted process adopts it; replication reads it)."""
     raw, digest = shards[2]
-    assert sender.send(3, 2, raw, digest, gen=0) is True
+    assert sender.send(3, 2, raw, digest, gen=0) == len(raw)
     engine = SnapshotEngine(tmp_path / "own", gated=True)
     shard = engine.install(2, lambda into: sender.fetch(3, 2, into), "peer")
     assert shard.step == 2 and engine.steps() == [2]
@@ -191,7 +174,7 @@ def test_after_a_fetch_the_other_slot_is_ready_for_the_first_snapshot(store, sen
     """A peer restore lands on a node with no slots of the rank: the second slot is mapped
     in the background while the restore loads, so the first snapshot allocates nothing."""
     raw, digest = shards[2]
-    assert sender.send(0, 2, raw, digest, gen=0) is True
+    assert sender.send(0, 2, raw, digest, gen=0) == len(raw)
     engine = SnapshotEngine(tmp_path / "own", gated=True)
     shard = engine.install(2, lambda into: sender.fetch(0, 2, into), "peer")
     state = _train_state(seed=1)
@@ -215,7 +198,7 @@ def test_after_a_fetch_the_other_slot_is_ready_for_the_first_snapshot(store, sen
 
 def test_fetch_cut_short_leaves_no_trusted_slot(store, sender, shards, tmp_path):
     raw, digest = shards[1]
-    assert sender.send(0, 1, raw, digest, gen=0) is True
+    assert sender.send(0, 1, raw, digest, gen=0) == len(raw)
     engine = SnapshotEngine(tmp_path / "own", gated=True)
 
     def half_then_drop(into):  # what fetch does when the holder dies mid-stream
@@ -239,7 +222,7 @@ def test_install_does_not_wait_for_a_commit_that_will_never_come(store, sender, 
     """A restarted process adopts its slots (an uncommitted newer step among them) and the
     restore pulls the resumed step from a peer: the install must not wait on the gate."""
     raw, digest = shards[1]
-    assert sender.send(0, 1, raw, digest, gen=0) is True
+    assert sender.send(0, 1, raw, digest, gen=0) == len(raw)
     own = tmp_path / "own"
     first = SnapshotEngine(own, gated=True)
     first.install(1, lambda into: sender.fetch(0, 1, into), "peer")
@@ -247,7 +230,7 @@ def test_install_does_not_wait_for_a_commit_that_will_never_come(store, sender, 
     restarted = SnapshotEngine(own, gated=True)  # holds step 1, never committed here
     assert restarted.steps() == [1] and restarted.committed is None
     raw2, digest2 = shards[2]
-    assert sender.send(0, 2, raw2, digest2, gen=0) is True
+    assert sender.send(0, 2, raw2, digest2, gen=0) == len(raw2)
     done = []
     t = threading.Thread(target=lambda: done.append(
         restarted.install(2, lambda into: sender.fetch(0, 2, into), "peer")))

@@ -510,7 +510,8 @@ class _Bench:
                  f"{1e3 * median(intervals):.1f} ms over {len(intervals)} steps (in ctx.step "
                  f"{1e3 * median(inside):.1f} ms)")
         return {"intervals": intervals, "inside": inside, "state_bytes": r0["state_bytes"],
-                "waited_s": r0["waited_s"], "replicate_s": r0["replicate_s"]}
+                "waited_s": r0["waited_s"], "replicate_s": r0["replicate_s"],
+                "sent_bytes": r0["sent_bytes"], "filled_bytes": r0["filled_bytes"]}
 
 
 def _resume_split(results: list[dict[str, Any]], started: float) -> dict[str, float]:
@@ -803,6 +804,10 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
             "waited_s_total": _med([s["waited_s"] for s in runs]),  # per run, all snapshots
             "foreign_cpu": _max_foreign(runs),
             "slowdown": (step / step_off - 1) if step and step_off else None,
+            # rank 0's replica bytes per run: sent over TCP, and filled by its holder from
+            # the copy of the (identical, DDP) parameters on the holder's own node
+            "replica_sent_bytes": _med([s.get("sent_bytes", 0) for s in runs]),
+            "replica_filled_bytes": _med([s.get("filled_bytes", 0) for s in runs]),
             "note": note,
         })
     return rows
@@ -855,6 +860,9 @@ def _split(r: dict[str, Any]) -> str:
     if rs:
         parts.append("resume = " + " + ".join(f"{k} {human_s(v)}" for k, v in rs.items()
                                                 if v is not None))
+    sent, filled = r.get("replica_sent_bytes") or 0, r.get("replica_filled_bytes") or 0
+    if sent + filled:
+        parts.append(f"replica bytes {100 * filled / (sent + filled):.0f}% filled on the holder")
     return "; ".join(parts) or "–"
 
 

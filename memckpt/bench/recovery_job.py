@@ -52,8 +52,8 @@ def build_state(d: int, n: int, fresh: bool, seed: int = 0):
         with torch.no_grad():
             for p in model.parameters():
                 p.uniform_(-0.02, 0.02, generator=g)
-        for p in model.parameters():
-            p.grad = torch.full_like(p, 1e-3)
+        for p in model.parameters():  # moments unique to the seed (the rank), as with ZeRO:
+            p.grad = torch.full_like(p, 1e-3 * (1 + seed))  # no holder has them already
         opt.step()
         opt.zero_grad(set_to_none=True)
     return model, opt
@@ -215,4 +215,5 @@ class StepTimedJob:
         return {"rank": ctx.rank, "result": result, "intervals": intervals,
                 "inside": timed.inside, "state_bytes": timed.state_bytes,
                 "snapshots": stats.snapshots, "waited_s": stats.waited_s,
-                "replicate_s": ctx.replicator.last_seconds}
+                "replicate_s": ctx.replicator.last_seconds,
+                "sent_bytes": ctx.replicator.bytes_sent, "filled_bytes": ctx.replicator.bytes_filled}

@@ -243,8 +243,8 @@ def build_state(target_bytes: int, layers: int = DEFAULT_LAYERS, seed: int = 0):
     n = max(1, round(elems / (d * d + d)))
     model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(n)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 1e-3)
+    for p in model.parameters():  # moments unique to the seed (a rank's, with ZeRO)
+        p.grad = torch.full_like(p, 1e-3 * (1 + seed))
     opt.step()  # creates exp_avg and exp_avg_sq
     opt.zero_grad(set_to_none=True)  # live state = params + AdamW state, no grads
     return model, opt
