@@ -92,11 +92,19 @@ class PlacementConfig:
     strategy: str = "ring"  # ring | group | mixed
     replicas: int = 1  # k copies on k distinct peer nodes
     group_size: int = 2  # nodes per group for group / mixed
+    # Extra nodes that run no ranks at the start but hold each node's first replica, so a
+    # dead node's ranks restart where their shards already are (a local restore).
+    standby_nodes: int = 0
 
     def __post_init__(self) -> None:
         _choice("placement.strategy", self.strategy, placement.STRATEGIES)
         _positive_int("placement.replicas", self.replicas, minimum=0)
         _positive_int("placement.group_size", self.group_size, minimum=2)
+        _positive_int("placement.standby_nodes", self.standby_nodes, minimum=0)
+        if self.standby_nodes and not self.replicas:
+            _fail("placement.standby_nodes", self.standby_nodes,
+                  "a standby restores a dead node's ranks from the replicas it holds: set "
+                  "placement.replicas >= 1, or placement.standby_nodes=0")
 
 
 @dataclass(frozen=True)
@@ -228,15 +236,19 @@ class Config:
         uris = [t.uri for t in self.persistence]
         if len(set(uris)) != len(uris):
             _fail("persistence", uris, "give each tier its own uri")
-        n = self.workers.num_nodes
-        if n > 1 and self.placement.replicas > 0:
+        n, standby = self.workers.num_nodes, self.placement.standby_nodes
+        peers = self.placement.replicas - (1 if standby else 0)  # copies among the active nodes
+        if peers > 0 and (n > 1 or standby):
             try:
-                placement.check_feasible(n, self.placement.strategy, self.placement.replicas,
+                placement.check_feasible(n, self.placement.strategy, peers,
                                          self.placement.group_size)
             except PlacementError as e:
+                on_standby = (f"; the standby node(s) hold 1 of the {self.placement.replicas}"
+                              if standby else "")
                 raise ConfigError(f"{e.message} (workers span {n} nodes: "
                                   f"num_workers={self.workers.num_workers}, "
-                                  f"workers_per_node={self.workers.workers_per_node})") from None
+                                  f"workers_per_node={self.workers.workers_per_node}"
+                                  f"{on_standby})") from None
         for ev in self.chaos:
             if ev.rank is not None and ev.rank >= self.workers.num_workers:
                 _fail("chaos.rank", ev.rank, f"ranks run from 0 to {self.workers.num_workers - 1}")

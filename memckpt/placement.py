@@ -9,6 +9,10 @@ The order of the node list is the ring order. Strategies (after Gemini, SOSP'23)
 - ``mixed``: full groups as in ``group``; the leftover nodes
   (``num_nodes % group_size``) use ``ring`` over all nodes.
 
+With standby nodes (nodes that run no ranks at the start) each node's first holder is
+a standby instead (:func:`standby_plan`): a dead node's ranks then restart where their
+shards already are.
+
 Guarantees of every plan built or repaired here (checked by :func:`validate_plan`):
 no copy sits on the node it protects, no node holds two copies of one owner's
 shards, every holder is a node of the plan. Plans are deterministic.
@@ -28,6 +32,7 @@ __all__ = [
     "rank_holders",
     "repair_plan",
     "replica_plan",
+    "standby_plan",
     "validate_plan",
 ]
 
@@ -125,15 +130,41 @@ def replica_plan(nodes: Sequence[str], strategy: str, replicas: int, group_size:
     return plan
 
 
-def validate_plan(plan: Mapping[str, Sequence[str]], replicas: int) -> None:
+def standby_plan(active: Sequence[str], standby: Sequence[str], strategy: str, replicas: int,
+                 group_size: int = 2) -> Plan:
+    """A plan whose first holder of each active node is a standby node (round-robin), so a
+    dead node's ranks restart on a node that already holds their shards; the other
+    ``replicas - 1`` copies follow ``strategy`` over the active nodes.
+
+    Standby nodes run no ranks at the start and own nothing in the plan.
+    """
+    if not standby:
+        return replica_plan(active, strategy, replicas, group_size)
+    if replicas < 1:
+        raise PlacementError(f"placement.standby_nodes={len(standby)} needs placement.replicas >= 1 "
+                             "(a standby restores a dead node's ranks from the replicas it holds): "
+                             "set placement.replicas to 1 or more, or placement.standby_nodes=0")
+    overlap = sorted(set(active) & set(standby))
+    if overlap:
+        raise PlacementError(f"nodes {overlap} are both active and standby: pass each node once")
+    rest = (replica_plan(active, strategy, replicas - 1, group_size) if replicas > 1
+            else {n: () for n in active})
+    plan = {n: (standby[i % len(standby)], *rest[n]) for i, n in enumerate(active)}
+    validate_plan(plan, replicas, extra_holders=standby)
+    return plan
+
+
+def validate_plan(plan: Mapping[str, Sequence[str]], replicas: int,
+                  extra_holders: Collection[str] = ()) -> None:
     """Raise :class:`PlacementError` unless every owner has exactly ``replicas`` distinct
-    holders, none of them the owner itself and all of them owners in ``plan``."""
+    holders, none of them the owner itself and all of them owners in ``plan`` (or
+    ``extra_holders``: standby nodes, which hold copies but run no ranks yet)."""
     for owner, holders in plan.items():
         if owner in holders:
             raise PlacementError(f"node {owner!r} holds its own replica: a copy must sit on another node")
         if len(set(holders)) != len(holders):
             raise PlacementError(f"node {owner!r} has a holder twice in {list(holders)}: holders must be distinct")
-        unknown = [h for h in holders if h not in plan]
+        unknown = [h for h in holders if h not in plan and h not in extra_holders]
         if unknown:
             raise PlacementError(f"node {owner!r} has holders {unknown} that are not nodes of the plan")
         if len(holders) != replicas:

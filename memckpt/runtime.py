@@ -140,23 +140,29 @@ class Runtime:
         w = cfg.workers
         nodes = eligible_nodes(cfg)
         usable = [n for n, cap in nodes.items() if cap >= w.workers_per_node]
-        if len(usable) < w.num_nodes:
+        standbys = cfg.placement.standby_nodes
+        if len(usable) < w.num_nodes + standbys:
+            also = (f" plus placement.standby_nodes={standbys} standby node(s)" if standbys else "")
             raise PlacementError(
-                f"the job needs {w.num_nodes} nodes with room for {w.workers_per_node} worker(s) of "
-                f"{w.cpus_per_worker} CPU each, but the cluster has {len(usable)}: start more "
-                "nodes, or lower workers.num_workers / workers.cpus_per_worker")
+                f"the job needs {w.num_nodes} nodes{also} with room for {w.workers_per_node} "
+                f"worker(s) of {w.cpus_per_worker} CPU each, but the cluster has {len(usable)}: "
+                "start more nodes, or lower workers.num_workers / workers.cpus_per_worker"
+                + (" / placement.standby_nodes" if standbys else ""))
         used = usable[: w.num_nodes]
+        standby = usable[w.num_nodes: w.num_nodes + standbys]
         assignment = {r: used[r // w.workers_per_node] for r in range(w.num_workers)}
         holders: dict[int, tuple[str, ...]] = {r: () for r in assignment}
-        if cfg.placement.replicas and len(used) > 1:
-            plan = placement.replica_plan(used, cfg.placement.strategy, cfg.placement.replicas,
-                                          cfg.placement.group_size)
+        if cfg.placement.replicas and len(used) + len(standby) > 1:
+            plan = placement.standby_plan(used, standby, cfg.placement.strategy,
+                                          cfg.placement.replicas, cfg.placement.group_size)
             holders = placement.rank_holders(assignment, plan)
-            short = {n: n[:12] for n in used}
+            short = {n: n[:12] for n in used + standby}
             self._say("replica placement (node -> holders of its ranks' shards):\n" +
                       placement.format_plan({short[n]: tuple(short[h] for h in hs)
                                              for n, hs in plan.items()},
-                                            {r: short[n] for r, n in assignment.items()}))
+                                            {r: short[n] for r, n in assignment.items()})
+                      + (f"\nstandby node(s), running no ranks until a node dies: "
+                         f"{', '.join(short[n] for n in standby)}" if standby else ""))
         elif cfg.placement.replicas:
             fallback = ("the persistence tier is the copy that does" if cfg.persistence else
                         "add nodes, or configure a persistence tier")

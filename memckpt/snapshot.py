@@ -118,6 +118,32 @@ class SnapshotEngine:
             if self._newest is None or slot.step > self.slots[self._newest].step:
                 self._newest = i
 
+    def adopt(self, files: list[Path]) -> list[int]:
+        """Make ``files`` (complete shards of this rank already on this node: the replicas
+        its holder's store kept, when the rank moved to that node) this engine's slots by
+        renaming them in: same filesystem, so no byte is copied, and the next snapshot
+        rewrites memory that is already populated. Replaces whatever the slots held (a
+        rank moving here has nothing newer). Returns the steps now held, newest first."""
+        if len(files) > len(self.slots):
+            raise MemckptError(f"{len(files)} shard files for {len(self.slots)} slots")
+        self.wait()
+        with self._cond:
+            if any(slot.readers for slot in self.slots):
+                raise MemckptError(f"{self.directory}: a slot is being read; cannot adopt")
+            for slot in self.slots:
+                if slot.region is not None:
+                    slot.region.close()
+                slot.region, slot.layout, slot.header_capacity = None, None, 0
+                slot.step, slot.complete, slot.views = None, False, {}
+            self._newest = None
+            for slot, src in zip(self.slots, files):
+                src.replace(slot.path)
+            for slot in self.slots[len(files):]:
+                slot.path.unlink(missing_ok=True)
+            self._adopt_existing()
+            self._cond.notify_all()
+        return self.steps()
+
     # -- taking snapshots -------------------------------------------------------------------
     def snapshot(self, captured: Captured, step: int) -> bool:
         """Snapshot ``captured`` as ``step``. Returns False when skipped by policy."""

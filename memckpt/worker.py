@@ -34,7 +34,7 @@ import numpy as np
 import psutil
 
 from memckpt import shard as fmt
-from memckpt.buffers import RamRegion, resolve_ram_root
+from memckpt.buffers import resolve_ram_root
 from memckpt.checkpointer import Checkpointer
 from memckpt.config import Config
 from memckpt.digest import state_digest
@@ -44,7 +44,7 @@ from memckpt.faults import SIGNALS, STEADY_WAIT_S
 from memckpt.persister import Persister
 from memckpt.populate import MIN_BYTES, POOL, HostReserve, spare_budget
 from memckpt.state import TrainState, restore_allocations
-from memckpt.store import find, invalidate, node_dir, own_dir
+from memckpt.store import node_dir, own_dir, scan
 from memckpt.transport import StoreConnection
 
 RETRIES = 5  # tries per replica holder before the replication fails
@@ -284,18 +284,18 @@ class WorkerContext:
             return self._load_persisted(state, instr)
         for node in instr.sources:
             try:
-                if node == self.node_id and instr.step in self.ckpt.engine.steps():
-                    # this rank's own slot: read it through the engine's mapping, which the
-                    # next snapshot reuses (a second mapping would fault every page again)
+                if node == self.node_id:
+                    if instr.step not in self.ckpt.engine.steps():
+                        # the rank moved to a node holding its replica: the store's replica
+                        # files become its own slots (renamed: nothing is copied, and the
+                        # restored step needs no second copy here)
+                        self.ckpt.engine.adopt(self._replica_files(instr.step))
+                    # read through the engine's mapping, which the next snapshot reuses (a
+                    # second mapping would fault every page again)
                     source = f"local:{self.ckpt.directory}"
                     with self.ckpt.engine.reading(instr.step, verify=False) as shard:
                         return self._load_verifying(
                             state, shard, source, lambda: self.ckpt.engine.discard_step(instr.step))
-                if node == self.node_id:  # same node, a replica: read the shm file
-                    path = self._local_path(instr.step)
-                    source = f"local:{path}"
-                    shard = fmt.open_shard(RamRegion.open(path).array, source, verify=False)
-                    return self._load_verifying(state, shard, source, lambda: invalidate(path))
                 # a peer's store streams it over TCP into this rank's own slot (verified)
                 source = f"peer:{node}"
                 t0 = time.perf_counter()
@@ -367,11 +367,13 @@ class WorkerContext:
         self.restore_source = source
         return self.ckpt.load_shard(state, fmt.open_shard(region, source), source)
 
-    def _local_path(self, step: int) -> Path:
-        path = find(node_dir(self._ram_root, self.config.job_name, self.node_id), self.rank, step)
-        if path is None:
+    def _replica_files(self, step: int) -> list[Path]:
+        """The complete replica files of this rank on this node; one must hold ``step``."""
+        root = node_dir(self._ram_root, self.config.job_name, self.node_id)
+        held = scan(root / "replicas").get(self.rank, {})
+        if step not in held:
             raise NoSnapshotError(f"this node holds no shard of rank {self.rank} at step {step}")
-        return path
+        return list(held.values())
 
     def restore_allocations(self) -> list:
         """What a restore of this rank's newest snapshot creates (see :data:`POOL`); none

@@ -11,6 +11,7 @@ from memckpt.bench import recovery
 
 EXPECTED = {
     ("recovery", "memckpt-worker"), ("recovery", "memckpt-node"),
+    ("recovery", "memckpt-node-standby"),
     ("recovery", "restart+torch.load"), ("transfer", "memckpt-peer-fetch"),
     ("transfer", "memckpt-replication"), ("transfer", "raw-tcp"),
     ("transfer", "raw-tcp-2way"), ("transfer", "memckpt-replication-path"),
@@ -33,7 +34,7 @@ def test_recovery_bench_rows(tmp_path):
         assert r["median_s"] > 0, r
         assert r["state_bytes"] > 0, r
         assert all(v is None or v >= 0 for v in (r.get("phases_s") or {}).values()), r
-    for method in ("memckpt-worker", "memckpt-node"):
+    for method in ("memckpt-worker", "memckpt-node", "memckpt-node-standby"):
         r = by[("recovery", method)]
         ph = r["phases_s"]
         for phase in ("detect", "stop", "plan", "resume", "total", "fetch_and_load_max"):
@@ -42,6 +43,8 @@ def test_recovery_bench_rows(tmp_path):
         assert r["speedup_vs_restart"] > 0
     assert set(by[("recovery", "memckpt-worker")]["sources"][0].values()) == {"local"}
     assert any(v.startswith("peer:") for v in by[("recovery", "memckpt-node")]["sources"][0].values())
+    # with a standby node holding the replicas, the lost node's rank restores there locally
+    assert by[("recovery", "memckpt-node-standby")]["sources"][0]["1"] == "local"
     base = by[("recovery", "restart+torch.load")]["phases_s"]
     for phase in ("detect", "stop", "start_actors", "torch_load", "first_step", "total"):
         assert base[phase] > 0, (phase, base)

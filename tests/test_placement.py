@@ -15,6 +15,7 @@ from memckpt.placement import (
     rank_holders,
     repair_plan,
     replica_plan,
+    standby_plan,
     validate_plan,
 )
 
@@ -265,3 +266,38 @@ def test_lost_nodes():
     assert lost_nodes(group, ["a", "c"]) == []
     assert lost_nodes(group, ["c", "d"]) == ["c", "d"]
     assert lost_nodes({"a": (), "b": ()}, ["a"]) == ["a"]  # no holder at all
+
+
+# ---- standby nodes ----------------------------------------------------------------------------
+def test_standby_nodes_hold_every_first_copy_round_robin():
+    assert standby_plan(["a", "b", "c"], ["s"], "ring", 1) == {"a": ("s",), "b": ("s",), "c": ("s",)}
+    assert standby_plan(["a", "b", "c", "d"], ["s", "t"], "ring", 1) == {
+        "a": ("s",), "b": ("t",), "c": ("s",), "d": ("t",)}
+    # the other k-1 copies follow the strategy over the active nodes
+    assert standby_plan(["a", "b", "c"], ["s"], "ring", 2) == {
+        "a": ("s", "b"), "b": ("s", "c"), "c": ("s", "a")}
+    assert standby_plan(["a", "b", "c", "d"], ["s"], "group", 2, group_size=2) == {
+        "a": ("s", "b"), "b": ("s", "a"), "c": ("s", "d"), "d": ("s", "c")}
+    # one active node is enough when the standby holds its only copy
+    assert standby_plan(["a"], ["s"], "ring", 1) == {"a": ("s",)}
+
+
+def test_no_standby_is_the_plain_plan():
+    assert standby_plan(names(4), [], "ring", 2) == replica_plan(names(4), "ring", 2)
+
+
+@pytest.mark.parametrize("args, part", [
+    ((["a", "b"], ["s"], "ring", 0), "placement.replicas >= 1"),
+    ((["a", "b"], ["b"], "ring", 1), "both active and standby"),
+    ((["a"], ["s"], "ring", 2), "at least 2 nodes"),  # the second copy needs another active node
+])
+def test_standby_plan_errors_name_the_fix(args, part):
+    with pytest.raises(PlacementError, match=part):
+        standby_plan(*args)
+
+
+def test_a_standby_holder_is_valid_though_it_owns_nothing():
+    plan = {"a": ("s",), "b": ("s",)}
+    with pytest.raises(PlacementError, match="not nodes of the plan"):
+        validate_plan(plan, 1)
+    validate_plan(plan, 1, extra_holders=["s"])

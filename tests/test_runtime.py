@@ -8,6 +8,7 @@ as the uninterrupted reference run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -87,8 +88,11 @@ def test_node_loss_restores_from_peer_replica(full_cluster, reference, tmp_path)
     (rec,) = result["recoveries"]
     assert len(rec["dead_nodes"]) == 1
     assert rec["moved_ranks"] == [1]
-    # rank 1 restarts on the node that held its replica, so its restore is local there
+    # rank 1 restarts on the node that held its replica, so its restore is local there:
+    # the holder's replica files become its own slots (renamed, not copied)
     assert rec["sources"]["1"] == "local"
+    restored = {e["rank"]: e for e in events(tmp_path) if e["event"] == "restored"}
+    assert restored[1]["source"].startswith("local:") and "/own/rank1" in restored[1]["source"]
     # rank 1 moved and needs a new holder; rank 0's holder died: both copy out again
     assert {0, 1} <= set(rec["recopied_ranks"]) and 1 not in rec["in_place_ranks"]
     assert rec["phases_s"]["detect"] < 3.0
@@ -137,6 +141,34 @@ def test_a_replica_filled_from_the_holders_own_copy_restores_exactly(full_cluste
     assert rec["moved_ranks"] == [1] and rec["resumed_step"] == 3
     restored = {e["rank"]: e for e in events(tmp_path / "node") if e["event"] == "restored"}
     assert restored[1]["step"] == 3
+
+
+def test_a_dead_nodes_rank_restarts_on_the_standby_holding_its_replica(full_cluster, tmp_path):
+    """placement.standby_nodes=1: two ranks on two full nodes, the third node runs nothing
+    and holds both ranks' replicas. Rank 1's node dies: rank 1 restarts on the standby and
+    takes the replica files there as its own slots (no network, no second copy)."""
+    def cfg(name: str) -> memckpt.Config:
+        return dataclasses.replace(
+            config(name), workers=memckpt.WorkersConfig(num_workers=2, workers_per_node=1, cpus_per_worker=2),
+            placement=memckpt.PlacementConfig(strategy="ring", replicas=1, standby_nodes=1))
+
+    ref = memckpt.run(JOB, cfg("standby-ref"), run_dir=tmp_path / "ref", quiet=True)
+    assert ref["recoveries"] == []
+    inj = FaultInjector(node_killer=full_cluster.remove_node).kill_node(rank=1, at_step=KILL_AT)
+    result = memckpt.run(JOB, cfg("standby-node"), run_dir=tmp_path / "node", injector=inj,
+                         quiet=True)
+    assert_same_run(result, ref)
+    log = events(tmp_path / "node")
+    (started,) = [e for e in log if e["event"] == "job_started"]
+    (standby,) = set(started["holders"]["0"]) | set(started["holders"]["1"])
+    assert standby not in started["assignment"].values()  # it ran no rank before the failure
+    (rec,) = result["recoveries"]
+    assert rec["moved_ranks"] == [1] and rec["sources"]["1"] == "local"
+    (gen1,) = [e for e in log if e["event"] == "generation_started" and e["gen"] == 1]
+    assert gen1["assignment"]["1"] == standby
+    restored = {e["rank"]: e for e in log if e["event"] == "restored"}
+    assert restored[1]["source"].startswith("local:") and f"/{standby}/own/rank1" in \
+        restored[1]["source"]
 
 
 @pytest.mark.chaos

@@ -397,3 +397,61 @@ def test_abort_wakes_a_snapshot_waiting_for_a_commit(ram_root):
     with pytest.raises(GenerationEnded):
         engine.snapshot(state.capture(3), 3)
     engine.close(unlink=True)
+
+
+def test_adopted_replica_files_become_the_slots_without_a_copy(ram_root, tmp_path):
+    """A rank that moves to the node holding its replicas takes the holder's files as its
+    own slots (renamed in): they read back bit-identical, the files leave the replica
+    folder, and the next snapshot rewrites the older one in place (nothing allocated)."""
+    import shutil
+
+    import numpy as np
+
+    from memckpt.snapshot import SnapshotEngine
+    model, opt, state, ckpt = _two_snapshots(ram_root, "wait")
+    held = {}
+    replicas = tmp_path / "replicas" / "rank0"
+    replicas.mkdir(parents=True)
+    for slot in ckpt.engine.slots:  # what a holder's store keeps for this rank
+        with ckpt.engine.reading(slot.step) as shard:
+            held[slot.step] = shard.raw.copy()
+        shutil.copyfile(slot.path, replicas / slot.path.name)
+    moved = SnapshotEngine(tmp_path / "own" / "rank0", gated=True)
+    files = sorted(replicas.iterdir())
+    assert moved.adopt(files) == [2, 1]
+    assert not any(f.exists() for f in files)
+    for step, raw in held.items():
+        with moved.reading(step, verify=True) as shard:
+            assert np.array_equal(shard.raw, raw)
+    moved.set_committed(2)
+    _train(model, opt, 3)
+    assert moved.snapshot(state.capture(3), 3)
+    moved.wait()
+    assert moved.steps() == [3, 2] and moved.stats.allocations == 0
+    with moved.reading(3, verify=True) as shard:
+        for name, t in state.capture(3).tensors:
+            assert torch.equal(shard.tensors[name], t), name
+    moved.close()
+    ckpt.close(unlink=True)
+
+
+def test_adopting_replaces_what_the_slots_held(ram_root, tmp_path):
+    """The rank's own folder on that node may hold stale slots from an earlier stay: the
+    adopted files replace them, so only the adopted steps remain."""
+    import shutil
+
+    from memckpt.snapshot import SnapshotEngine
+    _, _, _, ckpt = _two_snapshots(ram_root, "wait")
+    newest = next(sl for sl in ckpt.engine.slots if sl.step == 2)
+    replica = tmp_path / "replica.shard"
+    shutil.copyfile(newest.path, replica)
+    stale = SnapshotEngine(tmp_path / "own", gated=True)  # two stale slots of steps 1, 2
+    for slot in ckpt.engine.slots:
+        shutil.copyfile(slot.path, stale.directory / slot.path.name)
+    stale.close()
+    engine = SnapshotEngine(tmp_path / "own", gated=True)
+    assert engine.steps() == [2, 1]
+    assert engine.adopt([replica]) == [2]
+    assert sorted(p.name for p in engine.directory.iterdir()) == ["slot0.shard"]
+    engine.close()
+    ckpt.close(unlink=True)

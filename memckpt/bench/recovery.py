@@ -300,8 +300,11 @@ class _Bench:
             inj.kill_worker(rank=1, at_step=self.kill_at, steady=True)
         else:
             inj.kill_node(rank=1, at_step=self.kill_at, steady=True)
+        extra: dict[str, Any] = {}
+        if kind == "node-standby":  # the third node runs nothing and holds both replicas
+            extra["placement"] = memckpt.PlacementConfig("ring", 1, standby_nodes=1)
         try:
-            summary = memckpt.run(job, self.config(name), run_dir=self.run_root / name,
+            summary = memckpt.run(job, self.config(name, **extra), run_dir=self.run_root / name,
                                   injector=inj, quiet=True)
         finally:
             self._cleanup(name)
@@ -653,7 +656,7 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
         b._restore_nodes()
         log(f"state per rank: {b.n} x Linear({b.d}) + AdamW = {b.state_bytes / 2**20:.1f} MiB; "
             f"fault at step {kill_at}; torch.save files in {disk} ({_fs_type(disk)})")
-        worker, node, base, raw, raw2, paths = [], [], [], [], [], []
+        worker, node, standby, base, raw, raw2, paths = [], [], [], [], [], [], []
         for rep in range(repeats):
             log(f"repeat {rep + 1}/{repeats}")
             s = b.measure(b.memckpt_recovery, "worker", rep)
@@ -671,6 +674,10 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
                     raw.append(b.measure(b.raw_transfer, pf["src"], pf["dst"], pf["bytes"]))
             finally:
                 b._restore_nodes()
+            try:
+                standby.append(b.measure(b.memckpt_recovery, "node-standby", rep))
+            finally:
+                b._restore_nodes()
             base.append(b.measure(b.restart_baseline, rep))
         on, persist, local, off = [], [], [], []
         for rep in range(repeats):
@@ -679,7 +686,7 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
             local.append(b.measure(b.step_time, "local", rep, gpt_size, gpt_steps))
             off.append(b.measure(b.step_time, "off", rep, gpt_size, gpt_steps))
         rows = build_rows(b, worker, node, base, raw, raw2, on, local, off, gpt_size, persist,
-                          paths)
+                          paths, standby)
         info = machine_info()
         for r in rows:
             r["machine"] = info
@@ -696,7 +703,7 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
 
 def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2: list, on: list,
                local: list, off: list, gpt_size: str, persist: tuple = (),
-               paths: tuple = ()) -> list[dict[str, Any]]:
+               paths: tuple = (), standby: tuple = ()) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     base_total = _med([s["total_s"] for s in base])
 
@@ -720,6 +727,12 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
     rows.append(recovery_row("memckpt-node", node,
                              "rank 1's node removed; rank 1 restarts on the spare node and "
                              "restores from the peer holding its replica"))
+    if standby:
+        rows.append(recovery_row(
+            "memckpt-node-standby", standby,
+            "the same with placement.standby_nodes=1: the third node runs no rank and holds "
+            "both ranks' replicas, so rank 1 restarts there and takes its replica files as "
+            "its own slots (a local restore)"))
     rows.append({
         "benchmark": "recovery", "method": "restart+torch.load", "state_bytes": b.state_bytes,
         "median_s": base_total, "samples_s": [s["total_s"] for s in base],
@@ -900,7 +913,8 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[Optional[bool], str]
     bases = [r for r in rows if r["benchmark"] == "recovery"
              and r["method"].startswith("restart+torch.load") and r["median_s"]]
     fastest = min(bases, key=lambda r: r["median_s"]) if bases else None
-    for method, label in (("memckpt-worker", "worker"), ("memckpt-node", "node")):
+    for method, label in (("memckpt-worker", "worker"), ("memckpt-node", "node"),
+                          ("memckpt-node-standby", "node (standby holder)")):
         r = by.get(method)
         if r and r["median_s"] and fastest is not None:
             x = fastest["median_s"] / r["median_s"]
