@@ -15,7 +15,8 @@ shards already are.
 
 Guarantees of every plan built or repaired here (checked by :func:`validate_plan`):
 no copy sits on the node it protects, no node holds two copies of one owner's
-shards, every holder is a node of the plan. Plans are deterministic.
+shards, every holder is a node of the plan (or one of its standby nodes). Plans are
+deterministic.
 """
 
 from __future__ import annotations

@@ -262,7 +262,7 @@ class ReplicaStore:
         for path in paths:
             try:
                 with self._lock:
-                    array = self._mapping(path, path.stat().st_size).array
+                    array = self._mapping(path).array
                 shard = fmt.open_shard(array, str(path), verify=False)
             except (OSError, MemckptError):
                 continue  # overwritten meanwhile
@@ -270,15 +270,21 @@ class ReplicaStore:
                 out.append(shard)
         return out
 
-    def _mapping(self, path: Path, nbytes: int) -> RamRegion:
-        """The replica file at ``path``, sized ``nbytes``, mapped once and kept: mapping it
-        afresh every step costs a page fault per 4 KiB (3x the copy itself, measured)."""
+    def _mapping(self, path: Path, nbytes: Optional[int] = None) -> RamRegion:
+        """The shard file at ``path`` mapped once and kept: mapping it afresh every step
+        costs a page fault per 4 KiB (3x the copy itself, measured). With ``nbytes`` (a
+        replica this store writes) the file is made that size if it is not; without, the
+        file is only read (a worker's own slot, which this store must never replace)."""
         ino = path.stat().st_ino if path.exists() else None
         cached = self._mapped.get(path)
-        if cached is not None and cached[0] == ino and cached[1].size == nbytes:
+        if cached is not None and cached[0] == ino and nbytes in (None, cached[1].size):
             return cached[1]
-        region = RamRegion.reuse_or_create(path, nbytes)
-        self._mapped[path] = (path.stat().st_ino, region)
+        if nbytes:
+            region = RamRegion.reuse_or_create(path, nbytes)
+            ino = path.stat().st_ino  # only this store writes its replica files
+        else:  # the inode seen before mapping: a file replaced meanwhile is remapped next time
+            region = RamRegion.open(path)
+        self._mapped[path] = (ino, region)
         return region
 
     def _check_memory(self, rank: int, nbytes: int, path: Path) -> None:
@@ -384,7 +390,7 @@ class ReplicaStore:
         """``rank``'s shard file of ``step`` as held (complete by its prefix), unverified."""
         path = self.locate(rank, step)
         with self._lock:
-            return self._mapping(path, path.stat().st_size).array
+            return self._mapping(path).array
 
     def discard_after(self, step: int) -> int:
         """Invalidate every held shard newer than ``step`` (after a rollback). Returns count."""
