@@ -30,19 +30,29 @@ def fetch_status(job: str, address: str = "auto") -> dict:
     return ray.get(coord.status.remote(), timeout=30)
 
 
+def format_status(job: str, s: dict, now: float) -> str:
+    """The human view of a coordinator's status (``memckpt status`` without ``--json``)."""
+    lines = [f"job {job}: generation {s['gen']}, committed step {s['committed']}, "
+             f"coordinator restarts {s['restarts_of_coordinator']}",
+             "placement (rank: node -> replica holders):"]
+    for rank, node in sorted(s["assignment"].items(), key=lambda kv: int(kv[0])):
+        holders = ", ".join(h[:12] for h in s["holders"].get(rank, [])) or "(none)"
+        lines.append(f"  rank {rank}: {node[:12]} -> {holders}")
+    idle = sorted({h for hs in s["holders"].values() for h in hs} - set(s["assignment"].values()))
+    if idle:  # placement.standby_nodes, or holders a recovery left without ranks
+        lines.append("holding replicas, running no rank (take over a dead node's ranks): "
+                     + ", ".join(n[:12] for n in idle))
+    for rank, m in sorted(s["metrics"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"  rank {rank}: step {m.get('step')}, snapshot stall "
+                     f"{1000 * m.get('stall_s', 0):.1f} ms, last report "
+                     f"{now - m.get('time', now):.1f}s ago")
+    return "\n".join(lines)
+
+
 def main(args: argparse.Namespace) -> int:
     s = fetch_status(args.job, args.address)
     if args.json:
         print(json.dumps(s, indent=1, default=str))
         return 0
-    print(f"job {args.job}: generation {s['gen']}, committed step {s['committed']}, "
-          f"coordinator restarts {s['restarts_of_coordinator']}")
-    print("placement (rank: node -> replica holders):")
-    for rank, node in sorted(s["assignment"].items(), key=lambda kv: int(kv[0])):
-        holders = ", ".join(h[:12] for h in s["holders"].get(rank, [])) or "(none)"
-        print(f"  rank {rank}: {node[:12]} -> {holders}")
-    now = time.time()
-    for rank, m in sorted(s["metrics"].items(), key=lambda kv: int(kv[0])):
-        print(f"  rank {rank}: step {m.get('step')}, snapshot stall {1000 * m.get('stall_s', 0):.1f} ms, "
-              f"last report {now - m.get('time', now):.1f}s ago")
+    print(format_status(args.job, s, time.time()))
     return 0
