@@ -5,6 +5,8 @@ import memckpt
 config = memckpt.Config(
     job_name="gpt-example",
     workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
+    # With a 4th node to spare, standby_nodes=1 keeps every node's replica on it, and a
+    # dead node's rank restarts there with a local restore.
     placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
     snapshot_every=1,
     failure=memckpt.FailurePolicy(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0,
