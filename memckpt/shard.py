@@ -47,7 +47,7 @@ STATE_WRITING, STATE_COMPLETE = 0, 1
 STATE_OFFSET, _STATE_END = 12, 16  # the state field's bytes in PREFIX
 DATA_ALIGN = 4096
 TENSOR_ALIGN = 64
-CHUNK_BYTES = 1 << 20  # granularity of the per-chunk checksums (grows for huge shards)
+CHUNK_BYTES = 256 << 10  # granularity of the per-chunk checksums (grows for huge shards)
 MAX_CHUNKS = 4096  # so the chunk list stays well inside a header and a transport message
 _CHUNK_DIGEST_BYTES = 19  # one "0123456789abcdef", in JSON
 

@@ -25,7 +25,8 @@ from memckpt.transport import StoreConnection, _spans
 from conftest import STORE_JOB, _shm_base
 
 MIB = 1 << 20
-PARAM_CHUNKS = 3  # the weight below is exactly 3 MiB: chunks 0-2 are parameters only
+PARAM_BYTES = 3 * MIB  # the weight below: the chunks of its 3 MiB are parameters only
+CHUNK = fmt.CHUNK_BYTES
 
 
 def _state(moment_shift: float) -> memckpt.TrainState:
@@ -89,9 +90,9 @@ def test_parameter_chunks_are_filled_locally_and_the_replica_is_identical(
         store, sender, local_rank, sender_rank):
     _snapshot(local_rank, _state(moment_shift=1.0), 5)
     shard = _snapshot(sender_rank, _state(moment_shift=0.0), 5)
-    assert shard.chunks is not None and len(shard.chunks.digests) > PARAM_CHUNKS
+    assert shard.chunks is not None and len(shard.chunks.digests) > PARAM_BYTES // CHUNK
     sent = _send(sender, shard)
-    assert sent == len(shard.raw) - PARAM_CHUNKS * MIB  # the moments and the header crossed
+    assert sent == len(shard.raw) - PARAM_BYTES  # the moments and the header crossed
     held = _replica(store, 0, 5)
     assert np.array_equal(held, shard.raw)
     assert fmt.open_shard(held, "replica", verify=True).step == 5
@@ -111,7 +112,7 @@ def test_a_local_chunk_whose_bytes_changed_is_sent_instead(store, sender, local_
         f.seek(at + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
     shard = _snapshot(sender_rank, _state(moment_shift=0.0), 5)
-    assert _send(sender, shard) == len(shard.raw) - (PARAM_CHUNKS - 1) * MIB
+    assert _send(sender, shard) == len(shard.raw) - (PARAM_BYTES - CHUNK)
     assert np.array_equal(_replica(store, 0, 5), shard.raw)
 
 
@@ -125,7 +126,7 @@ def test_the_holder_waits_briefly_for_its_own_rank_to_seal_the_step(
     late = threading.Timer(0.05, lambda: _snapshot(local_rank, mine, 5))
     late.start()
     try:
-        assert _send(sender, shard) == len(shard.raw) - PARAM_CHUNKS * MIB
+        assert _send(sender, shard) == len(shard.raw) - PARAM_BYTES
     finally:
         late.join()
     assert np.array_equal(_replica(store, 0, 5), shard.raw)
@@ -163,7 +164,7 @@ def test_other_replicas_on_the_holder_are_sources_too(store, sender, senders, se
     other = _snapshot(senders(2), _state(moment_shift=3.0), 7)
     assert _send(sender, other, rank=2) == len(other.raw)
     shard = _snapshot(sender_rank, _state(moment_shift=0.0), 7)
-    assert _send(sender, shard) == len(shard.raw) - PARAM_CHUNKS * MIB
+    assert _send(sender, shard) == len(shard.raw) - PARAM_BYTES
     assert np.array_equal(_replica(store, 0, 7), shard.raw)
     assert np.array_equal(_replica(store, 2, 7), other.raw)
 
@@ -192,8 +193,8 @@ def test_sealed_shards_carry_a_checksum_per_chunk():
     whole, chunks = fmt.checksums(data, MIB)
     assert whole == fmt.checksum(data)
     assert chunks == [fmt.checksum(data[i: i + MIB]) for i in range(0, len(data), MIB)]
-    assert fmt.chunk_bytes_for(10 * MIB) == MIB
-    assert fmt.chunk_bytes_for(fmt.MAX_CHUNKS * MIB + 1) == 2 * MIB  # at most MAX_CHUNKS
+    assert fmt.chunk_bytes_for(10 * MIB) == CHUNK
+    assert fmt.chunk_bytes_for(fmt.MAX_CHUNKS * CHUNK + 1) == 2 * CHUNK  # at most MAX_CHUNKS
     assert -(-(64 << 30) // fmt.chunk_bytes_for(64 << 30)) <= fmt.MAX_CHUNKS
 
 
@@ -205,12 +206,13 @@ def test_a_chunk_corrupted_on_the_wire_is_refused_when_others_were_filled(
     _snapshot(local_rank, _state(moment_shift=1.0), 5)
     shard = _snapshot(sender_rank, _state(moment_shift=0.0), 5)
     bad = shard.raw.copy()
-    at, _ = shard.chunks.span(5, shard.layout.data_len)
+    moments = len(shard.chunks.digests) - 1  # the last chunk: sent, not filled
+    at, _ = shard.chunks.span(moments, shard.layout.data_len)
     bad[at + 7] ^= 0xFF
-    with pytest.raises(ChecksumError, match="chunk 5"):
+    with pytest.raises(ChecksumError, match=f"chunk {moments}"):
         sender.send(0, 5, bad, shard.header["data_xxh3"], 0, chunks=shard.chunks)
     assert 0 not in store.inventory()
-    assert _send(sender, shard) == len(shard.raw) - PARAM_CHUNKS * MIB
+    assert _send(sender, shard) == len(shard.raw) - PARAM_BYTES
     assert np.array_equal(_replica(store, 0, 5), shard.raw)
 
 
