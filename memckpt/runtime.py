@@ -71,6 +71,7 @@ class Generation:
     refs: dict[Any, int]  # run ObjectRef -> rank
     info: dict[int, dict[str, Any]]
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    holders: dict[int, tuple[str, ...]] = field(default_factory=dict)  # rank -> replica holders
 
 
 class Runtime:
@@ -272,11 +273,11 @@ class Runtime:
                               dict(self.stores), self.coordinator, restore.get(rank),
                               tuple(self.injector.faults))
             refs[w.run.remote(self.train_fn, master, spec)] = rank
-        self._event("generation_started", gen=gen, assignment=assignment, workers=how,
-                    restore={r: i.step for r, i in restore.items()})
+        self._event("generation_started", gen=gen, assignment=assignment, holders=holders,
+                    workers=how, restore={r: i.step for r, i in restore.items()})
         if gen == 0:  # the first spares; after a recovery, once it is over (_progress_and_faults)
             self._top_up_spares()
-        return Generation(gen, workers, refs, info)
+        return Generation(gen, workers, refs, info, holders=dict(holders))
 
     def _new_worker(self, node: str, spare: bool = False) -> Any:
         cfg = self.config
@@ -331,6 +332,11 @@ class Runtime:
                 if hung:
                     return self._failure(g, f"rank(s) {hung} stopped heart-beating (hung)",
                                          died=set(hung), hung=set(hung))
+                lost = self._lost_holders(g)
+                if lost:
+                    return self._failure(
+                        g, f"node(s) {[n[:12] for n in lost]} holding replicas (and running no "
+                           "rank) died", died=set())
             # A raised error waits briefly for a peer's death to explain it (a collective
             # that failed because a peer died), unless no rank is left to wait for.
             if errors and (not pending or now - first_error_at > 0.5) \
@@ -358,6 +364,15 @@ class Runtime:
     def _stopped_step(g: Generation) -> Optional[int]:
         steps = [r["stopped"] for r in g.results.values() if r.get("stopped") is not None]
         return max(steps) if steps else None
+
+    def _lost_holders(self, g: Generation) -> list[str]:
+        """Replica holders that run no rank (standby nodes) and died: no worker's death
+        reports them, and every rank would wait for its replica to them until it gave up."""
+        idle = {h for hs in g.holders.values() for h in hs} - set(self.worker_nodes.values())
+        if not idle:
+            return []
+        alive = {n["NodeID"] for n in self.ray.nodes() if n["Alive"]}
+        return sorted(idle - alive)
 
     def _unresponsive(self, g: Generation, ranks: list[int]) -> set[int]:
         ray = self.ray
@@ -578,7 +593,8 @@ class Runtime:
         t_plan = time.time()
         record = {
             "what": failure["what"], "died_ranks": failure["died"],
-            "dead_nodes": sorted(set(self.worker_nodes.values()) - set(cap)),
+            "dead_nodes": sorted((set(self.worker_nodes.values())
+                                  | {h for hs in g.holders.values() for h in hs}) - set(cap)),
             "resumed_step": plan.step, "moved_ranks": list(plan.moved),
             "in_place_ranks": sorted(plan.placed),  # copies already placed: no re-copy
             "sources": {str(r): _source_label(s, plan.assignment[r]) for r, s in plan.sources.items()},

@@ -175,6 +175,41 @@ def test_a_dead_nodes_rank_restarts_on_the_standby_holding_its_replica(full_clus
 
 
 @pytest.mark.chaos
+def test_losing_the_standby_itself_is_survived(full_cluster, tmp_path):
+    """The standby runs no rank, so no worker dies with it: the ranks see their replica
+    holder gone when replicating, the job recovers with new holders among the live nodes
+    and ends with the same losses and digest."""
+    import ray
+
+    from memckpt.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+
+    def cfg(name: str) -> memckpt.Config:
+        return dataclasses.replace(
+            config(name),
+            workers=memckpt.WorkersConfig(num_workers=2, workers_per_node=1, cpus_per_worker=2),
+            placement=memckpt.PlacementConfig(strategy="ring", replicas=1, standby_nodes=1))
+
+    def kill_standby(_rank_node: str) -> None:
+        coord = ray.get_actor(coordinator_name("standby-lost"), namespace=COORDINATOR_NAMESPACE)
+        (standby,) = set(ray.get(coord.status.remote())["holders"]["0"])
+        full_cluster.remove_node(standby)
+
+    ref = memckpt.run(JOB, cfg("standby-lost-ref"), run_dir=tmp_path / "ref", quiet=True)
+    inj = FaultInjector(node_killer=kill_standby).kill_node(rank=1, at_step=KILL_AT)
+    result = memckpt.run(JOB, cfg("standby-lost"), run_dir=tmp_path / "run", injector=inj,
+                         quiet=True)
+    assert_same_run(result, ref)
+    (rec,) = result["recoveries"]
+    assert rec["moved_ranks"] == [] and len(rec["dead_nodes"]) == 1
+    assert "holding replicas" in rec["what"] and rec["phases_s"]["detect"] < 3.0
+    assert set(rec["sources"].values()) == {"local"}
+    # the ranks hold each other's copies now: a later node loss is survivable again
+    (gen1,) = [e for e in events(tmp_path / "run")
+               if e["event"] == "generation_started" and e["gen"] == 1]
+    assert gen1["holders"] == {"0": [gen1["assignment"]["1"]], "1": [gen1["assignment"]["0"]]}
+
+
+@pytest.mark.chaos
 def test_two_failures_on_different_nodes(full_cluster, reference, tmp_path):
     inj = (FaultInjector(node_killer=full_cluster.remove_node)
            .kill_node(rank=2, at_step=4).kill_worker(rank=0, at_step=8))
