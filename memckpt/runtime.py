@@ -73,6 +73,10 @@ class Generation:
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
     holders: dict[int, tuple[str, ...]] = field(default_factory=dict)  # rank -> replica holders
 
+    @property
+    def holder_nodes(self) -> set[str]:
+        return {h for hs in self.holders.values() for h in hs}
+
 
 class Runtime:
     def __init__(self, train_fn: Callable, config: Config, run_dir: Path,
@@ -368,7 +372,7 @@ class Runtime:
     def _lost_holders(self, g: Generation) -> list[str]:
         """Replica holders that run no rank (standby nodes) and died: no worker's death
         reports them, and every rank would wait for its replica to them until it gave up."""
-        idle = {h for hs in g.holders.values() for h in hs} - set(self.worker_nodes.values())
+        idle = g.holder_nodes - set(self.worker_nodes.values())
         if not idle:
             return []
         alive = {n["NodeID"] for n in self.ray.nodes() if n["Alive"]}
@@ -593,8 +597,7 @@ class Runtime:
         t_plan = time.time()
         record = {
             "what": failure["what"], "died_ranks": failure["died"],
-            "dead_nodes": sorted((set(self.worker_nodes.values())
-                                  | {h for hs in g.holders.values() for h in hs}) - set(cap)),
+            "dead_nodes": sorted((set(self.worker_nodes.values()) | g.holder_nodes) - set(cap)),
             "resumed_step": plan.step, "moved_ranks": list(plan.moved),
             "in_place_ranks": sorted(plan.placed),  # copies already placed: no re-copy
             "sources": {str(r): _source_label(s, plan.assignment[r]) for r, s in plan.sources.items()},

@@ -155,13 +155,14 @@ class Layout:
 
 def header_capacity_for(layout: Layout, meta_hint: int = 0) -> int:
     """Room for the header: the tensor table plus generous space for metadata."""
-    table = len(json.dumps(layout.to_json())) + chunk_list_bytes(layout.data_len)
-    return _round_up(table + 2 * meta_hint + 64 * 1024, DATA_ALIGN) - PREFIX.size
+    return _round_up(table_bytes(layout) + 2 * meta_hint + 64 * 1024, DATA_ALIGN) - PREFIX.size
 
 
-def chunk_list_bytes(data_len: int) -> int:
-    """Header bytes the per-chunk checksums of a ``data_len`` data region take."""
-    return -(-data_len // chunk_bytes_for(data_len)) * _CHUNK_DIGEST_BYTES
+def table_bytes(layout: Layout) -> int:
+    """Header bytes that depend on the layout alone: the tensor table and the per-chunk
+    checksums of its data region."""
+    chunks = -(-layout.data_len // chunk_bytes_for(layout.data_len))
+    return len(json.dumps(layout.to_json())) + chunks * _CHUNK_DIGEST_BYTES
 
 
 def region_size(layout: Layout, header_capacity: int) -> int:
@@ -268,7 +269,7 @@ class Shard:
     def meta(self) -> dict[str, Any]:
         return self.header.get("meta", {})
 
-    @property
+    @functools.cached_property
     def chunks(self) -> "Chunks | None":
         """The per-chunk checksums, if the shard was sealed with them."""
         return Chunks.of(self.header, data_offset(self.header_capacity))

@@ -261,8 +261,7 @@ class SnapshotEngine:
     def _prepare(self, slot: Slot, captured: Captured) -> None:
         layout = fmt.Layout.of(captured.tensors)
         meta_len = len(json.dumps(captured.meta, separators=(",", ":")))
-        need = (meta_len + len(json.dumps(layout.to_json())) + fmt.chunk_list_bytes(layout.data_len)
-                + 1024)
+        need = meta_len + fmt.table_bytes(layout) + 1024
         if slot.layout == layout and slot.region is not None and need <= slot.header_capacity:
             return
         self._map_slot(slot, layout, fmt.header_capacity_for(layout, meta_hint=meta_len))

@@ -109,25 +109,6 @@ def peek_step(path: Path) -> Optional[int]:
         return None
 
 
-def _own_prefix_steps(own: Path) -> dict[str, list[int]]:
-    """Own rank folder -> steps of its slots that their 64-byte prefix calls complete (the
-    header is not checked: for polling only)."""
-    out: dict[str, list[int]] = {}
-    for rank_dir in own.glob("rank*"):
-        steps = out.setdefault(rank_dir.name, [])
-        for name in SLOTS:
-            try:
-                with open(rank_dir / name, "rb") as f:
-                    head = f.read(fmt.PREFIX.size)
-            except OSError:
-                continue
-            if len(head) == fmt.PREFIX.size:
-                magic, _, state, *_, step = fmt.PREFIX.unpack(head)
-                if magic == fmt.MAGIC and state == fmt.STATE_COMPLETE:
-                    steps.append(step)
-    return out
-
-
 def invalidate(path: Path) -> None:
     """Flag a slot file incomplete in place (the bytes stay, no reader trusts them)."""
     try:
@@ -249,8 +230,8 @@ class ReplicaStore:
         may_wait = self._fill_backoff.get(rank, 0) == 0
         self._fill_backoff[rank] = max(0, self._fill_backoff.get(rank, 0) - 1)
         while may_wait:
-            # The prefix alone (64 bytes per slot): polling must not cost the node's CPU.
-            newest = [max(steps) for steps in _own_prefix_steps(self.own).values() if steps]
+            # peek_step reads a slot's prefix and header, never its data: cheap to poll
+            newest = [max(steps) for steps in scan(self.own).values()]
             if not newest or min(newest) >= step:
                 break  # every own rank has sealed the step (or there is none)
             if time.monotonic() > deadline:

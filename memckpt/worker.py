@@ -145,7 +145,7 @@ class Replicator:
                 sent = sender.send(rank, step, shard.raw, shard.header["data_xxh3"], self.spec.gen,
                                    lambda: self.cancelled, shard.chunks)
                 self.bytes_sent += sent
-                self.bytes_filled += len(shard.raw) - sent if sent else 0
+                self.bytes_filled += (len(shard.raw) - sent) if sent else 0  # 0: already held
                 return
             except (OSError, ray.exceptions.RayActorError) as e:
                 self._drop(node)

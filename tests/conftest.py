@@ -57,3 +57,11 @@ def sender(store):
     snd = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
     yield snd
     snd.close()
+
+
+def held_replica(store, rank: int, step: int):
+    """The bytes of ``rank``'s replica of ``step`` as ``store`` holds it on disk."""
+    import numpy as np
+
+    from memckpt.store import scan
+    return np.fromfile(scan(store.replicas)[rank][step], dtype=np.uint8)

@@ -20,9 +20,9 @@ import torch
 
 import memckpt
 from memckpt import shard as fmt
-from memckpt.store import ReplicaStore, scan
+from memckpt.store import scan
 from memckpt.transport import StoreConnection, _spans
-from conftest import STORE_JOB, _shm_base
+from conftest import STORE_JOB, _shm_base, held_replica
 
 MIB = 1 << 20
 PARAM_BYTES = 3 * MIB  # the weight below: the chunks of its 3 MiB are parameters only
@@ -77,10 +77,6 @@ def sender_rank(senders):
     return senders(0)
 
 
-def _replica(store: ReplicaStore, rank: int, step: int) -> np.ndarray:
-    return np.fromfile(scan(store.replicas)[rank][step], dtype=np.uint8)
-
-
 def _send(sender: StoreConnection, shard: fmt.Shard, rank: int = 0) -> int:
     return sender.send(rank, shard.step, shard.raw, shard.header["data_xxh3"], 0,
                      chunks=shard.chunks)
@@ -93,7 +89,7 @@ def test_parameter_chunks_are_filled_locally_and_the_replica_is_identical(
     assert shard.chunks is not None and len(shard.chunks.digests) > PARAM_BYTES // CHUNK
     sent = _send(sender, shard)
     assert sent == len(shard.raw) - PARAM_BYTES  # the moments and the header crossed
-    held = _replica(store, 0, 5)
+    held = held_replica(store, 0, 5)
     assert np.array_equal(held, shard.raw)
     assert fmt.open_shard(held, "replica", verify=True).step == 5
     assert store.inventory() == {0: [5], 1: [5]}
@@ -113,7 +109,7 @@ def test_a_local_chunk_whose_bytes_changed_is_sent_instead(store, sender, local_
         f.write(bytes([byte[0] ^ 0xFF]))
     shard = _snapshot(sender_rank, _state(moment_shift=0.0), 5)
     assert _send(sender, shard) == len(shard.raw) - (PARAM_BYTES - CHUNK)
-    assert np.array_equal(_replica(store, 0, 5), shard.raw)
+    assert np.array_equal(held_replica(store, 0, 5), shard.raw)
 
 
 def test_the_holder_waits_briefly_for_its_own_rank_to_seal_the_step(
@@ -129,7 +125,7 @@ def test_the_holder_waits_briefly_for_its_own_rank_to_seal_the_step(
         assert _send(sender, shard) == len(shard.raw) - PARAM_BYTES
     finally:
         late.join()
-    assert np.array_equal(_replica(store, 0, 5), shard.raw)
+    assert np.array_equal(held_replica(store, 0, 5), shard.raw)
 
 
 def test_a_holder_whose_own_rank_stays_behind_stops_waiting_for_it(
@@ -146,7 +142,7 @@ def test_a_holder_whose_own_rank_stays_behind_stops_waiting_for_it(
         t0 = time.monotonic()
         assert _send(sender, shard) == len(shard.raw)  # nothing to fill from
         waits.append(time.monotonic() - t0)
-        assert np.array_equal(_replica(store, 0, step), shard.raw)
+        assert np.array_equal(held_replica(store, 0, step), shard.raw)
     assert waits[0] >= 0.3 and waits[1] < 0.3
 
 
@@ -155,7 +151,7 @@ def test_a_node_without_own_ranks_does_not_wait(store, sender, sender_rank, monk
     monkeypatch.setattr(st, "FILL_WAIT_S", 30.0)
     shard = _snapshot(sender_rank, _state(moment_shift=0.0), 5)
     assert _send(sender, shard) == len(shard.raw)  # returns at once: nothing to wait for
-    assert np.array_equal(_replica(store, 0, 5), shard.raw)
+    assert np.array_equal(held_replica(store, 0, 5), shard.raw)
 
 
 def test_other_replicas_on_the_holder_are_sources_too(store, sender, senders, sender_rank):
@@ -165,15 +161,15 @@ def test_other_replicas_on_the_holder_are_sources_too(store, sender, senders, se
     assert _send(sender, other, rank=2) == len(other.raw)
     shard = _snapshot(sender_rank, _state(moment_shift=0.0), 7)
     assert _send(sender, shard) == len(shard.raw) - PARAM_BYTES
-    assert np.array_equal(_replica(store, 0, 7), shard.raw)
-    assert np.array_equal(_replica(store, 2, 7), other.raw)
+    assert np.array_equal(held_replica(store, 0, 7), shard.raw)
+    assert np.array_equal(held_replica(store, 2, 7), other.raw)
 
 
 def test_a_sender_without_a_chunk_table_sends_everything(store, sender, local_rank, sender_rank):
     _snapshot(local_rank, _state(moment_shift=1.0), 5)
     shard = _snapshot(sender_rank, _state(moment_shift=0.0), 5)
     assert sender.send(0, 5, shard.raw, shard.header["data_xxh3"], 0) == len(shard.raw)
-    assert np.array_equal(_replica(store, 0, 5), shard.raw)
+    assert np.array_equal(held_replica(store, 0, 5), shard.raw)
 
 
 def test_spans_cover_every_byte_but_the_filled_chunks():
@@ -213,7 +209,7 @@ def test_a_chunk_corrupted_on_the_wire_is_refused_when_others_were_filled(
         sender.send(0, 5, bad, shard.header["data_xxh3"], 0, chunks=shard.chunks)
     assert 0 not in store.inventory()
     assert _send(sender, shard) == len(shard.raw) - PARAM_BYTES
-    assert np.array_equal(_replica(store, 0, 5), shard.raw)
+    assert np.array_equal(held_replica(store, 0, 5), shard.raw)
 
 
 def test_a_chunk_table_that_disagrees_with_the_header_vouches_for_nothing(

@@ -47,6 +47,14 @@ def reference(cluster, tmp_path_factory):
     return result
 
 
+def standby_config(name: str) -> memckpt.Config:
+    """Two ranks on two full nodes; the third node runs none and holds both replicas."""
+    return dataclasses.replace(
+        config(name),
+        workers=memckpt.WorkersConfig(num_workers=2, workers_per_node=1, cpus_per_worker=2),
+        placement=memckpt.PlacementConfig(strategy="ring", replicas=1, standby_nodes=1))
+
+
 def run_with(injector: FaultInjector, name: str, tmp_path, **failure) -> dict:
     return memckpt.run(JOB, config(name, **failure), run_dir=tmp_path, injector=injector,
                        quiet=True)
@@ -150,15 +158,10 @@ def test_a_dead_nodes_rank_restarts_on_the_standby_holding_its_replica(full_clus
     """placement.standby_nodes=1: two ranks on two full nodes, the third node runs nothing
     and holds both ranks' replicas. Rank 1's node dies: rank 1 restarts on the standby and
     takes the replica files there as its own slots (no network, no second copy)."""
-    def cfg(name: str) -> memckpt.Config:
-        return dataclasses.replace(
-            config(name), workers=memckpt.WorkersConfig(num_workers=2, workers_per_node=1, cpus_per_worker=2),
-            placement=memckpt.PlacementConfig(strategy="ring", replicas=1, standby_nodes=1))
-
-    ref = memckpt.run(JOB, cfg("standby-ref"), run_dir=tmp_path / "ref", quiet=True)
+    ref = memckpt.run(JOB, standby_config("standby-ref"), run_dir=tmp_path / "ref", quiet=True)
     assert ref["recoveries"] == []
     inj = FaultInjector(node_killer=full_cluster.remove_node).kill_node(rank=1, at_step=KILL_AT)
-    result = memckpt.run(JOB, cfg("standby-node"), run_dir=tmp_path / "node", injector=inj,
+    result = memckpt.run(JOB, standby_config("standby-node"), run_dir=tmp_path / "node", injector=inj,
                          quiet=True)
     assert_same_run(result, ref)
     log = events(tmp_path / "node")
@@ -183,20 +186,14 @@ def test_losing_the_standby_itself_is_survived(full_cluster, tmp_path):
 
     from memckpt.coordinator import COORDINATOR_NAMESPACE, coordinator_name
 
-    def cfg(name: str) -> memckpt.Config:
-        return dataclasses.replace(
-            config(name),
-            workers=memckpt.WorkersConfig(num_workers=2, workers_per_node=1, cpus_per_worker=2),
-            placement=memckpt.PlacementConfig(strategy="ring", replicas=1, standby_nodes=1))
-
     def kill_standby(_rank_node: str) -> None:
         coord = ray.get_actor(coordinator_name("standby-lost"), namespace=COORDINATOR_NAMESPACE)
         (standby,) = set(ray.get(coord.status.remote())["holders"]["0"])
         full_cluster.remove_node(standby)
 
-    ref = memckpt.run(JOB, cfg("standby-lost-ref"), run_dir=tmp_path / "ref", quiet=True)
+    ref = memckpt.run(JOB, standby_config("standby-lost-ref"), run_dir=tmp_path / "ref", quiet=True)
     inj = FaultInjector(node_killer=kill_standby).kill_node(rank=1, at_step=KILL_AT)
-    result = memckpt.run(JOB, cfg("standby-lost"), run_dir=tmp_path / "run", injector=inj,
+    result = memckpt.run(JOB, standby_config("standby-lost"), run_dir=tmp_path / "run", injector=inj,
                          quiet=True)
     assert_same_run(result, ref)
     (rec,) = result["recoveries"]

@@ -17,20 +17,16 @@ import torch
 from memckpt import shard as fmt
 from memckpt.errors import ChecksumError, NoSnapshotError, PlacementError, StaleGenerationError
 from memckpt.snapshot import SnapshotEngine
-from memckpt.store import ReplicaStore, scan
+from memckpt.store import scan
 from memckpt.transport import StoreConnection, send_msg
 from _shards import _train_state, shards  # noqa: F401 (fixture)
-
-def _held(store: ReplicaStore, rank: int, step: int) -> np.ndarray:
-    path = scan(store.replicas)[rank][step]
-    return np.fromfile(path, dtype=np.uint8)
-
+from conftest import held_replica
 
 def test_streamed_shard_lands_verified_and_byte_identical(store, sender, shards):
     for step in (1, 2):
         raw, digest = shards[step]
         assert sender.send(0, step, raw, digest, gen=0) == len(raw)
-        held = _held(store, 0, step)
+        held = held_replica(store, 0, step)
         assert np.array_equal(held, raw)
         assert fmt.open_shard(held, "held", verify=True).step == step
     assert store.inventory() == {0: [1, 2]}
@@ -52,7 +48,7 @@ def test_flipped_byte_is_refused_and_connection_stays_usable(store, sender, shar
         sender.send(0, 1, bad, digest, gen=0)
     assert store.inventory() == {}  # nothing unverified is listed
     assert sender.send(0, 1, raw, digest, gen=0) == len(raw)
-    assert np.array_equal(_held(store, 0, 1), raw)
+    assert np.array_equal(held_replica(store, 0, 1), raw)
 
 
 def test_stale_generation_is_refused_by_type(store, sender, shards):
@@ -119,7 +115,7 @@ def test_lack_of_ram_reaches_the_sender(store, sender, shards, monkeypatch):
         sender.send(0, 1, raw, digest, gen=0)
 
 
-def test_fetch_returns_the_held_shard_and_refuses_what_is_not_held(store, sender, shards):
+def test_fetch_returns_the_held_shard_and_refuses_what_is_notheld_replica(store, sender, shards):
     raw, digest = shards[2]
     assert sender.send(3, 2, raw, digest, gen=0) == len(raw)
     got = sender.fetch(3, 2)
