@@ -12,7 +12,8 @@ from memckpt.bench import recovery
 EXPECTED = {
     ("recovery", "memckpt-worker"), ("recovery", "memckpt-node"),
     ("recovery", "memckpt-node-standby"),
-    ("recovery", "restart+torch.load"), ("transfer", "memckpt-peer-fetch"),
+    ("recovery", "restart+torch.load"), ("recovery", "restart+torch.load-node-lost"),
+    ("transfer", "memckpt-peer-fetch"),
     ("transfer", "memckpt-replication"), ("transfer", "raw-tcp"),
     ("transfer", "raw-tcp-2way"), ("transfer", "memckpt-replication-path"),
     ("transfer", "memckpt-fetch-path"),
@@ -45,9 +46,22 @@ def test_recovery_bench_rows(tmp_path):
     assert any(v.startswith("peer:") for v in by[("recovery", "memckpt-node")]["sources"][0].values())
     # with a standby node holding the replicas, the lost node's rank restores there locally
     assert by[("recovery", "memckpt-node-standby")]["sources"][0]["1"] == "local"
-    base = by[("recovery", "restart+torch.load")]["phases_s"]
-    for phase in ("detect", "stop", "start_actors", "torch_load", "first_step", "total"):
-        assert base[phase] > 0, (phase, base)
+    for method in ("restart+torch.load", "restart+torch.load-node-lost"):
+        base = by[("recovery", method)]["phases_s"]
+        for phase in ("detect", "stop", "start_actors", "torch_load", "first_step", "total"):
+            assert base[phase] > 0, (method, phase, base)
+    # each memckpt row is measured against the alternative recovering from the same failure
+    assert by[("recovery", "memckpt-worker")]["baseline"] == "restart+torch.load"
+    for method in ("memckpt-node", "memckpt-node-standby"):
+        r = by[("recovery", method)]
+        assert r["baseline"] == "restart+torch.load-node-lost"
+        base_s = by[("recovery", "restart+torch.load-node-lost")]["median_s"]
+        assert r["speedup_vs_restart"] == pytest.approx(base_s / r["median_s"])
+        assert r["speedup_vs_worker_restart"] == pytest.approx(
+            by[("recovery", "restart+torch.load")]["median_s"] / r["median_s"])
+    # a node is declared dead through Ray's health checks (~0.8 s): a killed process at once
+    lost = by[("recovery", "restart+torch.load-node-lost")]["phases_s"]["detect"]
+    assert lost > by[("recovery", "restart+torch.load")]["phases_s"]["detect"]
     for method in ("memckpt-peer-fetch", "memckpt-replication", "memckpt-replication-path",
                    "memckpt-fetch-path"):
         r = by[("transfer", method)]

@@ -64,8 +64,10 @@ class ColdWorker:
         return os.path.getsize(path)
 
     def train(self, master: tuple[str, int], rank: int, world: int, kill_at: Optional[int],
-              marker: str, compute_iters: int, max_steps: int = 10_000) -> int:
-        """Train until the peer fails; at ``kill_at`` write the time and SIGKILL this process."""
+              marker: str, compute_iters: int, max_steps: int = 10_000,
+              hold: bool = False) -> int:
+        """Train until the peer fails; at ``kill_at`` write the time and SIGKILL this process,
+        or with ``hold`` stay still there until the driver removes this process's node."""
         _init_group(master, rank, world)
         x, w = _compute_inputs()
         for step in range(1, max_steps + 1):
@@ -74,6 +76,8 @@ class ColdWorker:
             if step == kill_at:
                 with open(marker, "w") as f:
                     f.write(repr(time.time()))
+                if hold:
+                    time.sleep(3600)
                 os.kill(os.getpid(), signal.SIGKILL)
         return max_steps
 
