@@ -62,6 +62,9 @@ def _short(names: Iterable[str], limit: int = 10) -> str:
     return ", ".join(names[:limit]) + more
 
 
+_SCALARS = frozenset({bool, int, float, str, type(None)})  # exact types: JSON as they are
+
+
 class _Flattener:
     """Splits a nested state_dict into JSON plus tensors (never pickle)."""
 
@@ -81,10 +84,12 @@ class _Flattener:
             return obj
         if isinstance(obj, np.generic):
             return obj.item()
-        if isinstance(obj, tuple):
-            return {"__tuple__": [self(v, f"{path}/{i}") for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return [self(v, f"{path}/{i}") for i, v in enumerate(obj)]
+        if isinstance(obj, (tuple, list)):
+            # A run of plain scalars (an RNG state: ~1250 ints captured every step) is JSON
+            # as it is: no call and no path string per element.
+            items = list(obj) if all(type(v) in _SCALARS for v in obj) else \
+                [self(v, f"{path}/{i}") for i, v in enumerate(obj)]
+            return {"__tuple__": items} if isinstance(obj, tuple) else items
         if isinstance(obj, Mapping):
             if all(isinstance(k, str) for k in obj):
                 clash = [k for k in obj if k in _MARKERS]

@@ -440,6 +440,27 @@ def test_capture_refuses_what_it_cannot_store_exactly():
         memckpt.TrainState(model={"a/b": MLP()})
 
 
+def test_flattened_sequences_keep_their_kind_and_every_tensor():
+    """Lists and tuples of plain scalars are taken as they are (the RNG states, each step);
+    one holding anything else is walked element by element, so its tensors and numpy
+    values are still captured."""
+    from memckpt.state import _Flattener, _unflatten
+    tensors: list = []
+    flat = _Flattener(tensors)
+    obj = {"ints": list(range(700)), "tup": (3, 2.5, "x", None, True),
+           "mixed": [1, torch.arange(3), (np.int64(7), 2.0)], "nested": [[1, 2], (3,)]}
+    out = flat(obj, "p")
+    assert out["ints"] == list(range(700)) and out["tup"] == {"__tuple__": [3, 2.5, "x", None, True]}
+    assert out["mixed"] == [1, {"__tensor__": "p/mixed/1"}, {"__tuple__": [7, 2.0]}]
+    assert type(out["mixed"][2]["__tuple__"][0]) is int  # the numpy scalar became JSON
+    assert out["nested"] == [[1, 2], {"__tuple__": [3]}]
+    assert [n for n, _ in tensors] == ["p/mixed/1"]
+    back = _unflatten(out, dict(tensors))
+    assert back["ints"] == obj["ints"] and back["tup"] == obj["tup"] and back["nested"] == [[1, 2], (3,)]
+    assert back["mixed"][0] == 1 and torch.equal(back["mixed"][1], torch.arange(3))
+    assert back["mixed"][2] == (7, 2.0)
+
+
 # ---- ResumableSampler ----------------------------------------------------------------------------
 
 def _take(sampler, n):
