@@ -490,6 +490,17 @@ def warm_torch() -> None:
     opt.step()
 
 
+def settle_imports() -> None:
+    """Hide what is alive now from the cyclic garbage collector for good (``gc.freeze``): the
+    ~300k import-time objects of torch, Ray and memckpt, which live as long as the process
+    anyway. A full collection then walks only what training creates. The collection that
+    frees a failed generation's state before the next restore (:meth:`Worker.run`) sits on
+    the recovery's critical path: 0.17 s here with them, under 1 ms without; the
+    interpreter's own full collections during training shrink the same way."""
+    gc.collect()
+    gc.freeze()
+
+
 class Worker:
     """One rank's process, as a long-lived Ray actor.
 
@@ -502,6 +513,7 @@ class Worker:
     def __init__(self, config: Config, coordinator: Any) -> None:
         import ray
         warm_torch()  # a spare must be ready to train at once
+        settle_imports()
         self.config, self.coordinator = config, coordinator
         self.spec: Optional[WorkerSpec] = None
         self.node_id = ray.get_runtime_context().get_node_id()
