@@ -94,6 +94,13 @@ def test_recovery(tmp_path):
     fastest = min(rec[m]["median"] for m in compare.ALTERNATIVES)
     for m in ("memckpt-worker", "memckpt-node"):
         assert rec[m]["speedup_vs_fastest_alternative"] == pytest.approx(fastest / rec[m]["median"])
+    # the node row also against the alternative after the same node loss
+    same = rec["restart+torch.load-node-lost"]
+    assert rec["memckpt-node"]["speedup_vs_same_failure"] == pytest.approx(
+        same["median"] / rec["memckpt-node"]["median"])
+    assert same["phases_s"]["detect"] > rec["restart+torch.load"]["phases_s"]["detect"]
+    assert "after the same node loss" in compare.format_table(rows)
+    assert any("the same failure" in text for _, text in compare.check_targets(rows))
     assert set(rec["memckpt-worker"]["sources"][0].values()) == {"local"}
     assert rec["memckpt-node"]["fraction_of_limit"] > 0
     for m in compare.ALTERNATIVES:

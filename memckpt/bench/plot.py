@@ -9,7 +9,8 @@ WIDTH_PX, HEIGHT_PX, DPI = 1400, 1000, 100
 COLORS = {"memckpt": "#d62728", "memckpt-local": "#ff9896", "memcpy": "#7f7f7f",
           "raw-disk-write": "#c7c7c7", "torch.save": "#1f77b4", "dcp-async": "#2ca02c",
           "ray-train": "#9467bd", "memckpt-worker": "#d62728", "memckpt-node": "#ff9896",
-          "restart+torch.load": "#1f77b4", "restart+dcp.load": "#2ca02c",
+          "restart+torch.load": "#1f77b4", "restart+torch.load-node-lost": "#aec7e8",
+          "restart+dcp.load": "#2ca02c",
           "ray-train-restore": "#9467bd", "memckpt-k1": "#d62728", "memckpt-k2": "#8c564b"}
 
 
@@ -56,7 +57,7 @@ def plot_compare(rows: list[dict[str, Any]], path: str | Path) -> Path:
                 ys.append(r["median"])
         a_rec.bar(xs, ys, width, label=m, color=_color(m))
     a_rec.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"{s}/rank" for s in sizes])
-    a_rec.set(ylabel="fault -> first resumed step (s)", title="Recovery after a killed worker")
+    a_rec.set(ylabel="fault -> first resumed step (s)", title="Recovery (killed worker; *-node*: a lost node)")
     if methods:
         a_rec.legend(fontsize=8)
     a_rec.grid(True, axis="y", alpha=0.3)
