@@ -9,12 +9,15 @@ so device-to-host copies run at full speed and asynchronously on a side stream.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import psutil
@@ -59,7 +62,7 @@ class RamRegion:
                 # Populated: the kernel allocates every page in one pass, so the first
                 # snapshot does not pay a fault per 4 KiB (about as fast as zero-filling
                 # from here, measured, and it leaves the pages to the first real write).
-                self._mm = _map(fd, max(size, 1), populate=True)
+                self._mm = map_memory(fd, max(size, 1))
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -71,7 +74,7 @@ class RamRegion:
                     raise MemckptError(f"{path} holds {actual} bytes, expected {size}")
                 # Populated: faulting 4 KiB pages on first touch made copying a 1 GiB
                 # slot take 0.29 s, after one populate pass (0.03 s) it takes 0.09 s.
-                self._mm = _map(fd, actual, populate)
+                self._mm = map_memory(fd, actual, populate)
                 self.size = actual
             finally:
                 os.close(fd)
@@ -142,9 +145,59 @@ class RamRegion:
             remove_path(self.path)
 
 
-def _map(fd: int, size: int, populate: bool) -> mmap.mmap:
-    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-    return mmap.mmap(fd, size, flags=flags)
+MADV_POPULATE_READ = 22  # fault a mapping's pages in (a shared file's: what MAP_POPULATE does)
+MADV_POPULATE_WRITE = 23  # fault them in writable (private memory a copy will fill)
+PAGE = 4096
+
+
+@functools.cache
+def libc_madvise(advice: int) -> Optional[Callable[[int, int, int], int]]:
+    """libc's madvise if this kernel knows ``advice`` (the POPULATE ones: Linux >= 5.14),
+    else None. Tried once per advice, on a page of our own: EINVAL means both "unknown
+    advice" and "this range cannot be".
+
+    Called through ctypes, which releases the GIL. ``mmap.mmap(..., MAP_POPULATE)`` and
+    ``mmap.madvise`` hold it while the kernel populates (0.6-0.7 s per GiB of fresh memory
+    here), and every other thread of the process stops meanwhile: a replica store's other
+    connections, or a restore's load while the second slot is mapped behind it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    page = mmap.mmap(-1, PAGE)
+    view = ctypes.c_char.from_buffer(page)
+    ok = fn(ctypes.addressof(view), PAGE, advice) == 0
+    del view  # the mmap cannot close while a ctypes view exports it
+    page.close()
+    return fn if ok else None
+
+
+def populate_mapping(mm: mmap.mmap, advice: int = MADV_POPULATE_READ) -> bool:
+    """Fault in every page of the writable mapping ``mm`` without holding the GIL; False
+    where the kernel cannot (the pages then fault in on first touch)."""
+    fn = libc_madvise(advice)
+    if fn is None or len(mm) == 0:
+        return False
+    view = ctypes.c_char.from_buffer(mm)
+    try:
+        return fn(ctypes.addressof(view), len(mm), advice) == 0
+    finally:
+        del view
+
+
+def map_memory(fd: int, size: int, populate: bool = True) -> mmap.mmap:
+    """``size`` bytes of the file ``fd`` mapped shared (``fd=-1``: private anonymous memory),
+    with ``populate`` faulted in: with the GIL released where the kernel can
+    (:func:`libc_madvise`), else with MAP_POPULATE (where there is none, not at all)."""
+    anonymous = fd < 0
+    advice = MADV_POPULATE_WRITE if anonymous else MADV_POPULATE_READ  # READ: the zero page
+    held = populate and libc_madvise(advice) is None
+    flags = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if anonymous else mmap.MAP_SHARED
+    mm = mmap.mmap(fd, size, flags=flags | (getattr(mmap, "MAP_POPULATE", 0) if held else 0))
+    if populate and not held:
+        populate_mapping(mm, advice)
+    return mm
 
 
 def remove_path(path: Path) -> None:

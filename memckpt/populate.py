@@ -15,41 +15,21 @@ have), so it is safe on any writable mapping; where it is unsupported it does no
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import mmap
-import sys
 import threading
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 
-MADV_POPULATE_WRITE = 23
-PAGE = 4096
+from memckpt.buffers import MADV_POPULATE_WRITE, PAGE, libc_madvise, map_memory
+
 MIN_BYTES = 1 << 20  # below this a system call costs more than the faults it saves
-
-
-@functools.cache
-def _madvise() -> Optional[Callable[[int, int, int], int]]:
-    """libc's madvise if this kernel populates for writing, else None. Tried once, on a page
-    of our own: EINVAL means both "unknown advice" and "this range cannot be"."""
-    if not sys.platform.startswith("linux"):
-        return None
-    fn = ctypes.CDLL(None, use_errno=True).madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    page = mmap.mmap(-1, PAGE)
-    view = ctypes.c_char.from_buffer(page)
-    ok = fn(ctypes.addressof(view), PAGE, MADV_POPULATE_WRITE) == 0
-    del view  # the mmap cannot close while a ctypes view exports it
-    page.close()
-    return fn if ok else None
 
 
 def populate(tensors: Iterable[torch.Tensor]) -> int:
     """Fault in the whole pages inside each large CPU tensor's memory; returns the bytes
     populated (0 where the kernel cannot: older than 5.14, or not Linux)."""
-    madvise = _madvise()
+    madvise = libc_madvise(MADV_POPULATE_WRITE)
     if madvise is None:
         return 0
     done = 0
@@ -185,12 +165,11 @@ class HostReserve:
     def hold(self, nbytes: int) -> int:
         """Fault in (at least) ``nbytes`` of private memory; returns the bytes held. A no-op
         after ``release``: a spare that became a rank keeps no reserve."""
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
         while True:
             with self._lock:
                 if self._released or self.nbytes >= nbytes:
                     return self.nbytes
-                chunk = mmap.mmap(-1, min(self.CHUNK, nbytes - self.nbytes), flags=flags)
+                chunk = map_memory(-1, min(self.CHUNK, nbytes - self.nbytes))
                 if not getattr(mmap, "MAP_POPULATE", 0):  # not Linux: touch every page
                     for off in range(0, len(chunk), PAGE):
                         chunk[off] = 0
