@@ -189,9 +189,10 @@ def populate_mapping(mm: mmap.mmap, advice: int = MADV_POPULATE_READ) -> bool:
 def map_memory(fd: int, size: int, populate: bool = True) -> mmap.mmap:
     """``size`` bytes of the file ``fd`` mapped shared (``fd=-1``: private anonymous memory),
     with ``populate`` faulted in: with the GIL released where the kernel can
-    (:func:`libc_madvise`), else with MAP_POPULATE (where there is none, not at all)."""
+    (:func:`libc_madvise`), else with MAP_POPULATE (on a system with neither, not at all)."""
     anonymous = fd < 0
-    advice = MADV_POPULATE_WRITE if anonymous else MADV_POPULATE_READ  # READ: the zero page
+    # private memory needs WRITE (READ would map the shared zero page); a file needs READ
+    advice = MADV_POPULATE_WRITE if anonymous else MADV_POPULATE_READ
     held = populate and libc_madvise(advice) is None
     flags = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if anonymous else mmap.MAP_SHARED
     mm = mmap.mmap(fd, size, flags=flags | (getattr(mmap, "MAP_POPULATE", 0) if held else 0))
