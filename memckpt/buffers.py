@@ -173,15 +173,19 @@ def libc_madvise(advice: int) -> Optional[Callable[[int, int, int], int]]:
     return fn if ok else None
 
 
-def populate_mapping(mm: mmap.mmap, advice: int = MADV_POPULATE_READ) -> bool:
-    """Fault in every page of the writable mapping ``mm`` without holding the GIL; False
-    where the kernel cannot (the pages then fault in on first touch)."""
+def populate_mapping(mm: mmap.mmap, advice: int = MADV_POPULATE_READ, offset: int = 0,
+                     length: Optional[int] = None) -> bool:
+    """Fault in the pages of the writable mapping ``mm`` (``length`` bytes from the
+    page-aligned ``offset``; all of it by default) without holding the GIL; False where the
+    kernel cannot (the pages then fault in on first touch) or the memory is not there (a
+    full tmpfs: the kernel refuses instead of raising SIGBUS)."""
     fn = libc_madvise(advice)
-    if fn is None or len(mm) == 0:
+    length = len(mm) - offset if length is None else length
+    if fn is None or length <= 0:
         return False
     view = ctypes.c_char.from_buffer(mm)
     try:
-        return fn(ctypes.addressof(view), len(mm), advice) == 0
+        return fn(ctypes.addressof(view) + offset, length, advice) == 0
     finally:
         del view
 

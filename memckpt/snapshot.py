@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from memckpt import shard as fmt
-from memckpt.buffers import RamRegion
+from memckpt.buffers import RamRegion, remove_path
 from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError
 from memckpt.state import Captured
 
@@ -57,6 +58,7 @@ class EngineStats:
     skipped: int = 0  # fall-behind policy "skip"
     waited_s: float = 0.0  # fall-behind policy "wait": time the step spent waiting
     allocations: int = 0  # slot (re)allocations; stays flat after warm-up
+    offered_taken: int = 0  # slots that were an offered file (a warm spare's), not new memory
     last_stall_s: float = 0.0
     last_step: Optional[int] = None
 
@@ -97,6 +99,7 @@ class SnapshotEngine:
         self._error: Optional[BaseException] = None
         self._aborted: Optional[BaseException] = None  # raised by every later snapshot
         self._newest: Optional[int] = None  # index of the slot written last (maybe in flight)
+        self._offered: list[Path] = []  # populated files the next new slots become
         self._pin = torch.cuda.is_available()
         self._stream = torch.cuda.Stream() if self._pin else None
         self.slots = [Slot(self.directory / n) for n in SLOT_NAMES]
@@ -272,10 +275,46 @@ class SnapshotEngine:
         slot.layout, slot.header_capacity = layout, cap
         slot.views = fmt.tensor_views(slot.region.tensor, layout, cap)
 
+    def offer_files(self, paths: list[Path]) -> None:
+        """Let the next slots this engine must create from nothing take ``paths`` instead,
+        one each: populated shared-memory files on the same filesystem (a warm spare's
+        :class:`memckpt.populate.SlotReserve`), renamed in and shrunk to size, so the bytes
+        those slots receive land in memory the kernel already holds. A file too small for
+        its slot, or still here when :meth:`drop_offered` is called, is unlinked."""
+        self.drop_offered()
+        with self._cond:
+            self._offered = list(paths)
+
+    def drop_offered(self) -> None:
+        """Unlink the offered files no slot took (their pages go back to the kernel, warm)."""
+        with self._cond:  # the second slot may be mapped on the engine's thread
+            offered, self._offered = self._offered, []
+        for path in offered:
+            remove_path(path)
+
+    def _take_offered(self, slot: Slot, nbytes: int) -> None:
+        with self._cond:
+            offered = self._offered.pop(0) if self._offered else None
+        if offered is None:
+            return
+        try:
+            # only a new slot, and only shrinking: growing would leave a hole that a full
+            # tmpfs turns into SIGBUS at the first write (RamRegion.create checks the room)
+            if not slot.path.exists() and offered.stat().st_size >= nbytes:
+                os.truncate(offered, nbytes)
+                offered.replace(slot.path)
+                self.stats.offered_taken += 1
+                return
+        except OSError as e:
+            log.info("memckpt: not taking the spare's slot file %s: %s", offered, e)
+        remove_path(offered)
+
     def _map_file(self, slot: Slot, nbytes: int) -> None:
         """(Re)map ``slot``'s file at ``nbytes``, in place when it already has that size."""
         if slot.region is not None:
             slot.region.close(unlink=False)
+        else:
+            self._take_offered(slot, nbytes)
         slot.region = RamRegion.reuse_or_create(slot.path, nbytes, pin=self._pin)
         self.stats.allocations += 1
 
@@ -392,6 +431,7 @@ class SnapshotEngine:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self.drop_offered()
             for slot in self.slots:
                 if slot.region is not None:
                     slot.views = {}

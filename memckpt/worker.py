@@ -42,7 +42,8 @@ from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnaps
 from memckpt.control import STOP
 from memckpt.faults import SIGNALS, STEADY_WAIT_S
 from memckpt.persister import Persister
-from memckpt.populate import MIN_BYTES, POOL, HostReserve, spare_budget
+from memckpt.populate import MIN_BYTES, POOL, HostReserve, SlotReserve, spare_budget
+from memckpt.snapshot import SLOT_NAMES
 from memckpt.state import TrainState, restore_allocations
 from memckpt.store import node_dir, own_dir, scan
 from memckpt.transport import StoreConnection
@@ -257,6 +258,8 @@ class WorkerContext:
             self.spec.coordinator.log_event.remote("restored", {
                 "rank": self.rank, "gen": self.generation, "step": step,
                 "source": self.restore_source,
+                # fetched into the slot file a warm spare held ready (no new memory)
+                "spare_slot": self.ckpt.engine.stats.offered_taken > 0,
                 "seconds": round(self.restore_seconds["fetch_and_load_s"], 4)})
             self.ckpt.engine.discard_newer(step)
             self.ckpt.engine.set_committed(step)
@@ -274,6 +277,7 @@ class WorkerContext:
             if instr is not None:
                 self.restore_seconds["resnapshot_s"] = time.perf_counter() - t0
                 self.restore_seconds["recopied"] = 1.0
+        self.ckpt.engine.drop_offered()  # the slots exist now; a spare's file is spare
         self.last_step = step
         return step
 
@@ -285,6 +289,8 @@ class WorkerContext:
         for node in instr.sources:
             try:
                 if node == self.node_id:
+                    # no new slot: a spare's slot file frees its pages for this restore
+                    self.ckpt.engine.drop_offered()
                     if instr.step not in self.ckpt.engine.steps():
                         # the rank moved to a node holding its replica: the store's replica
                         # files become its own slots (renamed: nothing is copied, and the
@@ -520,6 +526,8 @@ class Worker:
         self.ip = ray.util.get_node_ip_address()
         self.ctx: Optional[WorkerContext] = None
         self.reserve = HostReserve()  # held while a spare idles (see prefault)
+        folder = node_dir(resolve_ram_root(config.ram_root), config.job_name, self.node_id)
+        self.slot_reserves = [SlotReserve(folder, i) for i in range(len(SLOT_NAMES))]
         self._takeover = threading.Lock()  # prefault against run: who owns the pool
         self._running = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, daemon=True)
@@ -543,22 +551,30 @@ class Worker:
         if ctx is not None and spec is not None and spec.gen == gen:
             ctx.abort()
 
-    def prefault(self, shard: Optional[tuple[int, list, int]]) -> int:
+    def prefault(self, shard: Optional[tuple[int, list, int]], slots: bool = False) -> int:
         """A spare, once the job's shards exist: prepare the memory a restore of ``shard``
         fills (file bytes, tensor table, data bytes: the job's largest shard, from
         :meth:`memckpt.store.ReplicaStore.largest_shard`; the spare may take over any rank,
         a lost node's too). The optimizer state it creates is made ahead in
         :data:`POOL`; for the rest (the parameters), a :class:`HostReserve` is faulted in
         and unmapped at takeover. Either way the restore fills memory the kernel already
-        has. Never more than :func:`spare_budget` allows; skipped when the state lives on
-        GPUs (the restore fills device memory) and once this worker runs a rank. Returns
-        the bytes held."""
+        has. With ``slots`` (asked once every node's spare holds its state): up to two more
+        shards' worth, the snapshot slots a rank restored from a peer's replica needs on
+        this node, as files (:class:`SlotReserve`). Never more than :func:`spare_budget`
+        allows; skipped when the state lives on GPUs (the restore fills device memory) and
+        once this worker runs a rank. Returns the bytes the spare holds in all."""
         if self.config.workers.gpus_per_worker or shard is None:
             return 0
         nbytes, table, data_len = shard
-        layout = fmt.Layout.from_json(table, data_len, "the job's largest shard")
         vm = psutil.virtual_memory()
-        budget = spare_budget(nbytes, vm.available, vm.total)
+        if slots:
+            budget = spare_budget(len(self.slot_reserves) * nbytes, nbytes, vm.available,
+                                  vm.total)
+            for reserve in self.slot_reserves:  # a no-op once a takeover released them
+                budget -= reserve.hold(min(nbytes, budget))
+            return self._held()
+        layout = fmt.Layout.from_json(table, data_len, "the job's largest shard")
+        budget = spare_budget(nbytes, nbytes, vm.available, vm.total)
         specs, room = [], budget
         for shape, dtype in restore_allocations(layout, MIN_BYTES):
             size = math.prod(shape) * dtype.itemsize
@@ -570,7 +586,13 @@ class Worker:
                 return 0
             POOL.fill(specs)
         POOL.wait()
-        return POOL.nbytes + self.reserve.hold(max(0, budget - POOL.nbytes))
+        self.reserve.hold(max(0, budget - POOL.nbytes))
+        return self._held()
+
+    def _held(self) -> int:
+        if self.spec is not None:  # took over a rank meanwhile: holds nothing for later
+            return 0
+        return POOL.nbytes + self.reserve.nbytes + sum(r.nbytes for r in self.slot_reserves)
 
     def info(self) -> dict[str, Any]:
         return {"rank": self.spec.rank if self.spec else None, "pid": os.getpid(),
@@ -589,6 +611,8 @@ class Worker:
             self.spec, self.ctx = spec, None
         ahead: list = []  # what the next generation's restore will create
         self.reserve.release()  # a spare's reserve: its pages serve the restore below
+        # a spare's: the snapshot slots of a rank this node holds no shard of
+        slot_files = [f for f in (r.release() for r in self.slot_reserves) if f is not None]
         self.coordinator.register.remote(spec.rank, spec.gen, self.info())
         self._running.set()
         torch.set_num_threads(max(1, int(spec.config.workers.cpus_per_worker)))
@@ -603,6 +627,8 @@ class Worker:
                                         timeout=datetime.timedelta(
                                             seconds=spec.config.failure.collective_timeout_s))
             self.ctx = WorkerContext(spec, self.node_id)
+            if slot_files:
+                self.ctx.ckpt.engine.offer_files(slot_files)
             try:
                 result = train_fn(self.ctx)
             except StopTraining as stop:

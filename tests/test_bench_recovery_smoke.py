@@ -44,6 +44,10 @@ def test_recovery_bench_rows(tmp_path):
         assert r["speedup_vs_restart"] > 0
     assert set(by[("recovery", "memckpt-worker")]["sources"][0].values()) == {"local"}
     assert any(v.startswith("peer:") for v in by[("recovery", "memckpt-node")]["sources"][0].values())
+    # the lost node's rank took over the third node's spare and fetched into the slot file
+    # that spare held populated; the killed worker's replacement had its own slots already
+    assert by[("recovery", "memckpt-node")]["spare_slot_ranks"] == [[1]]
+    assert by[("recovery", "memckpt-worker")]["spare_slot_ranks"] == [[]]
     # with a standby node holding the replicas, the lost node's rank restores there locally
     assert by[("recovery", "memckpt-node-standby")]["sources"][0]["1"] == "local"
     for method in ("restart+torch.load", "restart+torch.load-node-lost"):

@@ -331,6 +331,8 @@ class _Bench:
             "critical_rank": max(results, key=lambda r: r["first_step"]["t_all_reduce"])["rank"],
             "rank_splits_s": {str(r["rank"]): _resume_split([r], started) for r in results},
             "sources": rec["sources"],
+            # ranks whose restore fetched into the slot file their node's spare held ready
+            "spare_slot_ranks": sorted(r["rank"] for r in results if r.get("spare_slot")),
             "resumed_step": rec["resumed_step"], "what": rec["what"],
             "fault_at": rec["fault_at"], "results": results,
         }
@@ -763,7 +765,8 @@ def build_rows(b: _Bench, worker: list, node: list, base: list, raw: list, raw2:
             "foreign_cpu": _max_foreign(samples),
             "resumed_steps": [s["resumed_step"] for s in samples],
             "workers": [s.get("workers") for s in samples],
-            "sources": [s["sources"] for s in samples], "note": note,
+            "sources": [s["sources"] for s in samples],
+            "spare_slot_ranks": [s.get("spare_slot_ranks", []) for s in samples], "note": note,
         }
 
     rows.append(recovery_row("memckpt-worker", worker,

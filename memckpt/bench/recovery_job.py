@@ -174,6 +174,7 @@ class RecoveryJob:
             # time the snapshots waited for a free slot (the gate: the newest step committed)
             "snapshot_waited_s": ctx.ckpt.engine.stats.waited_s,
             "snapshot_allocations": ctx.ckpt.engine.stats.allocations,
+            "spare_slot": ctx.ckpt.engine.stats.offered_taken > 0,
         }
 
 
