@@ -34,7 +34,6 @@ import io
 import logging
 import os
 import re
-import secrets
 import threading
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
@@ -42,7 +41,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from memckpt.fsutil import fsync_dir
+from memckpt.fsutil import fsync_dir, write_atomic
 from memckpt.persist.errors import ObjectNotFoundError, PersistError, UnsafeKeyError
 
 log = logging.getLogger("memckpt.persist")
@@ -266,31 +265,8 @@ class LocalBackend(StorageBackend):
 
     def put(self, key: str, data: Data) -> None:
         path = self._path(key)
-        view = _as_bytes_view(data)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         try:
-            for attempt in (0, 1):
-                self._mkdirs(path.parent)
-                try:
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                    break
-                except FileNotFoundError:  # the folder was removed concurrently: once more
-                    if attempt:
-                        raise
-            try:
-                with os.fdopen(fd, "wb", buffering=0) as f:
-                    pos = 0
-                    while pos < len(view):
-                        n = f.write(view[pos: pos + CHUNK])
-                        if not n:
-                            raise OSError(errno.EIO, "write returned 0 bytes")
-                        pos += n
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            fsync_dir(path.parent)
+            write_atomic(path, _as_bytes_view(data), mkdirs=self._mkdirs)
         except OSError as e:
             raise self._error("put", key, e) from e
 
@@ -370,62 +346,55 @@ class LocalBackend(StorageBackend):
 
 
 # -- S3 ---------------------------------------------------------------------------------------
-class _Reader(io.RawIOBase):
-    """A seekable, read-only file over a memoryview (no copy), for boto3 uploads."""
+class _MemoryFile(io.RawIOBase):
+    """A seekable file over a memoryview of bytes (no copy)."""
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, buf: memoryview) -> None:
         super().__init__()
-        self._view, self._pos = view, 0
+        self._buf, self._pos = buf, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._buf)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+
+class _Reader(_MemoryFile):
+    """Read-only, for boto3 uploads."""
 
     def readable(self) -> bool:
         return True
 
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
-        n = max(0, min(len(out), len(self._view) - self._pos))
-        out[:n] = self._view[self._pos: self._pos + n]
+        n = max(0, min(len(out), len(self._buf) - self._pos))
+        out[:n] = self._buf[self._pos: self._pos + n]
         self._pos += n
         return n
 
 
-class _Writer(io.RawIOBase):
-    """A seekable file writing into a preallocated uint8 array, for boto3 downloads."""
+class _Writer(_MemoryFile):
+    """Writing into a preallocated uint8 array, for boto3 downloads."""
 
     def __init__(self, out: np.ndarray) -> None:
-        super().__init__()
-        self._out, self._pos, self.written = memoryview(out), 0, 0
+        super().__init__(memoryview(out))
+        self.written = 0
 
     def writable(self) -> bool:
         return True
 
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._out)}[whence]
-        self._pos = base + offset
-        return self._pos
-
     def write(self, b: Any) -> int:
         data = memoryview(b).cast("B")
         end = self._pos + len(data)
-        if end > len(self._out):
+        if end > len(self._buf):
             raise OSError(errno.EFBIG, "the object grew while it was downloaded")
-        self._out[self._pos: end] = data
+        self._buf[self._pos: end] = data
         self._pos = end
         self.written += len(data)
         return len(data)

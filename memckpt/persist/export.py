@@ -21,7 +21,6 @@ with ``torch.load(path, weights_only=True)``. The file is written atomically
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -29,7 +28,7 @@ import numpy as np
 
 from memckpt import shard as shardfmt
 from memckpt.errors import ChecksumError, StateError
-from memckpt.fsutil import fsync_dir
+from memckpt.fsutil import replace_atomic
 from memckpt.persist.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -103,21 +102,6 @@ def weights_from_shard(shard: shardfmt.Shard, model: Optional[str] = None,
     return out
 
 
-def _write_atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 def export_weights(source: ShardSource, out_path: str | os.PathLike, fmt: str = "safetensors", *,
@@ -145,8 +129,8 @@ def export_weights(source: ShardSource, out_path: str | os.PathLike, fmt: str = 
             plain[k] = t.clone() if id(t) in seen else t
             seen.add(id(t))
         metadata = {"format": "pt", "memckpt_step": str(shard.step)}
-        _write_atomic(out, lambda p: save_file(plain, str(p), metadata=metadata))
+        replace_atomic(out, lambda p: save_file(plain, str(p), metadata=metadata))
     else:
         import torch
-        _write_atomic(out, lambda p: torch.save(weights, p))
+        replace_atomic(out, lambda p: torch.save(weights, p))
     return list(weights)
