@@ -116,6 +116,10 @@ def _worker(rank: int, world_size: int, port: int, zero: bool, mode: str,
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
     if ckpt is not None:
         ckpt.close()
+    # Both ranks tear gloo down together: a rank that closed its connections while the
+    # other was still finishing once aborted that one ("terminate called without an active
+    # exception", SIGABRT) in an uninterrupted reference run, under load.
+    dist.barrier()
     dist.destroy_process_group()
 
 
