@@ -71,3 +71,22 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fs_type(path: Path) -> str:
+    """Filesystem type of ``path`` from /proc/mounts (longest matching mount point)."""
+    try:
+        path = path.resolve()
+        best, kind = "", "unknown"
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mnt = fields[1].replace("\\040", " ")
+                if (str(path) == mnt or str(path).startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, kind = mnt, fields[2]
+        return kind
+    except OSError:
+        return "unknown"
+

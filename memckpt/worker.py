@@ -22,7 +22,6 @@ import gc
 import math
 import os
 import queue
-import socket
 import threading
 import time
 import traceback
@@ -41,6 +40,7 @@ from memckpt.digest import state_digest
 from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnapshotError
 from memckpt.control import STOP
 from memckpt.faults import SIGNALS, STEADY_WAIT_S
+from memckpt.netutil import free_port
 from memckpt.persister import Persister
 from memckpt.populate import MIN_BYTES, POOL, HostReserve, SlotReserve, spare_budget
 from memckpt.snapshot import SLOT_NAMES
@@ -472,12 +472,6 @@ def release_frames(exc: BaseException) -> None:
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def warm_torch() -> None:

@@ -39,7 +39,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from memckpt.bench import recovery_job as rjob
 from memckpt.bench.recovery import WORLD_SIZE
+from memckpt.netutil import free_port
 from memckpt.bench.recovery_actors import ColdWorker
 from memckpt.bench.snapshot import Quiet, _matmul_unit, build_state, measure_memcpy
 
@@ -90,19 +90,13 @@ def _set_threads() -> None:
     torch.set_num_threads(TORCH_THREADS)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _single_rank_group() -> None:
     """A gloo process group of world size 1 (DCP's collectives need one)."""
     import datetime
 
     import torch.distributed as dist
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0,
                                 world_size=1, timeout=datetime.timedelta(seconds=120))
 
 

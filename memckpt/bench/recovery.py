@@ -72,6 +72,7 @@ from memckpt.bench.recovery_actors import ColdWorker, PathClient, RawReceiver, R
 from memckpt.bench.recovery_job import (DEFAULT_COMPUTE_ITERS, DEFAULT_KILL_AT, DEFAULT_LAYERS,
                                         DEFAULT_STATE_MB, DEFAULT_STEPS_AFTER, RecoveryJob,
                                         StepTimedJob, layout, state_nbytes)
+from memckpt.fsutil import fs_type
 
 DEFAULT_REPEATS = 3
 DEFAULT_GPT_STEPS = 30
@@ -193,23 +194,9 @@ def _disk_dir(directory: Optional[str]) -> tuple[Path, bool]:
         p.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix="memckpt-bench-recovery-", dir=p)), True
     base = Path(tempfile.gettempdir())
-    if _fs_type(base) in ("tmpfs", "ramfs"):
+    if fs_type(base) in ("tmpfs", "ramfs"):
         base = Path.cwd()
     return Path(tempfile.mkdtemp(prefix="memckpt-bench-recovery-", dir=base)), True
-
-
-def _fs_type(path: Path) -> str:
-    try:
-        best, fstype = "", "unknown"
-        target = str(path.resolve())
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3 and target.startswith(parts[1]) and len(parts[1]) > len(best):
-                    best, fstype = parts[1], parts[2]
-        return fstype
-    except OSError:
-        return "unknown"
 
 
 def _ram_dir() -> Path:
@@ -686,7 +673,7 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
         b.wait_quiet_s = wait_quiet_s
         b._restore_nodes()
         log(f"state per rank: {b.n} x Linear({b.d}) + AdamW = {b.state_bytes / 2**20:.1f} MiB; "
-            f"fault at step {kill_at}; torch.save files in {disk} ({_fs_type(disk)})")
+            f"fault at step {kill_at}; torch.save files in {disk} ({fs_type(disk)})")
         worker, node, standby, base, base_node, raw, raw2, paths = [], [], [], [], [], [], [], []
         for rep in range(repeats):
             log(f"repeat {rep + 1}/{repeats}")

@@ -16,20 +16,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from typing import Optional
 
 from memckpt.bench.recovery_job import _all_reduce_mean, _compute, _compute_inputs, build_state
+from memckpt.netutil import free_port
 
 
 # -- the alternative: restart every worker and torch.load ---------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _init_group(master: tuple[str, int], rank: int, world: int) -> None:
     import datetime
 
@@ -48,7 +42,7 @@ class ColdWorker:
 
     def address(self) -> tuple[str, int]:
         import ray
-        return ray.util.get_node_ip_address(), _free_port()
+        return ray.util.get_node_ip_address(), free_port()
 
     def save_checkpoint(self, path: str, d: int, n: int, seed: int) -> int:
         """Build the state and torch.save it to local disk, fsynced, then drop the file from

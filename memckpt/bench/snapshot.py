@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from memckpt.bench.common import (finish_report, human_bytes, human_s, machine_info, machine_line,
                                   positive_int, standalone, write_rows)
+from memckpt.fsutil import fs_type
 
 METHODS = ("memcpy", "memckpt", "memckpt-overlap", "torch.save-buffer", "torch.save-disk")
 MODES = ("sync", "overlap", "both")
@@ -209,24 +210,6 @@ class Quiet:
 
     def foreign(self) -> Optional[float]:
         return round(self.busy / self.total, 3) if self.total > 0 else None
-
-
-def _fs_type(path: Path) -> str:
-    """Filesystem type of ``path`` from /proc/mounts (longest matching mount point)."""
-    try:
-        path = path.resolve()
-        best, kind = "", "unknown"
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mnt = fields[1].replace("\\040", " ")
-                if (str(path) == mnt or str(path).startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
-                    best, kind = mnt, fields[2]
-        return kind
-    except OSError:
-        return "unknown"
 
 
 # -- the state under test -----------------------------------------------------------------------
@@ -500,7 +483,7 @@ def measure_save_disk(model, opt, repeats: int, quiet: Quiet, directory: Path) -
         if path.exists():
             path.unlink()
     return {"times": times, "bytes_written": sizes[-1], "dir": str(directory),
-            "dir_fs": _fs_type(directory)}
+            "dir_fs": fs_type(directory)}
 
 
 # -- one size -----------------------------------------------------------------------------------
@@ -727,10 +710,10 @@ def main(args: argparse.Namespace) -> int:
     else:
         # tempfile's default directory, unless that is a tmpfs: then the working directory.
         base = Path(tempfile.gettempdir())
-        if _fs_type(base) in ("tmpfs", "ramfs"):
+        if fs_type(base) in ("tmpfs", "ramfs"):
             base = Path.cwd()
         directory, made = Path(tempfile.mkdtemp(prefix="memckpt-bench-", dir=base)), True
-    if _fs_type(directory) in ("tmpfs", "ramfs") and not args.rows_out:
+    if fs_type(directory) in ("tmpfs", "ramfs") and not args.rows_out:
         print(f"memckpt bench snapshot: warning: --dir {directory} is a RAM filesystem; "
               "torch.save-disk will not measure a disk", file=sys.stderr)
     rows: list[dict[str, Any]] = []
