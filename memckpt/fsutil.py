@@ -89,4 +89,3 @@ def fs_type(path: Path) -> str:
         return kind
     except OSError:
         return "unknown"
-

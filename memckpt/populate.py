@@ -203,7 +203,7 @@ class SlotReserve:
     freed memory back to its host that slot is fresh memory: 0.9-1.2 s per GiB here, a
     quarter of a lost node's recovery. The spare populates the file while it idles; at
     takeover the snapshot engine renames it in as that slot
-    (:meth:`memckpt.snapshot.SnapshotEngine.offer_file`). A restore that needs no new slot
+    (:meth:`memckpt.snapshot.SnapshotEngine.offer_files`). A restore that needs no new slot
     (the rank's shards are on this node) unlinks it first, and its pages serve that
     restore's allocations as a :class:`HostReserve`'s do.
 

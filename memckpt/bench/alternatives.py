@@ -50,9 +50,9 @@ from typing import Any, Callable, Iterator, Optional
 
 from memckpt.bench import recovery_job as rjob
 from memckpt.bench.recovery import WORLD_SIZE
-from memckpt.netutil import free_port
 from memckpt.bench.recovery_actors import ColdWorker
 from memckpt.bench.snapshot import Quiet, _matmul_unit, build_state, measure_memcpy
+from memckpt.netutil import free_port
 
 PLAIN_METHODS = ("none", "memcpy", "memckpt-local", "torch.save", "dcp-async")
 RAY_METHODS = ("memckpt-none", "memckpt", "ray-train-none", "ray-train")
@@ -96,7 +96,8 @@ def _single_rank_group() -> None:
 
     import torch.distributed as dist
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0,
+        port = free_port("127.0.0.1")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                 world_size=1, timeout=datetime.timedelta(seconds=120))
 
 

@@ -102,8 +102,6 @@ def weights_from_shard(shard: shardfmt.Shard, model: Optional[str] = None,
     return out
 
 
-
-
 def export_weights(source: ShardSource, out_path: str | os.PathLike, fmt: str = "safetensors", *,
                    store: Optional["CheckpointStore"] = None, model: Optional[str] = None
                    ) -> list[str]:
