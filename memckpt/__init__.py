@@ -6,7 +6,7 @@ from typing import Any
 from memckpt.config import (ChaosEvent, Config, FailurePolicy, LoadSpec, PersistTier,
                             PlacementConfig, WorkersConfig, load_config)
 from memckpt.errors import MemckptError
-from memckpt.faults import FaultInjector
+from memckpt.runtime.faults import FaultInjector
 
 # Imported on first use: they need torch, which the replica stores and the coordinator
 # (processes that only move bytes and keep books) never import (0.8 s and ~0.25 GiB each).
@@ -23,8 +23,8 @@ def __getattr__(name: str) -> Any:
 
 
 def run(train_fn, config, **kwargs):
-    """Run ``train_fn(ctx)`` on Ray with in-memory replicas; see :func:`memckpt.runtime.run`."""
-    from memckpt.runtime import run as _run
+    """Run ``train_fn(ctx)`` on Ray with in-memory replicas; see :func:`memckpt.runtime.driver.run`."""
+    from memckpt.runtime.driver import run as _run
     return _run(train_fn, config, **kwargs)
 
 __version__ = "0.1.0"

@@ -24,7 +24,7 @@ from memckpt.config import Config
 from memckpt.errors import ChecksumError, MemckptError, StateError
 from memckpt.control import STOP, Control
 from memckpt.fsutil import write_atomic
-from memckpt.persister import Persister, persisted_restore
+from memckpt.persist.uploader import Persister, persisted_restore
 from memckpt.snapshot import SnapshotEngine
 from memckpt.state import TrainState
 

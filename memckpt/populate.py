@@ -131,7 +131,7 @@ class TensorPool:
             self._free.clear()
 
 
-POOL = TensorPool()  # the process's pool: filled by memckpt.worker, drawn from by restores
+POOL = TensorPool()  # the process's pool: filled by memckpt.runtime.worker, drawn from by restores
 
 
 def spare_budget(want: int, shard_bytes: int, available: int, total: int) -> int:

@@ -15,7 +15,7 @@ on disk, so moving a shard is a byte copy and loading one cannot run code::
     64  header JSON: tensor table (name, dtype, shape, offset, nbytes), metadata,
         xxh3-64 of the data region, and xxh3-64 of each ``chunk_bytes`` chunk of it
         (what lets a replica holder fill chunks it already holds, see
-        :meth:`memckpt.store.ReplicaStore.fill_local`)
+        :meth:`memckpt.runtime.replica_store.ReplicaStore.fill_local`)
     ... data: each tensor's bytes, contiguous, 64-byte aligned
 
 A writer sets state=0, fills data, then writes the header and sets state=1

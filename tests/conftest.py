@@ -24,7 +24,7 @@ def ram_root():
 @pytest.fixture(scope="module")
 def cluster():
     """A 3-node local Ray cluster (2 CPUs a node, a 0-CPU head), one per test module."""
-    from memckpt.localcluster import LocalCluster
+    from memckpt.runtime.local_cluster import LocalCluster
     c = LocalCluster(nodes=3, cpus_per_node=2)
     yield c
     c.shutdown()
@@ -44,7 +44,7 @@ STORE_JOB, STORE_NODE = "t", "nodeA"
 @pytest.fixture
 def store(ram_root):
     """A real ReplicaStore (no Ray) for job STORE_JOB on node STORE_NODE, cleared after."""
-    from memckpt.store import ReplicaStore
+    from memckpt.runtime.replica_store import ReplicaStore
     s = ReplicaStore(ram_root=ram_root, job=STORE_JOB, node_id=STORE_NODE)
     yield s
     s.clear()
@@ -52,8 +52,8 @@ def store(ram_root):
 
 @pytest.fixture
 def sender(store):
-    """A worker's TCP connection into ``store`` (memckpt.transport)."""
-    from memckpt.transport import StoreConnection
+    """A worker's TCP connection into ``store`` (memckpt.runtime.transport)."""
+    from memckpt.runtime.transport import StoreConnection
     snd = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
     yield snd
     snd.close()
@@ -63,5 +63,5 @@ def held_replica(store, rank: int, step: int):
     """The bytes of ``rank``'s replica of ``step`` as ``store`` holds it on disk."""
     import numpy as np
 
-    from memckpt.store import scan
+    from memckpt.runtime.replica_store import scan
     return np.fromfile(scan(store.replicas)[rank][step], dtype=np.uint8)

@@ -14,7 +14,7 @@ from memckpt.bench.snapshot import METHODS, parse_size
 @pytest.fixture
 def memckpt_main(monkeypatch):
     """``memckpt.cli.main``; other sub-commands are left out while their modules do not exist yet."""
-    if importlib.util.find_spec("memckpt.demo.cli") is None:
+    if importlib.util.find_spec("memckpt.cli.demo") is None:
         monkeypatch.setattr(cli, "COMMANDS", {"bench": cli.COMMANDS["bench"]})
     return cli.main
 

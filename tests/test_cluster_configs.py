@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from memckpt.localcluster import FAST_HEALTH_CHECKS
+from memckpt.runtime.local_cluster import FAST_HEALTH_CHECKS
 
 ROOT = Path(__file__).resolve().parents[1] / "cluster"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from memckpt.errors import ConfigError
-from memckpt.launch import load_train_fn
+from memckpt.cli.run import load_train_fn
 
 
 def test_module_function():

@@ -11,8 +11,8 @@ import pytest
 
 import memckpt
 from memckpt.demo.job import GPTJob
-from memckpt.metrics import failure_target
-from memckpt.runtime import progress_line
+from memckpt.runtime.metrics import failure_target
+from memckpt.runtime.driver import progress_line
 
 JOB = GPTJob(steps=12, size="tiny", seed=3)
 KILL_AT = 6

@@ -9,7 +9,7 @@ import pytest
 
 import memckpt
 from memckpt.demo.job import GPTJob
-from memckpt.faults import FaultInjector
+from memckpt.runtime.faults import FaultInjector
 from memckpt.persist import CheckpointStore
 from s3_server import aws_test_env, s3_endpoint, s3_uri  # noqa: F401 (fixtures)
 
@@ -48,7 +48,7 @@ def test_lost_ram_copies_fall_back_to_persisted(full_cluster, reference, tmp_pat
     """A node and its replica holder die together: RAM cannot help, disk does."""
     import ray
 
-    from memckpt.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
 
     def kill_with_holder(node_id: str) -> None:
         coord = ray.get_actor(coordinator_name("p-lost"), namespace=COORDINATOR_NAMESPACE)
@@ -89,7 +89,7 @@ def test_stop_file_persists_and_stops(full_cluster, tmp_path):
 def test_whole_cluster_lost_then_new_job_auto_resumes(tier, tmp_path, reference, request,
                                                       monkeypatch):
     """Kill every node mid-run (no RAM copy survives), start a new cluster, same roots."""
-    from memckpt.localcluster import LocalCluster
+    from memckpt.runtime.local_cluster import LocalCluster
     root = tmp_path / "root"
     if tier == "s3":  # a real S3 endpoint (moto's server on loopback); new raylets inherit env
         monkeypatch.setenv("MEMCKPT_S3_ENDPOINT_URL", request.getfixturevalue("s3_endpoint"))

@@ -10,7 +10,7 @@ import pytest
 import memckpt
 from memckpt.cli import main
 from memckpt.demo.job import GPTJob
-from memckpt.report import HEIGHT_PX, WIDTH_PX
+from memckpt.cli.report import HEIGHT_PX, WIDTH_PX
 
 JOB = GPTJob(steps=12, size="tiny", seed=3)
 KILL_AT = 6

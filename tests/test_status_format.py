@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memckpt.status import format_status
+from memckpt.cli.status import format_status
 
 STATUS = {
     "gen": 1, "committed": 7, "restarts_of_coordinator": 0,

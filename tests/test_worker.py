@@ -12,7 +12,7 @@ import weakref
 import pytest
 
 from memckpt.errors import GenerationEnded
-from memckpt.worker import release_frames
+from memckpt.runtime.worker import release_frames
 
 
 class _Model:
@@ -51,7 +51,7 @@ def test_settled_imports_are_frozen_and_later_garbage_is_still_collected():
     code = textwrap.dedent("""
         import gc, weakref
         import torch
-        from memckpt.worker import settle_imports
+        from memckpt.runtime.worker import settle_imports
         settle_imports()
         frozen = gc.get_freeze_count()
         model = torch.nn.Linear(4, 4)

@@ -272,7 +272,7 @@ def _store_bytes(job: str) -> dict[str, int]:
     """node id -> bytes of shards (own slots + peers' replicas) its memckpt store holds."""
     import ray
 
-    from memckpt.runtime import COORDINATOR_NAMESPACE
+    from memckpt.runtime.driver import COORDINATOR_NAMESPACE
     out = {}
     for node in (n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")):
         try:

@@ -161,7 +161,7 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
                   log: Callable[[str], None],
                   only: tuple[str, ...] = SELECTABLE) -> list[dict[str, Any]]:
     from memckpt.bench import alternatives as alt
-    from memckpt.localcluster import LocalCluster
+    from memckpt.runtime.local_cluster import LocalCluster
     raw: dict[str, dict[str, Any]] = {}
     plain = tuple(m for m in PLAIN if m == "none" or m in only)
     for label, size in sizes:
@@ -324,7 +324,7 @@ def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path
     from memckpt.bench import alternatives as alt
     from memckpt.bench import recovery as rec
     from memckpt.bench.recovery_job import DEFAULT_LAYERS
-    from memckpt.localcluster import LocalCluster
+    from memckpt.runtime.local_cluster import LocalCluster
     biggest = max(s for _, s in sizes)
     store_mb = max(256, int(1.25 * biggest / 2**20) + 128)
     log(f"recovery: starting a local {rec.NODES}-node cluster (object store {store_mb} MiB per node)")
@@ -445,7 +445,7 @@ def derive_recovery(rows: list[dict[str, Any]]) -> None:
 def measure_scaling(size: int, label: str, node_counts: list[int], steps: int, warmup: int,
                     compute_n: int, ram_root: str, log: Callable[[str], None]) -> list[dict[str, Any]]:
     from memckpt.bench import alternatives as alt
-    from memckpt.localcluster import LocalCluster
+    from memckpt.runtime.local_cluster import LocalCluster
     log(f"scaling: starting a local {max(node_counts)}-node cluster")
     cluster = LocalCluster(nodes=max(node_counts), cpus_per_node=2, object_store_mb=512)
     run_dir = Path(tempfile.mkdtemp(prefix="memckpt-compare-runs-"))

@@ -1,7 +1,7 @@
 """Recovery time: memckpt against restarting every worker from a torch.save file.
 
 Everything runs in one process on one local multi-node Ray cluster
-(:class:`memckpt.localcluster.LocalCluster`: 3 worker nodes of 2 CPUs, a 0-CPU
+(:class:`memckpt.runtime.local_cluster.LocalCluster`: 3 worker nodes of 2 CPUs, a 0-CPU
 head), so both sides see the same machine:
 
   memckpt-worker     a synthetic 2-rank job (one rank per node, ring placement,
@@ -284,7 +284,7 @@ class _Bench:
 
     def memckpt_recovery(self, kind: str, rep: int) -> dict[str, Any]:
         import memckpt
-        from memckpt.faults import FaultInjector
+        from memckpt.runtime.faults import FaultInjector
 
         name = self._name(f"bench-recovery-{kind}-{rep}")
         job = RecoveryJob(steps=self.kill_at + self.steps_after, state_bytes=self.state_bytes_target,
@@ -380,11 +380,11 @@ class _Bench:
     def transfer_paths(self, a: str, b: str, nbytes: int) -> dict[str, Any]:
         """memckpt's replication and fetch paths between nodes ``a`` and ``b`` with no job
         running, and raw TCP between the same nodes in the same call. A client per node
-        streams a sealed shard into a :class:`~memckpt.store.ReplicaStore` on the other node,
+        streams a sealed shard into a :class:`~memckpt.runtime.replica_store.ReplicaStore` on the other node,
         both at once, :data:`PATH_ROUNDS` times (a new step each round; the store verifies
         before it acks); then ``b``'s client fetches its shard back from ``a``'s store."""
         ray = self.ray
-        from memckpt.store import ReplicaStore
+        from memckpt.runtime.replica_store import ReplicaStore
         raw_2way = self.raw_tcp([(a, b), (b, a)], nbytes)
         (raw_1way,) = self.raw_tcp([(a, b)], nbytes)
         actors = []
@@ -614,7 +614,7 @@ def _fmt_phases(ph: dict[str, Any]) -> str:
 
 def machine_info() -> dict[str, Any]:
     return {**_base_machine_info(),
-            "cluster": f"memckpt.localcluster.LocalCluster: {NODES} simulated nodes x "
+            "cluster": f"memckpt.runtime.local_cluster.LocalCluster: {NODES} simulated nodes x "
                        f"{CPUS_PER_NODE} CPUs on one machine + a 0-CPU head"}
 
 
@@ -634,7 +634,7 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
                        log: Optional[Callable[[str], None]] = None) -> list[dict[str, Any]]:
     """Measure everything in one run on one local cluster; returns the result rows.
 
-    ``cluster``: an existing :class:`~memckpt.localcluster.LocalCluster` with 3 worker nodes
+    ``cluster``: an existing :class:`~memckpt.runtime.local_cluster.LocalCluster` with 3 worker nodes
     (left running), else one is started and shut down here. ``wait_quiet_s``: before each
     measurement wait up to that long for other processes to leave the CPU (shared machines).
     Every sample records ``foreign_cpu``, the CPU share other processes took during it.
@@ -656,7 +656,7 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
     own = cluster is None
     try:
         if own:
-            from memckpt.localcluster import LocalCluster
+            from memckpt.runtime.local_cluster import LocalCluster
             # The object store must hold one whole shard (a peer restore moves it as one object).
             store_mb = max(256, int(1.25 * target / 2**20) + 128)
             log(f"starting a local cluster: {NODES} nodes x {CPUS_PER_NODE} CPUs, "

@@ -2,6 +2,6 @@
 
 :mod:`memckpt.demo.model` holds the workload (model, synthetic data, state
 digest), shared by every demo mode; :mod:`memckpt.demo.local` is the
-single-process demo; :mod:`memckpt.demo.cli` is the command. Importing this
+single-process demo; :mod:`memckpt.cli.demo` is the command. Importing this
 package imports nothing heavy.
 """

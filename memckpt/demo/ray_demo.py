@@ -31,7 +31,7 @@ def demo_config(job_name: str, nodes: int = 3, replicas: int = 1, persist: tuple
 
 
 def injector_for(fault: str, kill_at: int, cluster) -> "Any":
-    from memckpt.faults import FaultInjector
+    from memckpt.runtime.faults import FaultInjector
     inj = FaultInjector(node_killer=cluster.remove_node)
     if fault == "worker":
         inj.kill_worker(rank=1, at_step=kill_at)
@@ -53,7 +53,7 @@ def _wait_until_persisted(tiers: tuple[str, ...], timeout_s: float = 45.0) -> No
     """
     import time
 
-    from memckpt.persist.store import CheckpointStore
+    from memckpt.persist.catalog import CheckpointStore
     stores = [CheckpointStore(t) for t in tiers]
     deadline = time.monotonic() + timeout_s
     while True:
@@ -71,8 +71,8 @@ def _wait_until_persisted(tiers: tuple[str, ...], timeout_s: float = 45.0) -> No
 def _whole_cluster_drill(job, kill_at: int, run_root: Path, s3: Optional[str]) -> dict:
     """Persist to a folder (and S3), lose every node mid-run, resume on a new cluster."""
     import memckpt
-    from memckpt.faults import FaultInjector
-    from memckpt.localcluster import local_cluster
+    from memckpt.runtime.faults import FaultInjector
+    from memckpt.runtime.local_cluster import local_cluster
 
     tiers = (str(run_root / "persisted"),) + ((s3,) if s3 else ())
     pulled = []
@@ -102,7 +102,7 @@ def run_ray_demo(fault: str = "worker", steps: int = 30, kill_at: Optional[int] 
                  seed: int = 0, s3: Optional[str] = None) -> int:
     import memckpt
     from memckpt.demo.job import GPTJob
-    from memckpt.localcluster import local_cluster
+    from memckpt.runtime.local_cluster import local_cluster
 
     # The job's DDP uses find_unused_parameters=True for exact resume; silence torch's
     # C++ note about it in the workers (they inherit this environment through the raylets).

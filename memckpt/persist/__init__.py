@@ -1,15 +1,21 @@
 """The persistence tier: storage backends, manifests, the per-tier checkpoint store, export.
 
-Nothing here imports Ray. See :mod:`memckpt.persist.store` for the guarantees.
+Nothing here imports Ray. See :mod:`memckpt.persist.catalog` for the guarantees.
 """
 
-from memckpt.persist.backend import (LocalBackend, S3Backend, StorageBackend, check_key,
-                                     open_backend)
-from memckpt.persist.errors import (ManifestError, ObjectNotFoundError, PersistError,
-                                    UnsafeKeyError)
+from memckpt.persist.backend import StorageBackend, check_key
+from memckpt.persist.catalog import CheckpointInfo, CheckpointStore, find_latest
+from memckpt.persist.errors import (
+                                    ManifestError,
+                                    ObjectNotFoundError,
+                                    PersistError,
+                                    UnsafeKeyError,
+)
 from memckpt.persist.export import export_weights, weights_from_shard
+from memckpt.persist.local import LocalBackend
 from memckpt.persist.manifest import Manifest, ShardEntry
-from memckpt.persist.store import CheckpointInfo, CheckpointStore, find_latest
+from memckpt.persist.s3 import S3Backend
+from memckpt.persist.uri import open_backend
 
 __all__ = [
     "CheckpointInfo", "CheckpointStore", "LocalBackend", "Manifest", "ManifestError",

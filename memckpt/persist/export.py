@@ -34,7 +34,7 @@ from memckpt.persist.manifest import Manifest
 if TYPE_CHECKING:
     import torch
 
-    from memckpt.persist.store import CheckpointStore
+    from memckpt.persist.catalog import CheckpointStore
 
 ShardSource = Union[shardfmt.Shard, np.ndarray, bytes, bytearray, memoryview, str, os.PathLike, Manifest]
 FORMATS = ("safetensors", "pt")

@@ -50,13 +50,26 @@ import numpy as np
 from memckpt import shard as fmt
 from memckpt.config import PersistTier
 from memckpt.errors import ChecksumError, ConfigError
-from memckpt.persist.backend import (Data, StorageBackend, _as_bytes_view, open_backend,
-                                     partial_target)
-from memckpt.persist.errors import (ManifestError, ObjectNotFoundError, PersistError,
-                                    UnsafeKeyError)
-from memckpt.persist.manifest import (MANIFEST_NAME, SHARD_NAME_RE, SLOT_FOLDER_RE, SLOT_FOLDERS,
-                                      STEP_FOLDER_RE, Manifest, ShardEntry, manifest_key,
-                                      shard_key, step_folder)
+from memckpt.persist.backend import Data, StorageBackend, as_bytes_view, partial_target
+from memckpt.persist.errors import (
+    ManifestError,
+    ObjectNotFoundError,
+    PersistError,
+    UnsafeKeyError,
+)
+from memckpt.persist.manifest import (
+    MANIFEST_NAME,
+    SHARD_NAME_RE,
+    SLOT_FOLDER_RE,
+    SLOT_FOLDERS,
+    STEP_FOLDER_RE,
+    Manifest,
+    ShardEntry,
+    manifest_key,
+    shard_key,
+    step_folder,
+)
+from memckpt.persist.uri import open_backend
 
 log = logging.getLogger("memckpt.persist")
 _UNKNOWN = 10 ** 10  # sorts a folder of unknown step (a slot without manifest) as the newest
@@ -177,7 +190,7 @@ class CheckpointStore:
         folder = self.folder_for(step) if folder is None else folder
         self._check_folder(folder, step)
         key = shard_key(folder, rank)
-        region = np.frombuffer(_as_bytes_view(data), dtype=np.uint8)
+        region = np.frombuffer(as_bytes_view(data), dtype=np.uint8)
         source = f"rank {rank}'s shard of step {step}"
         h, layout, cap = fmt.read_header(region, source)
         size = fmt.data_offset(cap) + layout.data_len  # a slot may be larger than its shard

@@ -22,7 +22,9 @@ from typing import Any, Callable, Optional, Sequence
 from memckpt.buffers import RamRegion
 from memckpt.config import PersistTier
 from memckpt.errors import NoSnapshotError
-from memckpt.persist import CheckpointStore, PersistError, ShardEntry
+from memckpt.persist.catalog import CheckpointStore
+from memckpt.persist.errors import PersistError
+from memckpt.persist.manifest import ShardEntry
 from memckpt.shard import Shard
 
 BACKOFF_MAX_S = 30.0
@@ -213,7 +215,7 @@ def persisted_restore(stores: Sequence[CheckpointStore], world_size: int
     Only the world size must match: a changed setting (snapshot interval, tiers) does
     not block a resume, and a different model is refused by name when it is loaded.
     """
-    from memckpt.persist import find_latest
+    from memckpt.persist.catalog import find_latest
     store, manifest, reasons = find_latest(list(stores), world_size=world_size, verify=True)
     if store is None:
         return None, None, reasons

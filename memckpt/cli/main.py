@@ -16,16 +16,16 @@ from memckpt.errors import ConfigError, MemckptError
 
 # name -> (module, one-line help[, add_arguments name, main name])
 COMMANDS: dict[str, tuple[str, ...]] = {
-    "run": ("memckpt.launch", "run a training function on Ray with in-memory replicas"),
-    "status": ("memckpt.status", "show a running job: placement, committed step, workers"),
-    "kill": ("memckpt.kill", "recovery drill: kill a worker or a node of a running job"),
-    "ls": ("memckpt.checkpoints_cli", "list persisted checkpoints under a directory or s3:// URI",
+    "run": ("memckpt.cli.run", "run a training function on Ray with in-memory replicas"),
+    "status": ("memckpt.cli.status", "show a running job: placement, committed step, workers"),
+    "kill": ("memckpt.cli.kill", "recovery drill: kill a worker or a node of a running job"),
+    "ls": ("memckpt.cli.checkpoints", "list persisted checkpoints under a directory or s3:// URI",
            "add_ls_arguments", "ls_main"),
-    "export": ("memckpt.checkpoints_cli", "export a checkpoint's weights for plain PyTorch",
+    "export": ("memckpt.cli.checkpoints", "export a checkpoint's weights for plain PyTorch",
                "add_export_arguments", "export_main"),
-    "demo": ("memckpt.demo.cli", "run the demo job: train, inject a fault, recover"),
-    "bench": ("memckpt.bench.cli", "measure memckpt against torch.save and friends"),
-    "report": ("memckpt.report", "draw a run's timeline: loss, failures, rollbacks, stalls"),
+    "demo": ("memckpt.cli.demo", "run the demo job: train, inject a fault, recover"),
+    "bench": ("memckpt.cli.bench", "measure memckpt against torch.save and friends"),
+    "report": ("memckpt.cli.report", "draw a run's timeline: loss, failures, rollbacks, stalls"),
 }
 
 

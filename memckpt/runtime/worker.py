@@ -11,7 +11,7 @@ The user's function receives a :class:`WorkerContext`::
 
 The step pays only for the local copy into this node's RAM. A background
 replicator streams each sealed snapshot to the rank's replica holders over TCP
-(:mod:`memckpt.transport`), reports it to the coordinator and learns when it is
+(:mod:`memckpt.runtime.transport`), reports it to the coordinator and learns when it is
 committed.
 """
 
@@ -39,14 +39,14 @@ from memckpt.config import Config
 from memckpt.digest import state_digest
 from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnapshotError
 from memckpt.control import STOP
-from memckpt.faults import SIGNALS, STEADY_WAIT_S
+from memckpt.runtime.faults import SIGNALS, STEADY_WAIT_S
 from memckpt.netutil import free_port
-from memckpt.persister import Persister
+from memckpt.persist.uploader import Persister
 from memckpt.populate import MIN_BYTES, POOL, HostReserve, SlotReserve, spare_budget
 from memckpt.snapshot import SLOT_NAMES
 from memckpt.state import TrainState, restore_allocations
-from memckpt.store import node_dir, own_dir, scan
-from memckpt.transport import StoreConnection
+from memckpt.runtime.replica_store import node_dir, own_dir, scan
+from memckpt.runtime.transport import StoreConnection
 
 RETRIES = 5  # tries per replica holder before the replication fails
 
@@ -70,7 +70,7 @@ class WorkerSpec:
     stores: dict[str, Any]  # node id -> ReplicaStore actor handle
     coordinator: Any
     restore: Optional[RestoreInstruction]
-    faults: tuple = ()  # memckpt.faults.Fault: fired from inside the step, exactly at at_step
+    faults: tuple = ()  # memckpt.runtime.faults.Fault: fired from inside the step, exactly at at_step
 
 
 class Replicator:
@@ -548,7 +548,7 @@ class Worker:
     def prefault(self, shard: Optional[tuple[int, list, int]], slots: bool = False) -> int:
         """A spare, once the job's shards exist: prepare the memory a restore of ``shard``
         fills (file bytes, tensor table, data bytes: the job's largest shard, from
-        :meth:`memckpt.store.ReplicaStore.largest_shard`; the spare may take over any rank,
+        :meth:`memckpt.runtime.replica_store.ReplicaStore.largest_shard`; the spare may take over any rank,
         a lost node's too). The optimizer state it creates is made ahead in
         :data:`POOL`; for the rest (the parameters), a :class:`HostReserve` is faulted in
         and unmapped at takeover. Either way the restore fills memory the kernel already

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from memckpt.runtime import run
+    from memckpt.runtime.driver import run
     config = load_config(args.config)
     fn = load_train_fn(args.train)
     result = run(fn, config, address=args.address, summary=args.summary, run_dir=args.run_dir)

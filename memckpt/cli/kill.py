@@ -6,8 +6,8 @@ import argparse
 import random
 
 from memckpt.errors import MemckptError
-from memckpt.faults import kill_node, send_signal
-from memckpt.status import fetch_status
+from memckpt.runtime.faults import kill_node, send_signal
+from memckpt.runtime.job_client import fetch_status
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,28 +6,13 @@ import argparse
 import json
 import time
 
-from memckpt.errors import MemckptError
+from memckpt.runtime.job_client import fetch_status
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", default="memckpt", help="the job_name of the config (default memckpt)")
     parser.add_argument("--address", default="auto", help="Ray cluster address (default auto)")
     parser.add_argument("--json", action="store_true", help="print the raw status as JSON")
-
-
-def fetch_status(job: str, address: str = "auto") -> dict:
-    import ray
-
-    from memckpt.coordinator import COORDINATOR_NAMESPACE, coordinator_name
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=COORDINATOR_NAMESPACE, logging_level="ERROR",
-                 log_to_driver=False)
-    try:
-        coord = ray.get_actor(coordinator_name(job), namespace=COORDINATOR_NAMESPACE)
-    except ValueError:
-        raise MemckptError(f"no running memckpt job named {job!r} on this cluster; pass --job "
-                           "with the config's job_name") from None
-    return ray.get(coord.status.remote(), timeout=30)
 
 
 def format_status(job: str, s: dict, now: float) -> str:

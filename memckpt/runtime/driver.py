@@ -26,13 +26,13 @@ from memckpt import placement
 from memckpt.buffers import remove_path, resolve_ram_root
 from memckpt.config import Config
 from memckpt.control import STOP, Control
-from memckpt.coordinator import COORDINATOR_NAMESPACE, Coordinator, coordinator_name
+from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, Coordinator, coordinator_name
 from memckpt.errors import ConfigError, MemckptError, PlacementError, RecoveryError
-from memckpt.faults import Fault, FaultInjector, kill_node, send_signal
-from memckpt.recovery import (RecoveryPlan, plan_from_persisted, plan_from_scratch,
+from memckpt.runtime.faults import Fault, FaultInjector, kill_node, send_signal
+from memckpt.recovery_plan import (RecoveryPlan, plan_from_persisted, plan_from_scratch,
                               plan_recovery)
-from memckpt.store import ReplicaStore
-from memckpt.worker import RestoreInstruction, Worker, WorkerSpec
+from memckpt.runtime.replica_store import ReplicaStore
+from memckpt.runtime.worker import RestoreInstruction, Worker, WorkerSpec
 
 log = logging.getLogger("memckpt")
 POLL_S = 0.1
@@ -229,7 +229,7 @@ class Runtime:
         if not self.config.persistence:
             return None
         from memckpt.persist import CheckpointStore
-        from memckpt.persister import persisted_restore
+        from memckpt.persist.uploader import persisted_restore
         stores = [CheckpointStore(t) for t in self.config.persistence]
         tier, manifest, reasons = persisted_restore(stores, self.config.workers.num_workers)
         for reason in reasons:

@@ -1,0 +1,5 @@
+import sys
+
+from memckpt.cli.main import main
+
+sys.exit(main())
