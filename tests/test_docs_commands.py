@@ -165,7 +165,7 @@ def check_pytest(args: list[str], markers: set[str]) -> list[str]:
                 problems += [f"pytest marker {n!r} is not registered" for n in names - markers]
             i += 2
             continue
-        if not a.startswith("-") and not (ROOT / a.split("::")[0]).exists():
+        if not a.startswith(("-",) + REPO_DIRS) and not (ROOT / a.split("::")[0]).exists():
             problems.append(f"pytest path {a!r} does not exist")
         i += 1
     return problems
