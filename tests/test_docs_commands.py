@@ -318,6 +318,21 @@ def test_runnable_blocks_run(page, tmp_path):
                          f"{b.where()}: {shlex.join(c)}")
             else:
                 pytest.fail(f"{b.where()}: a {b.lang} block cannot be run")
+        _check_ram_freed(page)
+
+
+def _check_ram_freed(page: Path) -> None:
+    """The snippets end with ``close(unlink=True)``: their jobs' RAM folders hold no file."""
+    from memckpt.buffers import default_ram_root
+    jobs = {j for b in blocks(page) if b.mark == RUN_MARK
+            for j in re.findall(r"job_name=[\"']([\w.-]+)[\"']", b.text)}
+    for job in jobs:
+        folder = default_ram_root() / job
+        left = [p for p in folder.rglob("*") if not p.is_dir()] if folder.is_dir() else []
+        assert not left, f"{page.relative_to(ROOT)} left snapshots in RAM: {left}"
+        for d in sorted(folder.rglob("*"), reverse=True) + [folder]:
+            with contextlib.suppress(FileNotFoundError):
+                d.rmdir()
 
 
 # ---- links and the layout ------------------------------------------------------------------
