@@ -155,7 +155,7 @@ def test_pure_modules_import_neither_ray_nor_torch():
     for module in PURE_MODULES:
         code = (f"import sys, {module}; "
                 "heavy = sorted(m for m in ('ray', 'torch') if m in sys.modules); "
-                "sys.exit(', '.join(heavy))")
+                "sys.exit(', '.join(heavy) or None)")
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 0, f"{module} imported {done.stderr.strip()}"

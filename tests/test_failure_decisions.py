@@ -134,6 +134,7 @@ def test_recovering_past_max_restarts_gives_up_naming_the_setting():
     assert d.action is Action.RAISE and isinstance(d.error, RecoveryError)
     assert "gave up after 3 recoveries (failure.max_restarts)" in str(d.error)
     assert "last failure: rank 0's worker died" in str(d.error)
+    assert d.what == "rank 0's worker died" and d.died == (0,)  # still reported as detected
     assert decide(obs(died=(0,), restarts=2, max_restarts=3)).action is Action.RECOVER
     assert decide(obs(died=(0,), max_restarts=0)).action is Action.RAISE
 
@@ -141,6 +142,8 @@ def test_recovering_past_max_restarts_gives_up_naming_the_setting():
 def test_max_restarts_applies_only_to_recoveries():
     assert decide(obs(pending=(), restarts=5, max_restarts=0)) == Decision(Action.FINISH)
     assert decide(obs(stop_persisted=2, restarts=5, max_restarts=0)).action is Action.STOP
+    d = decide(obs(pending=(), errors=((0, USER_BUG),), restarts=5, max_restarts=0))
+    assert d.error is USER_BUG and d.what == ""  # not a failure memckpt recovers from
 
 
 def test_states_say_whether_they_are_terminal():

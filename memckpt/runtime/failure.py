@@ -9,6 +9,7 @@ are unit-tested without a cluster (tests/test_failure_decisions.py).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Optional
@@ -47,7 +48,7 @@ class Observation:
 @dataclass(frozen=True)
 class Decision:
     action: Action
-    what: str = ""  # RECOVER: the failure, in words
+    what: str = ""  # RECOVER (or RAISE, giving up on one): the failure, in words
     died: tuple[int, ...] = ()  # RECOVER: ranks to kill before recovering
     hung: tuple[int, ...] = ()  # RECOVER: ranks stopped by a signal (they ignore polite kills)
     error: Optional[BaseException] = None  # RAISE
@@ -74,7 +75,8 @@ def decide(obs: Observation) -> Decision:
     """The driver's next move; checks run in the order the monitor has always used."""
     decision = _classify(obs)
     if decision.action is Action.RECOVER and obs.restarts >= obs.max_restarts:
-        return Decision(Action.RAISE, error=RecoveryError(
+        # the failure is still reported (``what``) before the job gives up
+        return dataclasses.replace(decision, action=Action.RAISE, error=RecoveryError(
             f"gave up after {obs.max_restarts} recoveries (failure.max_restarts); "
             f"last failure: {decision.what}"))
     return decision
