@@ -7,6 +7,7 @@ from memckpt.config import (ChaosEvent, Config, FailurePolicy, LoadSpec, Persist
                             PlacementConfig, WorkersConfig, load_config)
 from memckpt.errors import MemckptError
 from memckpt.runtime.faults import FaultInjector
+from memckpt.version import __version__
 
 # Imported on first use: they need torch, which the replica stores and the coordinator
 # (processes that only move bytes and keep books) never import (0.8 s and ~0.25 GiB each).
@@ -26,8 +27,6 @@ def run(train_fn, config, **kwargs):
     """Run ``train_fn(ctx)`` on Ray with in-memory replicas; see :func:`memckpt.runtime.driver.run`."""
     from memckpt.runtime.driver import run as _run
     return _run(train_fn, config, **kwargs)
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Checkpointer", "ChaosEvent", "Config", "FailurePolicy", "FaultInjector", "LoadSpec", "MemckptError",

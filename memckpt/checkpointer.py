@@ -25,6 +25,7 @@ from memckpt.errors import ChecksumError, MemckptError, StateError
 from memckpt.control import STOP, Control
 from memckpt.fsutil import write_atomic
 from memckpt.persist.uploader import Persister, persisted_restore
+from memckpt.populate import FAULTED_IN
 from memckpt.snapshot import SnapshotEngine
 from memckpt.state import TrainState
 
@@ -194,7 +195,7 @@ class Checkpointer:
             log.warning("memckpt: %s was written under a different config (fingerprint %s, now %s)",
                         source, h.get("fingerprint"), self.config.fingerprint())
         t0 = time.perf_counter()
-        step = state.load(shard.tensors, shard.meta, self.config.load.kinds())
+        step = state.load(shard.tensors, shard.meta, self.config.load.kinds(), FAULTED_IN)
         self._event("restored", step=step, source=source, seconds=time.perf_counter() - t0)
         return step
 

@@ -27,6 +27,7 @@ import torch
 
 from memckpt.buffers import (MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, libc_madvise,
                              map_memory, populate_mapping)
+from memckpt.state import LoadMemory
 
 MIN_BYTES = 1 << 20  # below this a system call costs more than the faults it saves
 
@@ -132,6 +133,8 @@ class TensorPool:
 
 
 POOL = TensorPool()  # the process's pool: filled by memckpt.runtime.worker, drawn from by restores
+# How restores load (TrainState.load's ``memory``): into memory faulted in before the copy.
+FAULTED_IN = LoadMemory(before_copy=populate, clone=populated_clone)
 
 
 def spare_budget(want: int, shard_bytes: int, available: int, total: int) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -21,7 +21,6 @@ import torch
 from memckpt import shard as fmt
 from memckpt.config import CONTENT_KINDS
 from memckpt.errors import StateError
-from memckpt.populate import populate, populated_clone
 
 _MARKERS = ("__tensor__", "__tuple__", "__items__", "__ndarray__")
 OPTIMIZER_PREFIX = "optim/"  # names of optimizer tensors in a shard: optim/<optimizer>/...
@@ -102,20 +101,33 @@ class _Flattener:
                          "tensors, numpy arrays, numbers, strings, lists, tuples and dicts")
 
 
-def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+@dataclass(frozen=True)
+class LoadMemory:
+    """Where a load's bytes land. ``before_copy`` sees the live model tensors a load is
+    about to overwrite; ``clone`` copies a snapshot tensor into new memory (the optimizer
+    state a load creates). The defaults do nothing more than that; the restore paths pass
+    :data:`memckpt.populate.FAULTED_IN`, which faults the memory in before the copy."""
+
+    before_copy: Callable[[Iterable[torch.Tensor]], object] = lambda tensors: None
+    clone: Callable[[torch.Tensor], torch.Tensor] = torch.clone
+
+
+def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor],
+               clone: Callable[[torch.Tensor], torch.Tensor] = torch.clone) -> Any:
     """Inverse of :class:`_Flattener`; tensors are cloned so no state aliases a buffer."""
     if isinstance(obj, list):
-        return [_unflatten(v, tensors) for v in obj]
+        return [_unflatten(v, tensors, clone) for v in obj]
     if isinstance(obj, dict):
         if "__tensor__" in obj:
-            return populated_clone(_tensor(tensors, obj["__tensor__"]))
+            return clone(_tensor(tensors, obj["__tensor__"]))
         if "__ndarray__" in obj:
             return _tensor(tensors, obj["__ndarray__"]).numpy().copy()
         if "__tuple__" in obj:
-            return tuple(_unflatten(v, tensors) for v in obj["__tuple__"])
+            return tuple(_unflatten(v, tensors, clone) for v in obj["__tuple__"])
         if "__items__" in obj:
-            return {_unflatten(k, tensors): _unflatten(v, tensors) for k, v in obj["__items__"]}
-        return {k: _unflatten(v, tensors) for k, v in obj.items()}
+            return {_unflatten(k, tensors, clone): _unflatten(v, tensors, clone)
+                    for k, v in obj["__items__"]}
+        return {k: _unflatten(v, tensors, clone) for k, v in obj.items()}
     return obj
 
 
@@ -244,11 +256,11 @@ class TrainState:
 
     # -- load ------------------------------------------------------------------------------
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
-             content: Optional[Iterable[str]] = None) -> int:
+             content: Optional[Iterable[str]] = None, memory: LoadMemory = LoadMemory()) -> int:
         """Put a snapshot's state back into the live objects; returns its step.
 
         ``content`` limits what is loaded (kinds from ``memckpt.config.CONTENT_KINDS``;
-        None loads everything). Missing or unexpected entries raise
+        None loads everything); ``memory`` says how new memory is prepared. Missing or unexpected entries raise
         :class:`StateError` naming them; nothing is half-loaded for a model
         whose keys do not match.
         """
@@ -265,31 +277,32 @@ class TrainState:
                 if want != have:
                     raise StateError(f"model {mname!r} does not match the snapshot: missing keys: "
                                      f"[{_short(want - have)}]; unexpected keys: [{_short(have - want)}]")
-                populate(live.values())  # the copy below then takes no page faults
+                memory.before_copy(live.values())  # the copy below then takes no page faults
                 m.load_state_dict({k: _tensor(tensors, f"model/{mname}/{k}") for k in have})
         if "optimizer" in kinds:
             self._check_names("optimizer", meta["optimizers"], self.optimizers)
             names = self._param_names()
             for oname, opt in self.optimizers.items():
                 local = _local_optimizer(opt)
-                self._load_optimizer(oname, local, meta["optimizers"][oname], tensors, names)
+                self._load_optimizer(oname, local, meta["optimizers"][oname], tensors, names,
+                                     memory.clone)
                 if local is not opt:  # ZeRO: its own groups feed the shard's at every step
                     for outer, inner in zip(opt.param_groups, local.param_groups):
                         outer.update({k: v for k, v in inner.items() if k != "params"})
         if "scheduler" in kinds:
             self._check_names("scheduler", meta["schedulers"], self.schedulers)
             for n, s in self.schedulers.items():
-                s.load_state_dict(_unflatten(meta["schedulers"][n], tensors))
+                s.load_state_dict(_unflatten(meta["schedulers"][n], tensors, memory.clone))
         if "scaler" in kinds and self.scaler is not None:
             if meta.get("scaler") is None:
                 raise StateError("the snapshot has no GradScaler state but the TrainState has a scaler")
-            self.scaler.load_state_dict(_unflatten(meta["scaler"], tensors))
+            self.scaler.load_state_dict(_unflatten(meta["scaler"], tensors, memory.clone))
         if "data" in kinds:
             self._check_names("data", meta["data"], self.datas)
             for n, d in self.datas.items():
-                d.load_state_dict(_unflatten(meta["data"][n], tensors))
+                d.load_state_dict(_unflatten(meta["data"][n], tensors, memory.clone))
         if "rng" in kinds and self.rng and meta.get("rng") is not None:
-            _set_rng_state(_unflatten(meta["rng"], tensors))
+            _set_rng_state(_unflatten(meta["rng"], tensors, memory.clone))
         if "extras" in kinds:
             self.extras.clear()
             self.extras.update(meta.get("extras", {}))
@@ -303,7 +316,8 @@ class TrainState:
                 f"[{_short(live)}]; pass the same {kind}s, or leave {kind!r} out of load.content")
 
     def _load_optimizer(self, oname: str, opt: torch.optim.Optimizer, saved: Mapping[str, Any],
-                        tensors: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
+                        tensors: Mapping[str, torch.Tensor], names: dict[int, str],
+                        clone: Callable[[torch.Tensor], torch.Tensor]) -> None:
         current = self._optimizer_names(oname, opt, names)
         stored_groups = saved["param_groups"]
         if len(stored_groups) != len(current):
@@ -325,10 +339,10 @@ class TrainState:
                 index[pname] = len(index)
         # Indices follow the *current* parameter order, so torch maps each saved
         # entry onto the parameter with the same name.
-        state = {index[p]: _unflatten(st, tensors) for p, st in saved["state"].items()}
+        state = {index[p]: _unflatten(st, tensors, clone) for p, st in saved["state"].items()}
         groups = []
         for group, cur in zip(stored_groups, current):
-            g = {k: _unflatten(v, tensors) for k, v in group.items() if k != "params"}
+            g = {k: _unflatten(v, tensors, clone) for k, v in group.items() if k != "params"}
             g["params"] = [index[p] for p in cur]
             groups.append(g)
         opt.load_state_dict({"state": state, "param_groups": groups})

@@ -80,7 +80,8 @@ def test_restore_into_an_untouched_model_is_exact():
     cap = state.capture(7)
     dst = torch.nn.utils.skip_init(torch.nn.Linear, 1024, 1024)  # never touched
     dopt = torch.optim.AdamW(dst.parameters())
-    assert TrainState(model=dst, optimizer=dopt).load(dict(cap.tensors), cap.meta) == 7
+    assert TrainState(model=dst, optimizer=dopt).load(dict(cap.tensors), cap.meta,
+                                                      memory=pop.FAULTED_IN) == 7
     assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)
     for p, q in zip(src.parameters(), dst.parameters()):
         for k in ("exp_avg", "exp_avg_sq"):

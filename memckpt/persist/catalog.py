@@ -70,17 +70,10 @@ from memckpt.persist.manifest import (
     step_folder,
 )
 from memckpt.persist.uri import open_backend
+from memckpt.version import __version__
 
 log = logging.getLogger("memckpt.persist")
 _UNKNOWN = 10 ** 10  # sorts a folder of unknown step (a slot without manifest) as the newest
-
-
-def _memckpt_version() -> str:
-    try:
-        import memckpt
-        return str(memckpt.__version__)
-    except Exception:  # pragma: no cover - partial import during packaging
-        return "unknown"
 
 
 def _is_memckpt_file(name: str) -> bool:
@@ -230,7 +223,7 @@ class CheckpointStore:
         self._check_folder(folder, step)
         manifest = Manifest(step=step, world_size=world_size, fingerprint=fingerprint,
                             shards=entries, placement=dict(placement or {}),
-                            memckpt_version=_memckpt_version(), created_at=time.time(), job=job)
+                            memckpt_version=__version__, created_at=time.time(), job=job)
         manifest.validate(f"commit of step {step}", folder)
         self.backend.put(manifest_key(folder), manifest.to_json().encode())
         log.info("memckpt: committed step %d (%d shards, %d bytes) to %s", step, world_size,

@@ -1,0 +1,324 @@
+"""What a training function sees: :class:`WorkerContext`, one per rank and generation.
+
+    def train(ctx: memckpt.WorkerContext):
+        state = memckpt.TrainState(model, optimizer, scheduler, data=sampler)
+        start = ctx.restore(state)              # 0 on a fresh start
+        for step in range(start + 1, total + 1):
+            loss = ...
+            ctx.step(state, step, loss=loss)    # snapshot + replicate + report
+
+The step pays only for the local copy into this node's RAM. A background
+:class:`~memckpt.runtime.replicator.Replicator` streams each sealed snapshot to the rank's
+replica holders, reports it to the coordinator and learns when it is committed; committed
+steps due for persisting go to the rank's :class:`~memckpt.persist.uploader.Persister`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from memckpt import shard as fmt
+from memckpt.buffers import resolve_ram_root
+from memckpt.control import STOP
+from memckpt.digest import state_digest
+from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnapshotError
+from memckpt.persist.uploader import Persister
+from memckpt.populate import MIN_BYTES, POOL
+from memckpt.runtime.faults import SIGNALS, STEADY_WAIT_S
+from memckpt.runtime.rank_checkpointer import RankCheckpointer
+from memckpt.runtime.replica_store import node_dir, own_dir, scan
+from memckpt.runtime.replicator import Replicator
+from memckpt.runtime.spec import RestoreInstruction, WorkerSpec
+from memckpt.runtime.transport import StoreConnection
+from memckpt.state import TrainState, restore_allocations
+
+
+class StopTraining(BaseException):
+    """Raised from ``ctx.step`` once a requested stop step is persisted: the run ends
+    cleanly. A BaseException, so a training loop's ``except Exception`` lets it pass."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+class WorkerContext:
+    """What a training function sees: its rank, restore, and the per-step call."""
+
+    def __init__(self, spec: WorkerSpec, node_id: str) -> None:
+        cfg = spec.config
+        self.spec = spec
+        self.rank, self.world_size, self.config = spec.rank, spec.world_size, cfg
+        self.node_id = node_id
+        self.generation = spec.gen
+        self.device = "cpu"
+        ram_root = resolve_ram_root(cfg.ram_root)
+        self._ram_root = ram_root
+        self.ckpt = RankCheckpointer(cfg, spec.rank, spec.world_size,
+                                     own_dir(ram_root, cfg.job_name, node_id), self._sealed)
+        self.replicator = Replicator(spec, self.ckpt)
+        self.persister: Optional[Persister] = None
+        self.stop_after: Optional[int] = None  # set once a requested stop step is persisted
+        if cfg.persistence:
+            self.persister = self._make_persister()
+        self.replicator.on_committed = self._committed
+        self.last_step = -1
+        self._state: Optional[TrainState] = None
+        self.restore_seconds: dict[str, float] = {}
+
+    def _sealed(self, step: int, _path: Path) -> None:
+        self.replicator.queue.put(step)
+
+    # -- persistence (committed steps -> disk / S3, in the background) -----------------------
+    def _make_persister(self) -> Persister:
+        import ray
+        coord, rank = self.spec.coordinator, self.rank
+        return Persister(
+            self.config.persistence, rank,
+            reader=self.ckpt.read,
+            staging=self.ckpt.directory / "staging.bin",
+            folder_for=lambda tier, step: ray.get(coord.persist_folder.remote(tier, step)),
+            on_written=lambda tier, step, entry: ray.get(
+                coord.persist_ready.remote(tier, step, rank, entry)),
+            on_event=lambda kind, **f: coord.log_event.remote(kind, dict(f, rank=rank)))
+
+    def _committed(self, step: int, request: Optional[str]) -> None:
+        """A step committed; ``request`` is "stop"/"persist" when the driver asked every
+        rank to persist exactly this step (stop file, SIGTERM)."""
+        tiers = self.persister.due(step) if self.persister is not None else ()
+        if request is not None and self.persister is not None:
+            tiers = range(len(self.persister.tiers))
+        if tiers:
+            # Stage the copy here, while the step's slot is protected. If a healthy upload
+            # still holds the staging buffer, a requested persist waits; a scheduled one
+            # follows failure.on_fall_behind (wait: hold the next commit; skip: skip this
+            # step). An upload retrying against a failing tier is superseded, never waited on.
+            wait = request is not None or self.config.failure.on_fall_behind == "wait"
+            self.persister.submit(step, tiers, stage_now=True, wait=wait)
+        if request == STOP:
+            if self.persister is not None:
+                self.persister.flush(600.0)
+            self.stop_after = step
+
+    # -- restore ------------------------------------------------------------------------------
+    def restore(self, state: TrainState) -> int:
+        """Load this rank's shard of the step the runtime chose (0 on a fresh start), then
+        snapshot it again so this rank's copies match the new placement."""
+        self._state = state
+        instr = self.spec.restore
+        step = 0
+        if instr is not None:
+            t0 = time.perf_counter()
+            try:
+                step = self._load(state, instr)
+            finally:
+                POOL.clear()  # what the restore did not take
+            self.restore_seconds["fetch_and_load_s"] = time.perf_counter() - t0
+            # Where the state really came from: the plan's first source, unless that copy
+            # failed its check and a later one served (see _load).
+            self.spec.coordinator.log_event.remote("restored", {
+                "rank": self.rank, "gen": self.generation, "step": step,
+                "source": self.restore_source,
+                # fetched into the slot file a warm spare held ready (no new memory)
+                "spare_slot": self.ckpt.took_offered,
+                "seconds": round(self.restore_seconds["fetch_and_load_s"], 4)})
+            self.ckpt.resume_at(step)
+        if instr is not None and self.ckpt.holds(step):
+            # Its own slot holds the step (a process restarted on its node, or a peer's copy
+            # fetched straight into the slot): no second copy. Holders placement moved are
+            # sent it from there; those that have it skip it (the store compares checksums).
+            if not instr.placed:
+                self._sealed(step, self.ckpt.directory)
+                self.restore_seconds["recopied"] = 1.0
+        else:
+            # Copy the restored state out again so this rank's copies match the placement.
+            t0 = time.perf_counter()
+            self._snapshot(state, step)
+            if instr is not None:
+                self.restore_seconds["resnapshot_s"] = time.perf_counter() - t0
+                self.restore_seconds["recopied"] = 1.0
+        self.ckpt.drop_offered()  # the slots exist now; a spare's file is spare
+        self.last_step = step
+        return step
+
+    def _load(self, state: TrainState, instr: RestoreInstruction) -> int:
+        import ray
+        errors = []
+        if instr.sources == ("persist",):
+            return self._load_persisted(state, instr)
+        for node in instr.sources:
+            try:
+                if node == self.node_id:
+                    # no new slot: a spare's slot file frees its pages for this restore
+                    self.ckpt.drop_offered()
+                    if not self.ckpt.holds(instr.step):
+                        # the rank moved to a node holding its replica: the store's replica
+                        # files become its own slots (renamed: nothing is copied, and the
+                        # restored step needs no second copy here)
+                        self.ckpt.adopt(self._replica_files(instr.step))
+                    # read through the engine's mapping, which the next snapshot reuses (a
+                    # second mapping would fault every page again)
+                    source = f"local:{self.ckpt.directory}"
+                    with self.ckpt.read(instr.step) as shard:
+                        return self._load_verifying(
+                            state, shard, source, lambda: self.ckpt.discard(instr.step))
+                # a peer's store streams it over TCP into this rank's own slot (verified)
+                source = f"peer:{node}"
+                t0 = time.perf_counter()
+                conn = StoreConnection(ray.get(self.spec.stores[node].address.remote()))
+                t1 = time.perf_counter()
+                try:
+                    shard = self.ckpt.install(
+                        instr.step, lambda into: self._fetch(conn, instr.step, into),
+                        source)  # verified
+                    # install = slot allocation + fetch (timed in _fetch) + verification
+                    self.restore_seconds.update(connect_s=t1 - t0,
+                                                install_s=time.perf_counter() - t1)
+                finally:
+                    conn.close()
+                step = self.ckpt.load_shard(state, shard, source)
+                self.restore_source = source
+                return step
+            except (MemckptError, OSError, ray.exceptions.RayError) as e:
+                errors.append(f"{node[:12]}: {e}")
+        raise NoSnapshotError(f"rank {self.rank}: no source could provide step {instr.step}: "
+                              + "; ".join(errors))
+
+    def _load_verifying(self, state: TrainState, shard: fmt.Shard, source: str,
+                        discard: Callable[[], None]) -> int:
+        """Load a local ``shard`` into ``state`` while a second thread checks its data
+        checksum (xxh3 releases the GIL, so the two overlap). A mismatch calls ``discard``
+        (the copy is never restored or sent on again) and raises :class:`ChecksumError`
+        once the load is done: the caller then loads the next source over everything, and
+        training never starts from the corrupt bytes."""
+        check = cf.ThreadPoolExecutor(1, thread_name_prefix="memckpt-verify")
+        verified = check.submit(fmt.verify_data, shard, source)
+        try:
+            step = self.ckpt.load_shard(state, shard, source)
+        finally:
+            check.shutdown(wait=True)
+        try:
+            verified.result()
+        except ChecksumError:
+            discard()
+            raise
+        self.restore_source = source
+        return step
+
+    def _fetch(self, conn: StoreConnection, step: int, into: Callable[[int], np.ndarray]
+               ) -> np.ndarray:
+        alloc = [0.0]
+
+        def timed_into(nbytes: int) -> np.ndarray:
+            t = time.perf_counter()
+            try:
+                return into(nbytes)
+            finally:
+                alloc[0] = time.perf_counter() - t
+
+        t0 = time.perf_counter()
+        raw = conn.fetch(self.rank, step, timed_into)
+        # the transfer alone; allocating the new slot's memory is timed apart
+        self.restore_seconds["fetch_s"] = time.perf_counter() - t0 - alloc[0]
+        self.restore_seconds["slot_alloc_s"] = alloc[0]
+        self.restore_seconds["fetch_bytes"] = float(len(raw))
+        return raw
+
+    def _load_persisted(self, state: TrainState, instr: RestoreInstruction) -> int:
+        from memckpt.persist import CheckpointStore, Manifest
+        store = CheckpointStore(self.config.persistence[instr.tier])
+        manifest = Manifest.from_json(instr.manifest, store.describe())
+        region = store.read_shard(manifest, self.rank)  # verified
+        source = f"{store.describe()}@{manifest.step}"
+        self.restore_source = source
+        return self.ckpt.load_shard(state, fmt.open_shard(region, source), source)
+
+    def _replica_files(self, step: int) -> list[Path]:
+        """The complete replica files of this rank on this node; one must hold ``step``."""
+        root = node_dir(self._ram_root, self.config.job_name, self.node_id)
+        held = scan(root / "replicas").get(self.rank, {})
+        if step not in held:
+            raise NoSnapshotError(f"this node holds no shard of rank {self.rank} at step {step}")
+        return list(held.values())
+
+    def restore_allocations(self) -> list:
+        """What a restore of this rank's newest snapshot creates (see :data:`POOL`); none
+        when the state lives on GPUs."""
+        if self.config.workers.gpus_per_worker:
+            return []
+        layout = self.ckpt.newest_layout()
+        return [] if layout is None else restore_allocations(layout, MIN_BYTES)
+
+    # -- per step -----------------------------------------------------------------------------
+    def step(self, state: TrainState, step: int, **metrics: float) -> None:
+        """Call after finishing ``step``: snapshot when due and report ``metrics``."""
+        if self.replicator.error is not None:
+            raise self.replicator.error
+        if self.stop_after is not None:
+            raise StopTraining(self.stop_after)
+        self._maybe_fault(step)
+        t0 = time.perf_counter()
+        self._snapshot(state, step)
+        stall = time.perf_counter() - t0
+        self.last_step = step
+        report = {k: float(v) for k, v in metrics.items()}
+        stats = self.ckpt.stats
+        report.update(stall_s=stall, replicate_s=self.replicator.last_seconds,
+                      committed=float(self.ckpt.committed or 0),
+                      skipped=float(stats.skipped), waited_s=stats.waited_s,
+                      replicated_bytes=float(self.replicator.bytes_sent),
+                      replica_filled_bytes=float(self.replicator.bytes_filled))
+        self.spec.coordinator.report.remote(self.rank, self.generation, step, report)
+
+    def _maybe_fault(self, step: int) -> None:
+        """Scheduled faults fire here, so they hit exactly the step they name (once per job)."""
+        import ray
+        for fault in self.spec.faults:
+            mine = fault.rank == self.rank or (fault.rank is None and self.rank == 0)
+            if fault.at_step != step or not mine:
+                continue
+            wait = STEADY_WAIT_S if fault.steady else 0.0
+            if not ray.get(self.spec.coordinator.claim.remote(fault.key, wait)):
+                continue
+            if fault.target == "worker":
+                os.kill(os.getpid(), SIGNALS[fault.signal])
+            else:  # node, store, coordinator, random: the driver acts; this rank holds still
+                ray.get(self.spec.coordinator.request_fault.remote(fault.key))
+                ray.get(self.spec.coordinator.wait_fault.remote(fault.key, 60.0))
+
+    def _snapshot(self, state: TrainState, step: int) -> None:
+        self._state = state
+        if step % self.config.snapshot_every == 0:
+            self.ckpt.step(state, step)
+
+    def digest(self) -> Optional[str]:
+        return state_digest(self._state) if self._state is not None else None
+
+    def finish(self, timeout_s: float = 600.0) -> None:
+        """The function returned: commit the last snapshot everywhere and persist it if due."""
+        self.ckpt.wait()
+        self.replicator.drain(timeout_s)
+        if self.persister is not None:
+            self.persister.flush(timeout_s)
+
+    def abort(self) -> None:
+        """Recovery replaced this generation: make the training function return at its next
+        ``ctx.step`` (or at once, if it waits there for a commit that cannot come)."""
+        err = GenerationEnded(f"rank {self.rank}: generation {self.generation} was ended by "
+                              "recovery")
+        self.replicator.cancelled = True
+        self.replicator.error = self.replicator.error or err
+        self.ckpt.abort(err)
+
+    def close(self) -> None:
+        self.replicator.close()
+        if self.persister is not None:
+            self.persister.flush(60.0)
+            self.persister.close()
+        self.ckpt.close()

@@ -1,0 +1,156 @@
+"""The driver's worker actors: each rank's (reused across generations while its node lives),
+the generation running, and a warm spare per node with the memory a restore fills."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from memckpt.runtime.control_plane import ControlPlane, affinity, alive_node_ids
+from memckpt.runtime.worker import Worker
+
+LARGEST_SHARD_WAIT_S = 2.0  # stores answering what spares prepare for (see _largest_shard)
+
+
+@dataclass
+class Generation:
+    gen: int
+    workers: dict[int, Any]
+    refs: dict[Any, int]  # run ObjectRef -> rank
+    info: dict[int, dict[str, Any]]
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    holders: dict[int, tuple[str, ...]] = field(default_factory=dict)  # rank -> replica holders
+
+    @property
+    def holder_nodes(self) -> set[str]:
+        return {h for hs in self.holders.values() for h in hs}
+
+
+class WorkerPool:
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane, self.ray, self.config = plane, plane.ray, plane.config
+        self.workers: dict[int, Any] = {}  # rank -> live worker actor (reused across generations)
+        self.worker_nodes: dict[int, str] = {}
+        self.spares: dict[str, Any] = {}  # node -> idle warm worker
+        # node -> (spare, the stage asked of it: 0 state, 1 slot files, its prefault ref)
+        self._prefaults: dict[str, tuple[Any, int, Any]] = {}
+        self._standby = False  # every node's spare is up and has its memory in hand
+        self._first_commit: Optional[int] = None  # the job's first committed step
+        self._spare_nodes: set[str] = set()  # the live nodes that should have a spare
+
+    def assign(self, assignment: dict[int, str]) -> tuple[dict[int, Any], dict[int, str]]:
+        """A worker for each rank: its own if it lives on the rank's node, else that node's
+        spare, else a new one. Returns the workers and how each was found."""
+        workers, how = {}, {}
+        for rank, node in assignment.items():
+            if rank in self.workers and self.worker_nodes[rank] == node:
+                workers[rank], how[rank] = self.workers[rank], "reused"
+            elif node in self.spares:
+                workers[rank], how[rank] = self.spares.pop(node), "spare"
+            else:
+                workers[rank], how[rank] = self.new_worker(node), "new"
+        self.workers, self.worker_nodes = dict(workers), dict(assignment)
+        return workers, how
+
+    def new_worker(self, node: str, spare: bool = False) -> Any:
+        cfg = self.config
+        # A spare reserves no CPU while it idles; it takes over the CPU of the rank it
+        # replaces, whose actor is gone by then.
+        return self.ray.remote(Worker).options(
+            num_cpus=0 if spare else cfg.workers.cpus_per_worker,
+            num_gpus=0 if spare else cfg.workers.gpus_per_worker,
+            max_restarts=0, max_concurrency=4, scheduling_strategy=affinity(node),
+        ).remote(cfg, self.plane.coordinator)
+
+    def forget(self, rank: int) -> None:
+        """``rank``'s worker was killed: the next generation needs another."""
+        self.workers.pop(rank, None)
+
+    def keep_nodes(self, alive: list[str]) -> None:
+        """Forget the workers and spares of nodes that died."""
+        for rank, node in list(self.worker_nodes.items()):
+            if node not in alive:
+                self.workers.pop(rank, None)
+        self.spares = {n: w for n, w in self.spares.items() if n in alive}
+
+    def actors(self) -> list[Any]:
+        return list(self.workers.values()) + list(self.spares.values())
+
+    # -- warm spares ------------------------------------------------------------------------------
+    def top_up_spares(self) -> None:
+        """Keep one warm worker process per live node (torch imported) to replace a dead rank."""
+        if self.config.failure.warm_spares:
+            self._spare_nodes = set(self.plane.stores) & alive_node_ids()  # a lost node's store stays listed
+            for node in self._spare_nodes - set(self.spares):
+                self.spares[node] = self.new_worker(node, spare=True)
+
+    def prefault_spares(self, committed: Optional[int]) -> None:
+        """Once the job's snapshot slots exist (a second step committed), ask each spare in
+        turn to prepare the memory a restore fills (:meth:`Worker.prefault`): one at a
+        time, so populating gigabytes never takes more than one core from training. First
+        every spare its state, then its slot files, emptiest node first (where a lost
+        node's rank goes): where nodes share a machine's RAM, the first spare asked must
+        not take what the others' state needs. Tells the coordinator when every node's
+        spare is ready: the job is in standby, a failure now meets a ready replacement."""
+        if committed is None:
+            return
+        if self._first_commit is None:
+            self._first_commit = committed
+        if committed <= self._first_commit:
+            return
+        asked = {n: (stage, ref) for n, (sp, stage, ref) in self._prefaults.items()
+                 if self.spares.get(n) is sp}
+        refs = [ref for _, ref in asked.values()]
+        _, pending = self.ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        todo = self._prefaults_due(asked)
+        if not pending and todo:
+            node, stage = todo[0]
+            spare = self.spares[node]
+            self._prefaults[node] = (spare, stage, spare.prefault.remote(
+                self._largest_shard(), stage == 1))
+        standby = not self.config.failure.warm_spares or (
+            not pending and not todo and set(self.spares) >= self._spare_nodes)
+        if standby != self._standby:
+            self._standby = standby
+            self.plane.coordinator.set_standby.remote(standby)
+            if standby:  # every prefault has returned: what each node's spare holds
+                held = self._held({n: ref for n, (_, ref) in asked.items()})
+                self.plane.event("standby", held_bytes={n[:12]: b for n, b in held})
+
+    def _prefaults_due(self, asked: dict[str, tuple[int, Any]]) -> list[tuple[str, int]]:
+        """(node, stage) of the prefaults still to ask, in order (see prefault_spares)."""
+        fresh = [n for n in self.spares if n not in asked]
+        if fresh:
+            return [(n, 0) for n in fresh]
+        ranks = Counter(self.worker_nodes.values())
+        return [(n, 1) for n in sorted(self.spares, key=lambda n: ranks[n]) if asked[n][0] < 1]
+
+    def _largest_shard(self) -> Optional[tuple[int, list, int]]:
+        """The largest shard any live node's store holds (see ReplicaStore.largest_shard):
+        what a spare prepares for, wherever it is, as any rank may move to its node."""
+        stores = self.plane.stores
+        refs = [stores[n].largest_shard.remote() for n in self._spare_nodes if n in stores]
+        # This runs in the control loop: a store that is restarting (or on a node about to
+        # be declared dead) must not hold up failure detection; the others answer in ms.
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=LARGEST_SHARD_WAIT_S) \
+            if refs else ([], [])
+        found = []
+        for ref in ready:
+            try:
+                found.append(self.ray.get(ref))
+            except self.ray.exceptions.RayError:
+                pass  # a store that died meanwhile: the others answer
+        found = [f for f in found if f is not None]
+        return max(found, key=lambda f: f[0]) if found else None
+
+    def _held(self, prefaults: dict[str, Any]) -> list[tuple[str, int]]:
+        """(node, bytes its spare holds) for each finished prefault; a spare that died
+        meanwhile holds nothing (the next recovery replaces it)."""
+        out = []
+        for node, ref in prefaults.items():
+            try:
+                out.append((node, int(self.ray.get(ref))))
+            except self.ray.exceptions.RayError:
+                out.append((node, 0))
+        return out

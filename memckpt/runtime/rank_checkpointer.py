@@ -1,0 +1,83 @@
+"""One rank's snapshots as the runtime drives them, named by what the worker needs.
+
+A :class:`memckpt.Checkpointer` whose steps count as committed only when the coordinator
+says every copy is placed (gated), whose sealed steps go to the replicator, and which a
+restore fills by adopting a replica's files, fetching a peer's copy into a slot, or
+taking a spare's prepared slot file. The worker, its context and its replicator reach the
+snapshot engine only through these methods.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from memckpt import shard as fmt
+from memckpt.checkpointer import Checkpointer
+from memckpt.config import Config
+
+
+class RankCheckpointer(Checkpointer):
+    def __init__(self, config: Config, rank: int, world_size: int, directory: Path,
+                 on_sealed: Callable[[int, Path], None]) -> None:
+        super().__init__(config, rank, world_size, directory=directory, gated=True,
+                         on_sealed=on_sealed, persist=False)
+
+    # -- the committed steps --------------------------------------------------------------------
+    def read(self, step: int) -> AbstractContextManager[fmt.Shard]:
+        """A sealed step's shard, unverified (it is checked where it lands)."""
+        return self.engine.reading(step, verify=False)
+
+    def holds(self, step: int) -> bool:
+        return step in self.engine.steps()
+
+    @property
+    def committed(self) -> Optional[int]:
+        return self.engine.committed
+
+    def commit(self, step: int) -> None:
+        """Every copy of ``step`` is placed: its slot may now be reused for later steps."""
+        self.engine.set_committed(step)
+
+    def resume_at(self, step: int) -> None:
+        """A restore resumed at ``step``: newer steps are void, ``step`` is committed."""
+        self.engine.discard_newer(step)
+        self.engine.set_committed(step)
+
+    def discard(self, step: int) -> None:
+        """Drop ``step``'s copy (it failed its check: never restored or sent on again)."""
+        self.engine.discard_step(step)
+
+    def abort(self, error: BaseException) -> None:
+        """Wake a snapshot waiting for a commit that cannot come, with ``error``."""
+        self.engine.abort(error)
+
+    # -- restoring into slots ---------------------------------------------------------------------
+    def adopt(self, files: list[Path]) -> None:
+        """Make replica files on this node this rank's own slots (renamed, not copied)."""
+        self.engine.adopt(files)
+
+    def install(self, step: int, receive: Callable[[Callable[[int], np.ndarray]], np.ndarray],
+                source: str) -> fmt.Shard:
+        """Fetch ``step`` into a slot of its own (``receive(into)``), verified."""
+        return self.engine.install(step, receive, source)
+
+    def offer_files(self, paths: list[Path]) -> None:
+        """A spare's prepared slot files, for the next slot this rank needs."""
+        self.engine.offer_files(paths)
+
+    def drop_offered(self) -> None:
+        self.engine.drop_offered()
+
+    @property
+    def took_offered(self) -> bool:
+        """A restore fetched into a slot file a warm spare held ready."""
+        return self.engine.stats.offered_taken > 0
+
+    def newest_layout(self) -> Optional[fmt.Layout]:
+        """The layout of the newest complete snapshot (what a restore of it creates)."""
+        slots = [s for s in self.engine.slots if s.complete and s.layout is not None]
+        return max(slots, key=lambda s: s.step).layout if slots else None

@@ -1,0 +1,189 @@
+"""Acting on a failure: end the generation, ask the stores which RAM copies survive, plan the
+next generation (:mod:`memckpt.recovery_plan`, falling back to the newest persisted
+checkpoint when RAM copies were lost), roll the stores back past the chosen step, and keep
+the record of each recovery and its phases."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from memckpt.errors import RecoveryError
+from memckpt.recovery_plan import (RecoveryPlan, plan_from_persisted, plan_from_scratch,
+                                   plan_recovery)
+from memckpt.runtime.control_plane import ControlPlane, eligible_nodes
+from memckpt.runtime.failure import Decision
+from memckpt.runtime.faults import send_signal
+from memckpt.runtime.pool import Generation, WorkerPool
+from memckpt.runtime.spec import RestoreInstruction
+
+GRACE_S = 3.0  # how long survivors get to notice a failure and return before being killed
+
+Restore = dict[int, RestoreInstruction]
+
+
+class Recovery:
+    def __init__(self, plane: ControlPlane, pool: WorkerPool) -> None:
+        self.plane, self.pool, self.ray, self.config = plane, pool, plane.ray, plane.config
+        self.records: list[dict[str, Any]] = []  # one per recovery, for the run summary
+        self._started = 0.0  # when the last recovery's plan was made
+
+    # -- the persisted tier ---------------------------------------------------------------------
+    def persisted(self, why: str) -> Optional[tuple[int, Any]]:
+        """The newest verified persisted checkpoint for this world size, events for the rest."""
+        if not self.config.persistence:
+            return None
+        from memckpt.persist import CheckpointStore
+        from memckpt.persist.uploader import persisted_restore
+        stores = [CheckpointStore(t) for t in self.config.persistence]
+        tier, manifest, reasons = persisted_restore(stores, self.config.workers.num_workers)
+        for reason in reasons:
+            self.plane.say(f"skipping persisted checkpoint: {reason}")
+            self.plane.event("checkpoint_skipped", reason=reason, why=why)
+        return None if manifest is None else (tier, manifest)
+
+    @staticmethod
+    def persisted_instructions(found: tuple[int, Any], ranks) -> Restore:
+        tier, manifest = found
+        return {r: RestoreInstruction(manifest.step, ("persist",), tier, manifest.to_json())
+                for r in ranks}
+
+    def auto_resume(self, assignment: dict[int, str]) -> tuple[Optional[int], Restore]:
+        """A new job on the roots of an earlier one resumes from its newest valid checkpoint."""
+        found = self.persisted("auto-resume")
+        if found is None:
+            return None, {}
+        tier, manifest = found
+        uri = self.config.persistence[tier].uri
+        self.plane.say(f"auto-resume: step {manifest.step} from {uri}")
+        self.plane.event("auto_resume", step=manifest.step, tier=uri)
+        return manifest.step, self.persisted_instructions(found, assignment)
+
+    # -- a failure --------------------------------------------------------------------------------
+    def detected(self, g: Generation, decision: Decision) -> dict[str, Any]:
+        """Record a failure the monitor decided on; returns its description for :meth:`recover`."""
+        t = time.time()
+        since = self.records[-1]["detected_at"] if self.records else 0.0
+        fault_time = self.plane.fault_time(since)
+        self.plane.say(f"failure detected: {decision.what}")
+        self.plane.event("failure_detected", what=decision.what, ranks=sorted(decision.died),
+                         gen=g.gen)
+        return {"what": decision.what, "died": sorted(decision.died),
+                "hung": sorted(decision.hung), "detected_at": t, "fault_at": fault_time}
+
+    def recover(self, g: Generation, failure: dict[str, Any], assignment: dict[int, str],
+                holders: dict[int, tuple[str, ...]]) -> tuple[RecoveryPlan, Restore]:
+        """End generation ``g``, plan the next; returns the plan and each rank's restore."""
+        t0 = time.time()
+        self._end_generation(g, failure)
+        t_killed = time.time()
+        alive = self.plane.alive_nodes(set(assignment.values()))
+        self.pool.keep_nodes(alive)
+        cap = {n: c for n, c in eligible_nodes(self.config).items() if n in alive}
+        plan, persisted = self._plan(assignment, holders, cap)
+        self._record_plan(g, failure, plan, t0, t_killed, cap)
+        if persisted:
+            return plan, self.persisted_instructions(persisted, plan.assignment)
+        return plan, {r: RestoreInstruction(plan.step, plan.sources[r], placed=r in plan.placed)
+                      for r in plan.assignment if plan.sources[r]}
+
+    def _end_generation(self, g: Generation, failure: dict[str, Any]) -> None:
+        ray = self.ray
+        for rank in failure["hung"]:  # a stopped process ignores polite kills
+            try:
+                send_signal(g.info[rank]["node_id"], g.info[rank]["pid"], "KILL", timeout_s=5)
+            except ray.exceptions.RayError:
+                pass
+        for rank in failure["died"]:
+            ray.kill(g.workers[rank], no_restart=True)
+        # Survivors end this generation at once: a rank waiting for a commit that can no
+        # longer come is woken (abort); one in a collective sees it fail. One still stuck
+        # after the grace period is killed.
+        for rank, w in g.workers.items():
+            if rank not in failure["died"]:
+                w.abort.remote(g.gen)
+        ready, stuck = ray.wait(list(g.refs), num_returns=len(g.refs), timeout=GRACE_S)
+        for ref in g.refs:  # collect every outcome so none is reported as unhandled
+            try:
+                ray.get(ref, timeout=0 if ref in stuck else 5)
+            except Exception:  # noqa: BLE001 (every outcome of a failed generation is moot)
+                pass
+        dead = set(failure["died"]) | {g.refs[ref] for ref in stuck}
+        for rank in dead:
+            ray.kill(g.workers[rank], no_restart=True)
+            self.pool.forget(rank)
+
+    def _plan(self, assignment: dict[int, str], holders: dict[int, tuple[str, ...]],
+              cap: dict[str, int]) -> tuple[RecoveryPlan, Optional[tuple[int, Any]]]:
+        """The plan from the surviving RAM copies, else from the newest persisted checkpoint
+        (returned too), else from scratch when nothing was ever snapshotted."""
+        cfg = self.config
+        self.plane.ensure_stores(list(cap))
+        inventory = self.plane.inventory(list(cap))
+        committed = self.ray.get(self.plane.coordinator.committed.remote())
+        try:
+            return plan_recovery(assignment, holders, list(cap), cap, inventory,
+                                 cfg.placement.replicas, committed), None
+        except RecoveryError as lost:
+            persisted = self.persisted("RAM copies lost")
+            if persisted is None and committed is None and not any(inventory.values()):
+                # nothing was ever snapshotted: start over from scratch
+                return plan_from_scratch(assignment, holders, list(cap), cap,
+                                         cfg.placement.replicas), None
+            if persisted is None:
+                raise
+            plan = plan_from_persisted(assignment, holders, list(cap), cap, cfg.placement.replicas,
+                                       persisted[1].step, str(lost))
+            self.plane.say(f"{lost}; falling back to persisted step {plan.step}")
+            self.plane.event("fallback_to_persisted", step=plan.step, reason=str(lost),
+                             tier=cfg.persistence[persisted[0]].uri)
+            return plan, persisted
+
+    def _record_plan(self, g: Generation, failure: dict[str, Any], plan: RecoveryPlan, t0: float,
+                     t_killed: float, cap: dict[str, int]) -> None:
+        ray, stores = self.ray, self.plane.stores
+        ray.get([stores[n].discard_after.remote(plan.step) for n in cap])
+        ray.get([stores[n].set_generation.remote(g.gen + 1) for n in cap])
+        t_plan = time.time()
+        record = {
+            "what": failure["what"], "died_ranks": failure["died"],
+            "dead_nodes": sorted((set(self.pool.worker_nodes.values()) | g.holder_nodes)
+                                 - set(cap)),
+            "resumed_step": plan.step, "moved_ranks": list(plan.moved),
+            "in_place_ranks": sorted(plan.placed),  # copies already placed: no re-copy
+            "sources": {str(r): _source_label(s, plan.assignment[r])
+                        for r, s in plan.sources.items()},
+            "notes": list(plan.notes), "gen": g.gen + 1, "fault_at": failure["fault_at"],
+            "detected_at": failure["detected_at"],
+            "phases_s": {"detect": (failure["detected_at"] - failure["fault_at"])
+                         if failure["fault_at"] else None,
+                         "stop": t_killed - t0, "plan": t_plan - t_killed},
+        }
+        self.records.append(record)
+        self.plane.say(f"recovery plan: resume at step {plan.step}; sources {record['sources']}"
+                       + (f"; {'; '.join(plan.notes)}" if plan.notes else ""))
+        self.plane.event("recovery_plan", **{k: v for k, v in record.items() if k != "phases_s"})
+        self._started = time.time()
+
+    # -- after it ---------------------------------------------------------------------------------
+    def check_resumed(self, min_step: int, gen: int) -> bool:
+        """True once, when every rank finished its first step after the restored one: the
+        last recovery is over (its resume and total phases are recorded)."""
+        if not self.records or "resume" in self.records[-1]["phases_s"] \
+                or min_step <= self.records[-1]["resumed_step"]:
+            return False
+        now = time.time()
+        last = self.records[-1]
+        phases = last["phases_s"]
+        phases["resume"] = now - self._started
+        phases["total"] = now - (last.get("fault_at") or self._started)
+        self.plane.event("recovery_finished", step=last["resumed_step"], gen=gen, phases_s=phases)
+        return True
+
+
+def _source_label(sources: tuple[str, ...], node: str) -> str:
+    if not sources:
+        return "scratch"
+    if sources == ("persist",):
+        return "persisted"
+    return "local" if sources and sources[0] == node else f"peer:{sources[0][:12]}"

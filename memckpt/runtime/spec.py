@@ -1,0 +1,31 @@
+"""What the driver hands each rank for one generation: its place in the job and, after a
+failure, where its shard of the resumed step is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from memckpt.config import Config
+
+
+@dataclass(frozen=True)
+class RestoreInstruction:
+    step: int
+    sources: tuple[str, ...]  # node ids holding the shard, best first; or ("persist",)
+    tier: Optional[int] = None  # with ("persist",): the tier index and its manifest (JSON)
+    manifest: Optional[str] = None
+    placed: bool = False  # the step is already on this rank's node and all its holders
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    world_size: int
+    gen: int
+    config: Config
+    holders: tuple[str, ...]  # this rank's replica holder nodes
+    stores: dict[str, Any]  # node id -> ReplicaStore actor handle
+    coordinator: Any
+    restore: Optional[RestoreInstruction]
+    faults: tuple = ()  # memckpt.runtime.faults.Fault: fired from inside the step, exactly at at_step
