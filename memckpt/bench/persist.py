@@ -25,7 +25,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Optional
 
-from memckpt.bench.snapshot import parse_size
+from memckpt.bench.common import parse_size, ram_dir
 
 
 def _shard(size: int, ram_root: str) -> tuple[Any, Any]:
@@ -70,7 +70,7 @@ def run_persist_bench(sizes: list[int], repeats: int = 3, directory: Optional[st
     from memckpt.persist import CheckpointStore
     rows = []
     base = Path(tempfile.mkdtemp(prefix="memckpt-bench-persist-", dir=directory))
-    ram = tempfile.mkdtemp(prefix="memckpt-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    ram = str(ram_dir("memckpt-bench-"))
     try:
         for size in sizes:
             raw, _ = _shard(size, ram)
