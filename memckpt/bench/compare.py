@@ -115,20 +115,15 @@ def run_compare(parts: tuple[str, ...] = PARTS, sizes: Optional[list[tuple[str, 
 
 
 # -- command line ---------------------------------------------------------------------------------
-def _parts(text: str) -> tuple[str, ...]:
-    out = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [p for p in out if p not in PARTS]
-    if not out or bad:
-        raise argparse.ArgumentTypeError(f"invalid parts {text!r}: choose from {','.join(PARTS)}")
-    return out
-
-
-def _methods(text: str) -> tuple[str, ...]:
-    out = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [p for p in out if p not in SELECTABLE]
-    if not out or bad:
-        raise argparse.ArgumentTypeError(f"invalid methods {text!r}: choose from {','.join(SELECTABLE)}")
-    return out
+def _choice_list(allowed: tuple[str, ...], what: str) -> Callable[[str], tuple[str, ...]]:
+    """argparse type: a comma-separated list of ``allowed`` names."""
+    def parse(text: str) -> tuple[str, ...]:
+        out = tuple(p.strip() for p in text.split(",") if p.strip())
+        if not out or any(p not in allowed for p in out):
+            raise argparse.ArgumentTypeError(f"invalid {what} {text!r}: choose from "
+                                             f"{','.join(allowed)}")
+        return out
+    return parse
 
 
 def _node_counts(text: str) -> tuple[int, ...]:
@@ -152,11 +147,11 @@ def _seconds(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parts", type=_parts, default=PARTS, metavar="LIST",
+    parser.add_argument("--parts", type=_choice_list(PARTS, "parts"), default=PARTS, metavar="LIST",
                         help=f"what to measure, comma-separated (default {','.join(PARTS)})")
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
                         metavar="LIST", help=f"stall: state sizes (default {DEFAULT_SIZES})")
-    parser.add_argument("--methods", type=_methods, default=SELECTABLE, metavar="LIST",
+    parser.add_argument("--methods", type=_choice_list(SELECTABLE, "methods"), default=SELECTABLE, metavar="LIST",
                         help=f"stall: methods to measure (default all: {','.join(SELECTABLE)}; "
                              "each comes with its harness's no-checkpoint baseline)")
     parser.add_argument("--steps", type=positive_int, default=5, metavar="N",
@@ -209,7 +204,6 @@ def main(args: argparse.Namespace) -> int:
         plot_compare(rows, args.plot)
     print(report(rows))
     return 0
-
 
 
 if __name__ == "__main__":

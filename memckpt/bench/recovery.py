@@ -252,6 +252,5 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-
 if __name__ == "__main__":
     sys.exit(_cli())

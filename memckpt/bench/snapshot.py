@@ -242,6 +242,5 @@ def main(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-
 if __name__ == "__main__":
     sys.exit(_cli())
