@@ -10,8 +10,9 @@ from memckpt.runtime.faults import FaultInjector
 
 # Imported on first use: they need torch, which the replica stores and the coordinator
 # (processes that only move bytes and keep books) never import (0.8 s and ~0.25 GiB each).
+# WorkerContext needs Ray as well.
 _LAZY = {"Checkpointer": "memckpt.checkpointer", "ResumableSampler": "memckpt.data",
-         "TrainState": "memckpt.state"}
+         "TrainState": "memckpt.state", "WorkerContext": "memckpt.runtime.worker"}
 
 
 def __getattr__(name: str) -> Any:
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpointer", "ChaosEvent", "Config", "FailurePolicy", "FaultInjector", "LoadSpec", "MemckptError",
-    "PersistTier", "PlacementConfig", "ResumableSampler", "TrainState", "WorkersConfig",
+    "PersistTier", "PlacementConfig", "ResumableSampler", "TrainState", "WorkerContext",
+    "WorkersConfig",
     "load_config", "run", "__version__",
 ]
