@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from memckpt.errors import ConfigError, NoSnapshotError
 
@@ -65,6 +66,8 @@ def export_main(args: argparse.Namespace) -> int:
         if manifest is None:
             raise NoSnapshotError(f"no valid checkpoint under {store.describe()}: "
                                   + ("; ".join(reasons) or "it is empty"))
+        for reason in reasons:  # newer checkpoints passed over for this one
+            print(f"memckpt export: {reason}", file=sys.stderr)
     else:
         infos = [i for i in store.list_checkpoints() if i.step == args.step and i.complete]
         if not infos:
