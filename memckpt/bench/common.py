@@ -20,6 +20,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable, Optional
 
+from memckpt.errors import ConfigError
+
 GIB = 1 << 30
 MIN_SIZE = 64 * 1024
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -67,7 +69,12 @@ def standalone(prog: str, doc: Optional[str],
     parser = argparse.ArgumentParser(prog=prog, description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return main(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        return main(args)
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
 
 
 def write_rows(path: Optional[str], rows: list[dict[str, Any]], indent: int = 2) -> None:
@@ -89,11 +96,24 @@ def disk_base() -> Path:
     return Path.cwd() if fs_type(base) in ("tmpfs", "ramfs") else base
 
 
+def usable_dir(path: str, flag: str = "--dir") -> Path:
+    """``path`` as a directory we can write in (made if missing); ConfigError naming ``flag``
+    otherwise, before anything is measured."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise ConfigError(f"{flag} {path!r} is invalid: {e.strerror or e}; give a writable "
+                          "directory") from None
+    return p
+
+
 def disk_dir(directory: Optional[str], prefix: str) -> Path:
     """A fresh directory for a run's files inside ``directory`` (made if missing), or inside
     :func:`disk_base`; the caller removes it."""
-    base = Path(directory) if directory else disk_base()
-    base.mkdir(parents=True, exist_ok=True)
+    base = usable_dir(directory) if directory else disk_base()
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 

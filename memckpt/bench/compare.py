@@ -51,13 +51,14 @@ from typing import Any, Callable, Optional
 # The measurements are in compare_measure (the methods themselves in alternatives), the rows
 # and what is derived from them in compare_rows, the report in compare_report, the PNG in plot.
 from memckpt.bench.common import (disk_dir, machine_info, parse_sizes, positive_int, ram_dir,
-                                  standalone, write_rows)
+                                  standalone, usable_dir, write_rows)
 from memckpt.bench.compare_measure import (SELECTABLE, measure_recovery, measure_scaling,
                                            measure_stall)
 from memckpt.bench.compare_report import report
 from memckpt.bench.compare_rows import PARTS, derive
 from memckpt.bench.foreign_load import Quiet
 from memckpt.bench.snapshot_measure import calibrate_compute
+from memckpt.errors import ConfigError
 
 DEFAULT_SIZES = "100M,1G"
 DEFAULT_STEP_S = 1.0
@@ -181,13 +182,30 @@ def _cli(argv: Optional[list[str]] = None) -> int:
     return standalone("memckpt bench compare", __doc__, add_arguments, main, argv)
 
 
+def _read_rows(paths: list[str]) -> list[dict[str, Any]]:
+    """The rows of earlier ``--json`` files (``--from-json``)."""
+    rows: list[dict[str, Any]] = []
+    for p in paths:
+        try:
+            more = json.loads(Path(p).read_text())
+        except OSError as e:
+            raise ConfigError(f"--from-json {p!r} is invalid: {e.strerror or e}") from None
+        except ValueError as e:
+            raise ConfigError(f"--from-json {p!r} is invalid: not JSON ({e})") from None
+        if not isinstance(more, list) or not all(isinstance(r, dict) and "benchmark" in r
+                                                 for r in more):
+            raise ConfigError(f"--from-json {p!r} is invalid: not the rows of "
+                              "`memckpt bench compare --json`")
+        rows += more
+    return rows
+
+
 def main(args: argparse.Namespace) -> int:
     if args.from_json:
-        rows = []
-        for p in args.from_json:
-            rows += json.loads(Path(p).read_text())
-        rows = derive(rows)
+        rows = derive(_read_rows(args.from_json))
     else:
+        if args.dir:
+            usable_dir(args.dir)
         try:
             rows = run_compare(args.parts, args.sizes, args.steps, 2, args.step_s, args.dir,
                                recovery_sizes=args.recovery_sizes,

@@ -64,7 +64,7 @@ from typing import Any, Callable, Optional
 # Ray actors of the alternative and of the raw transfers in recovery_actors), the rows in
 # recovery_rows, the report in recovery_report.
 from memckpt.bench.common import (GIB, disk_dir, positive_int, ram_dir, standalone,
-                                  write_rows)
+                                  usable_dir, write_rows)
 from memckpt.bench.common import machine_info as _base_machine_info
 from memckpt.bench.foreign_load import QUIET_THRESHOLD
 from memckpt.bench.recovery_actors import ColdWorker
@@ -228,6 +228,8 @@ def _cli(argv: Optional[list[str]] = None) -> int:
 
 def main(args: argparse.Namespace) -> int:
     import psutil
+    if args.dir:
+        usable_dir(args.dir)
     target = int(args.state_mb * (1 << 20))
     need, avail = memory_needed(target), psutil.virtual_memory().available
     if need > avail:

@@ -30,7 +30,7 @@ from statistics import median
 from typing import Any, Callable, Optional
 
 from memckpt.bench.common import (GIB, disk_dir, machine_info, parse_sizes, positive_int,
-                                  rows_from_child, standalone, write_rows)
+                                  rows_from_child, standalone, usable_dir, write_rows)
 from memckpt.bench.foreign_load import DISCARD_THRESHOLD, QUIET_THRESHOLD, Quiet
 from memckpt.bench.snapshot_measure import (DEFAULT_LAYERS, build_state, measure_memckpt_overlap,
                                             measure_memckpt_sync, measure_memcpy,
@@ -207,8 +207,7 @@ def _cli(argv: Optional[list[str]] = None) -> int:
 
 def main(args: argparse.Namespace) -> int:
     if args.dir:
-        directory, made = Path(args.dir), False
-        directory.mkdir(parents=True, exist_ok=True)
+        directory, made = usable_dir(args.dir), False
     else:
         directory, made = disk_dir(None, "memckpt-bench-"), True
     if fs_type(directory) in ("tmpfs", "ramfs") and not args.rows_out:

@@ -12,6 +12,7 @@ Modes:
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from memckpt.demo.local import DEFAULT_SIZE, DEFAULT_STEPS, default_kill_at, run_local
 
@@ -80,6 +81,9 @@ def _validate(args: argparse.Namespace) -> None:
             parser.error(f"argument --s3: {e}")
     if args.tiny and args.size not in (None, "tiny"):
         parser.error(f"argument --tiny: not allowed with --size {args.size}")
+    if args.summary and not Path(args.summary).resolve().parent.is_dir():
+        parser.error(f"argument --summary: {args.summary!r} is invalid: its folder does not "
+                     "exist")
 
 
 def _run_local(args: argparse.Namespace) -> int:
