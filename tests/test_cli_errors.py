@@ -33,7 +33,8 @@ def _dead_address() -> str:
 def scratch(tmp_path):
     """A fresh working directory with a config and a training function for ``memckpt run``,
     a regular file (a path that cannot be a folder), and an environment without RAY_ADDRESS."""
-    (tmp_path / "cfg.py").write_text("import memckpt\nconfig = memckpt.Config(job_name='cli-err')\n")
+    (tmp_path / "cfg.py").write_text(
+        "import memckpt\nconfig = memckpt.Config(job_name='cli-err')\n")
     (tmp_path / "train.py").write_text("def train(ctx):\n    pass\n")
     (tmp_path / "afile").write_text("x")
     (tmp_path / "raytmp").mkdir()
