@@ -19,7 +19,8 @@ import memckpt
 ROOT = Path(__file__).resolve().parents[1]
 # memckpt.A.B...; not a file name such as stall-memckpt.json or a path such as x/memckpt.py
 NAME = re.compile(r"(?<![\w./-])memckpt((?:\.[A-Za-z_]\w*)+)")
-FILE_SUFFIXES = {"json", "yaml", "yml", "toml", "py", "md", "txt", "log", "jsonl", "png", "csv"}
+FILE_SUFFIXES = {"json", "yaml", "yml", "toml", "py", "md", "txt", "log", "jsonl", "png", "csv",
+                 "egg", "sh", "ini", "cfg", "html", "pt", "safetensors"}
 OPTIONAL = {"ray_train"}  # packages that may not be installed or written yet: skipped if absent
 
 
@@ -35,6 +36,8 @@ def _uses() -> list[tuple[str, str]]:
             for m in NAME.finditer(line):
                 parts = m.group(1)[1:].split(".")
                 if len(parts) == 1 and parts[0] in FILE_SUFFIXES:
+                    continue
+                if len(parts[0]) == 1:  # a placeholder in prose: `from memckpt.x import _y`
                     continue
                 out.append((f"{page.relative_to(ROOT)}:{n}", "memckpt." + ".".join(parts)))
     return out
