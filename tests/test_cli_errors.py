@@ -118,7 +118,7 @@ def test_no_cluster_found_automatically(scratch, argv):
     (["export", "missing", "--weights-only", "w.pt"], 2, ["ROOT", "no such folder"]),
     (["export", ".", "--weights-only", "nodir/w.pt"], 2, ["--weights-only"]),
     (["report", "missing"], 2, ["RUN_DIR", "no such folder"]),
-    (["demo", "--local", "--tiny", "--summary", "nodir/s.json"], 2, ["--summary"]),
+    (["demo", "--local", "--tiny", "--summary", "afile/s.json"], 2, ["--summary"]),
     (["bench", "compare", "--from-json", "missing.json"], 2, ["--from-json"]),
     (["bench", "snapshot", "--dir", "afile/sub", "--sizes", "1M"], 2, ["--dir"]),
     (["bench", "persist", "--dir", "afile/sub", "--sizes", "1M"], 2, ["--dir"]),

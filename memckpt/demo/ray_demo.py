@@ -187,6 +187,7 @@ def run_ray_demo(fault: str = "worker", steps: int = 30, kill_at: Optional[int] 
                       f"{'yes' if same_losses else 'NO'}; final digest identical: "
                       f"{'yes' if same_digest else 'NO'}", flush=True)
         if summary:
+            Path(summary).parent.mkdir(parents=True, exist_ok=True)  # as the local demo does
             Path(summary).write_text(json.dumps(result, indent=1, default=str))
         return 0 if result.get("identical", True) else 1
     finally:
