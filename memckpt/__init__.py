@@ -11,8 +11,9 @@ from memckpt.version import __version__
 
 # Imported on first use: they need torch, which the replica stores and the coordinator
 # (processes that only move bytes and keep books) never import (0.8 s and ~0.25 GiB each).
+# WorkerContext needs Ray as well.
 _LAZY = {"Checkpointer": "memckpt.checkpointer", "ResumableSampler": "memckpt.data",
-         "TrainState": "memckpt.state"}
+         "TrainState": "memckpt.state", "WorkerContext": "memckpt.runtime.worker"}
 
 
 def __getattr__(name: str) -> Any:
@@ -30,6 +31,7 @@ def run(train_fn, config, **kwargs):
 
 __all__ = [
     "Checkpointer", "ChaosEvent", "Config", "FailurePolicy", "FaultInjector", "LoadSpec", "MemckptError",
-    "PersistTier", "PlacementConfig", "ResumableSampler", "TrainState", "WorkersConfig",
+    "PersistTier", "PlacementConfig", "ResumableSampler", "TrainState", "WorkerContext",
+    "WorkersConfig",
     "load_config", "run", "__version__",
 ]

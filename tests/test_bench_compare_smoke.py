@@ -10,7 +10,7 @@ import json
 import pytest
 
 from memckpt import cli
-from memckpt.bench import compare, plot
+from memckpt.bench import compare, compare_report, compare_rows, plot
 
 # Ray Train with its controller polling every 0.1 s (not Ray's default 2 s) carries the poll
 STALL = {"none", "memcpy", "raw-disk-write", "memckpt-local", "memckpt-none", "memckpt",
@@ -45,20 +45,20 @@ def test_stall_and_lost_work(tmp_path, capsys):
     memcpy = stall["memcpy"]["median"]
     for m, r in stall.items():
         assert abs(r["state_bytes"] - 2 * 2**20) < 0.1 * 2 * 2**20, r
-        if compare.is_baseline(m):
+        if compare_rows.is_baseline(m):
             assert r["median"] == r["step_s"]
             continue
         assert r["blocking_s"] > 0
         assert r["median"] >= r.get("own_blocking_s", r["blocking_s"])  # at least what it blocks
         assert r["x_memcpy"] == pytest.approx(r["median"] / memcpy)
-        if m not in compare.LIMITS:
+        if m not in compare_rows.LIMITS:
             assert r["x_memckpt"] == pytest.approx(r["median"] / stall["memckpt"]["median"])
     assert stall["memckpt"]["store_bytes"]  # read from the stores
     lost = {r["method"]: r for r in rows if r["benchmark"] == "lost_work"}
     assert set(lost) == LOST
     for r in lost.values():
         assert r["unit"] == "steps" and r["interval_steps"] >= 1
-        assert r["overhead_at_interval"] <= compare.OVERHEAD_BUDGET + 1e-9
+        assert r["overhead_at_interval"] <= compare_rows.OVERHEAD_BUDGET + 1e-9
         assert r["median"] >= r["interval_steps"] / 2
     printed = capsys.readouterr().out
     assert printed.startswith("machine:")
@@ -90,8 +90,8 @@ def test_recovery(tmp_path):
                                log=lambda _m: None)
     _common(rows)
     rec = {r["method"]: r for r in rows if r["benchmark"] == "recovery"}
-    assert set(rec) == set(compare.RECOVERY_METHODS)
-    fastest = min(rec[m]["median"] for m in compare.ALTERNATIVES)
+    assert set(rec) == set(compare_rows.RECOVERY_METHODS)
+    fastest = min(rec[m]["median"] for m in compare_rows.ALTERNATIVES)
     for m in ("memckpt-worker", "memckpt-node"):
         assert rec[m]["speedup_vs_fastest_alternative"] == pytest.approx(fastest / rec[m]["median"])
     # the node row also against the alternative after the same node loss
@@ -99,11 +99,11 @@ def test_recovery(tmp_path):
     assert rec["memckpt-node"]["speedup_vs_same_failure"] == pytest.approx(
         same["median"] / rec["memckpt-node"]["median"])
     assert same["phases_s"]["detect"] > rec["restart+torch.load"]["phases_s"]["detect"]
-    assert "after the same node loss" in compare.format_table(rows)
-    assert any("the same failure" in text for _, text in compare.check_targets(rows))
+    assert "after the same node loss" in compare_report.format_table(rows)
+    assert any("the same failure" in text for _, text in compare_report.check_targets(rows))
     assert set(rec["memckpt-worker"]["sources"][0].values()) == {"local"}
     assert rec["memckpt-node"]["fraction_of_limit"] > 0
-    for m in compare.ALTERNATIVES:
+    for m in compare_rows.ALTERNATIVES:
         assert rec[m]["phases_s"]["total"] == pytest.approx(rec[m]["median"])
         assert rec[m]["phases_s"]["torch_load"] > 0
     png = plot.plot_compare(rows, tmp_path / "rec.png")

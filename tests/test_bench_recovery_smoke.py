@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from memckpt.bench import recovery
+from memckpt.bench import recovery, recovery_measure, recovery_report
 
 EXPECTED = {
     ("recovery", "memckpt-worker"), ("recovery", "memckpt-node"),
@@ -73,7 +73,7 @@ def test_recovery_bench_rows(tmp_path):
         assert r["state_bytes"] >= 4 * 2**20  # a whole shard moved
     # the steady rounds of both directions, and a raw figure from the same call for each
     path = by[("transfer", "memckpt-replication-path")]
-    steady = recovery.PATH_ROUNDS - recovery.PATH_STEADY_FROM + 1
+    steady = recovery_measure.PATH_ROUNDS - recovery_measure.PATH_STEADY_FROM + 1
     assert len(path["samples_s"]) == 2 * steady and len(path["raw_s"]) == 2
     assert len(by[("transfer", "memckpt-fetch-path")]["samples_s"]) == 1
     assert by[("step-time", "gpt-tiny-snapshot-every-step")]["slowdown"] is not None
@@ -81,11 +81,11 @@ def test_recovery_bench_rows(tmp_path):
         split = by[("recovery", method)]["resume_split_s"]
         assert set(split) >= {"start", "build", "connect", "fetch", "verify", "load", "other",
                               "resnapshot", "first_snapshot"}
-    table = recovery.format_table(rows)
+    table = recovery_report.format_table(rows)
     assert table.startswith("| benchmark | method | state | median |")
     assert len(table.splitlines()) == len(rows) + 2
     json.dumps(rows, default=str)  # the rows are JSON-able
-    assert "targets:" in recovery.report(rows)
+    assert "targets:" in recovery_report.report(rows)
 
 
 def test_cli_arguments():

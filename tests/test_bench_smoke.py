@@ -8,7 +8,8 @@ import json
 import pytest
 
 from memckpt import cli
-from memckpt.bench.snapshot import METHODS, parse_size
+from memckpt.bench.common import parse_size
+from memckpt.bench.snapshot import METHODS
 
 
 @pytest.fixture

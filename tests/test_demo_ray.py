@@ -25,3 +25,17 @@ def test_demo_recovers_bit_identically(fault, tmp_path):
         assert len(s["recoveries"]) == 1 and s["recoveries"][0]["died_ranks"] == [1]
     else:  # resumed on a new cluster from the persisted tier
         assert s["first_step"] > 1, res.stdout[-4000:] + res.stderr[-2000:]
+
+
+def test_drill_kill_is_not_reported_as_a_crash(tmp_path):
+    """Ray's "A worker died or was killed ... OOM killer ..." notice for the worker the drill
+    killed is replaced by one line saying it was the drill."""
+    res = subprocess.run([sys.executable, "-m", "memckpt.cli", "demo", "--fault", "worker",
+                          "--tiny", "--steps", "6", "--no-compare"],
+                         capture_output=True, text=True, timeout=840, cwd=tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert "A worker died or was killed" not in out and "OOM killer" not in out, out[-4000:]
+    drill = [line for line in res.stdout.splitlines() if "not a crash" in line]
+    assert drill == ["[memckpt demo] a worker process was killed: the drill's fault "
+                     "(--fault worker), not a crash"], out[-4000:]

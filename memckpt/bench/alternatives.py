@@ -49,9 +49,10 @@ from statistics import median
 from typing import Any, Callable, Iterator, Optional
 
 from memckpt.bench import recovery_job as rjob
-from memckpt.bench.recovery import WORLD_SIZE
+from memckpt.bench.foreign_load import Quiet
 from memckpt.bench.recovery_actors import ColdWorker
-from memckpt.bench.snapshot import Quiet, _matmul_unit, build_state, measure_memcpy
+from memckpt.bench.recovery_measure import WORLD_SIZE
+from memckpt.bench.snapshot_measure import build_state, matmul_unit, measure_memcpy
 from memckpt.netutil import free_port
 
 PLAIN_METHODS = ("none", "memcpy", "memckpt-local", "torch.save", "dcp-async")
@@ -81,7 +82,7 @@ def step_loop(compute: Callable[[], None], save: Callable[[int], Any], steps: in
 
 
 def make_compute(n: int) -> Callable[[], None]:
-    run = _matmul_unit()
+    run = matmul_unit()
     return lambda: run(n)
 
 
@@ -442,8 +443,8 @@ class DCPWorker(ColdWorker):
 
 
 def dcp_recovery(bench: Any, rep: int) -> dict[str, Any]:
-    """recovery._Bench.restart_baseline with DCPWorker actors (the flow, kill and timing stay
-    recovery.py's)."""
+    """:meth:`RecoveryBench.restart_baseline <memckpt.bench.recovery_measure.RecoveryBench.
+    restart_baseline>` with DCPWorker actors (the flow, kill and timing stay its own)."""
     return bench.restart_baseline(rep, worker=DCPWorker)
 
 
@@ -459,7 +460,7 @@ def _raytrain_recovery_loop(config: dict[str, Any]) -> None:
     torch.set_num_threads(config["cpus"])
     ckpt = train.get_checkpoint()
     d, n = config["d"], config["n"]
-    x, w = rjob._compute_inputs()
+    x, w = rjob.compute_inputs()
     if ckpt is not None:  # the resumed generation
         t0 = time.time()
         model, opt = rjob.build_state(d, n, fresh=False)
@@ -471,7 +472,7 @@ def _raytrain_recovery_loop(config: dict[str, Any]) -> None:
         opt.load_state_dict(sd["optimizer"])
         del sd
         t2 = time.time()
-        float(rjob._all_reduce_mean(rjob._compute(x, w, config["compute_iters"]), world))
+        float(rjob.all_reduce_mean(rjob.compute_loss(x, w, config["compute_iters"]), world))
         t3 = time.time()
         Path(config["out_dir"], f"resumed-{rank}.json").write_text(json.dumps(
             {"t_enter": t0, "build": t1 - t0, "load": t2 - t1, "first_step": t3 - t2,
@@ -480,7 +481,7 @@ def _raytrain_recovery_loop(config: dict[str, Any]) -> None:
     model, opt = rjob.build_state(d, n, fresh=True, seed=rank)
     local = Path(tempfile.mkdtemp(prefix="compare-raytrain-rec-", dir=config["local_dir"]))
     for step in range(1, config["kill_at"] + 1):
-        float(rjob._all_reduce_mean(rjob._compute(x, w, config["compute_iters"]), world))
+        float(rjob.all_reduce_mean(rjob.compute_loss(x, w, config["compute_iters"]), world))
         if step == config["kill_at"] and rank == 1:
             Path(config["marker"]).write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)

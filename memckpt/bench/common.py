@@ -1,6 +1,7 @@
-"""What the benchmark modules share: argument types, number formatting, the machine
-description at the head of every report, the lines that close a report, and the
-stand-alone command line (``python -m memckpt.bench.NAME`` and ``benchmarks/bench_*.py``).
+"""What the benchmark modules share: argument types, number formatting, scratch
+directories, a measurement in a fresh process, the machine description at the head of
+every report, the lines that close a report, and the stand-alone command line
+(``python -m memckpt.bench.NAME`` and ``benchmarks/bench_*.py``).
 
 Nothing here imports torch at module level, so building ``memckpt bench`` stays cheap.
 """
@@ -11,10 +12,19 @@ import argparse
 import json
 import os
 import platform
+import re
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from statistics import median
 from typing import Any, Callable, Optional
 
-_GIB = 1 << 30
+from memckpt.errors import ConfigError
+
+GIB = 1 << 30
+MIN_SIZE = 64 * 1024
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 # -- command line -------------------------------------------------------------------------------
@@ -29,6 +39,27 @@ def positive_int(text: str) -> int:
     return n
 
 
+def parse_size(text: str) -> int:
+    """``"100M"`` -> 104857600. Binary units K, M, G, T; an optional ``B``/``iB``; plain bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(?:I?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: write a number with an optional unit, e.g. 512K, 100M, 1G, 4G")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n < MIN_SIZE:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: a state must be at least 64K")
+    return n
+
+
+def parse_sizes(text: str) -> list[tuple[str, int]]:
+    """``"100M,1G"`` -> [("100M", 104857600), ("1G", 1073741824)]."""
+    parts = [p.strip() for p in text.split(",")]
+    if not any(parts) or not all(parts):
+        raise argparse.ArgumentTypeError(f"invalid size list {text!r}: give sizes separated by "
+                                         "commas, e.g. 100M,1G,4G")
+    return [(p.upper().replace("IB", "").replace("B", ""), parse_size(p)) for p in parts]
+
+
 def standalone(prog: str, doc: Optional[str],
                add_arguments: Callable[[argparse.ArgumentParser], None],
                main: Callable[[argparse.Namespace], int],
@@ -38,7 +69,12 @@ def standalone(prog: str, doc: Optional[str],
     parser = argparse.ArgumentParser(prog=prog, description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return main(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        return main(args)
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
 
 
 def write_rows(path: Optional[str], rows: list[dict[str, Any]], indent: int = 2) -> None:
@@ -51,12 +87,79 @@ def write_rows(path: Optional[str], rows: list[dict[str, Any]], indent: int = 2)
         json.dump(rows, f, indent=indent, default=str)
 
 
+# -- scratch space and child processes --------------------------------------------------------
+def disk_base() -> Path:
+    """Where a benchmark's files go by default: tempfile's directory, unless that is a RAM
+    filesystem (then the working directory), so a disk figure measures a disk."""
+    from memckpt.fsutil import fs_type
+    base = Path(tempfile.gettempdir())
+    return Path.cwd() if fs_type(base) in ("tmpfs", "ramfs") else base
+
+
+def usable_dir(path: str, flag: str = "--dir") -> Path:
+    """``path`` as a directory we can write in (made if missing); ConfigError naming ``flag``
+    otherwise, before anything is measured."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise ConfigError(f"{flag} {path!r} is invalid: {e.strerror or e}; give a writable "
+                          "directory") from None
+    return p
+
+
+def disk_dir(directory: Optional[str], prefix: str) -> Path:
+    """A fresh directory for a run's files inside ``directory`` (made if missing), or inside
+    :func:`disk_base`; the caller removes it."""
+    base = usable_dir(directory) if directory else disk_base()
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+def ram_dir(prefix: str) -> Path:
+    """A fresh directory in /dev/shm (tempfile's directory where that is not writable)."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+def rows_from_child(module: str, args: list[str], out_flag: str, what: str) -> Any:
+    """Run ``python -m module args out_flag FILE`` with this memckpt first on PYTHONPATH (a
+    fresh process: its memory is returned afterwards) and return the JSON it wrote to FILE.
+    Its output goes to our stderr. RuntimeError naming ``what`` when it fails."""
+    import memckpt
+    root = str(Path(memckpt.__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    fd, out = tempfile.mkstemp(prefix="memckpt-bench-rows-", suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, "-m", module, *args, out_flag, out]
+    try:
+        try:  # the child's progress goes to our stderr (through a pipe if that has no fd)
+            err: Optional[int] = sys.stderr.fileno()
+        except (AttributeError, ValueError, OSError):
+            err = None
+        if err is not None:
+            proc = subprocess.run(cmd, env=env, stdout=err, stderr=err)
+        else:
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+            sys.stderr.write(proc.stdout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        return json.loads(Path(out).read_text())
+    finally:
+        os.unlink(out)
+
+
 # -- formatting ---------------------------------------------------------------------------------
 def human_bytes(n: Optional[float]) -> str:
     """1.50 GiB, 12.0 GiB, 3.20 MiB, 512 B; "–" for None."""
     if n is None:
         return "–"
-    for unit, scale in (("GiB", _GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}" if n < 10 * scale else f"{n / scale:.1f} {unit}"
     return f"{int(n)} B"
@@ -71,6 +174,12 @@ def human_s(s: Optional[float]) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.1f} ms"
     return f"{s * 1e6:.0f} µs"
+
+
+def med(values: Any) -> Optional[float]:
+    """The median of the values that are not None; None when there are none."""
+    vals = [v for v in values if v is not None]
+    return float(median(vals)) if vals else None
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -88,7 +197,7 @@ def machine_line(m: dict[str, Any], *more: str, threads: bool = False) -> str:
     """A report's first line: the machine of :func:`machine_info` (with torch's thread count
     if ``threads``), then ``more``, separated by "; "."""
     torch = f"torch {m['torch']}" + (f" ({m['torch_threads']} threads)" if threads else "")
-    return "; ".join([f"machine: {m['cpus']} CPUs, {m['ram_bytes'] / _GIB:.0f} GiB RAM, "
+    return "; ".join([f"machine: {m['cpus']} CPUs, {m['ram_bytes'] / GIB:.0f} GiB RAM, "
                       f"{'CUDA' if m['cuda'] else 'CPU only'}, {torch}, Python {m['python']}",
                       *more])
 

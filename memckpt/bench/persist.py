@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import shutil
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Optional
 
-from memckpt.bench.snapshot import parse_size
+from memckpt.bench.common import parse_size, positive_int, ram_dir, usable_dir, write_rows
 
 
 def _shard(size: int, ram_root: str) -> tuple[Any, Any]:
@@ -70,7 +69,7 @@ def run_persist_bench(sizes: list[int], repeats: int = 3, directory: Optional[st
     from memckpt.persist import CheckpointStore
     rows = []
     base = Path(tempfile.mkdtemp(prefix="memckpt-bench-persist-", dir=directory))
-    ram = tempfile.mkdtemp(prefix="memckpt-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    ram = str(ram_dir("memckpt-bench-"))
     try:
         for size in sizes:
             raw, _ = _shard(size, ram)
@@ -121,21 +120,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=[1 << 30], metavar="LIST",
                         type=lambda text: [parse_size(t) for t in text.split(",")],
                         help="shard sizes, comma-separated, e.g. 100M,1G (default 1G)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3, metavar="N",
+                        help="timed repeats per method; medians are reported (default 3)")
     parser.add_argument("--dir", help="where the disk tier lives (default: the temp dir, on disk)")
     parser.add_argument("--s3", metavar="URI", help="also measure an S3 tier at this s3://bucket/prefix")
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.repeats < 1:
-        raise SystemExit("memckpt bench persist: --repeats must be >= 1")
+    if args.dir:
+        usable_dir(args.dir)
     rows = run_persist_bench(args.sizes, args.repeats, args.dir, args.s3)
     print("| method | shard | median | throughput | fraction of raw |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['method']} | {r['state_bytes'] / 2**20:.0f} MiB | {r['median_s']:.3f} s | "
               f"{r['throughput_Bps'] / 1e9:.2f} GB/s | {100 * r['fraction_of_raw']:.0f}% |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    write_rows(args.json, rows, indent=1)
     return 0

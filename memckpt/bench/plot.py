@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from memckpt.bench.compare_rows import base_method
+
 WIDTH_PX, HEIGHT_PX, DPI = 1400, 1000, 100
 COLORS = {"memckpt": "#d62728", "memckpt-local": "#ff9896", "memcpy": "#7f7f7f",
           "raw-disk-write": "#c7c7c7", "torch.save": "#1f77b4", "dcp-async": "#2ca02c",
@@ -15,7 +17,6 @@ COLORS = {"memckpt": "#d62728", "memckpt-local": "#ff9896", "memcpy": "#7f7f7f",
 
 
 def _color(method: str) -> str:
-    from memckpt.bench.compare import base_method
     return COLORS.get(method) or COLORS.get(base_method(method)) or "#bcbd22"
 
 

@@ -19,7 +19,8 @@ import signal
 import time
 from typing import Optional
 
-from memckpt.bench.recovery_job import _all_reduce_mean, _compute, _compute_inputs, build_state
+from memckpt.bench.recovery_job import (all_reduce_mean, build_state, compute_inputs,
+                                        compute_loss)
 from memckpt.netutil import free_port
 
 
@@ -63,9 +64,9 @@ class ColdWorker:
         """Train until the peer fails; at ``kill_at`` write the time and SIGKILL this process,
         or with ``hold`` stay still there until the driver removes this process's node."""
         _init_group(master, rank, world)
-        x, w = _compute_inputs()
+        x, w = compute_inputs()
         for step in range(1, max_steps + 1):
-            loss = _all_reduce_mean(_compute(x, w, compute_iters), world)
+            loss = all_reduce_mean(compute_loss(x, w, compute_iters), world)
             float(loss)
             if step == kill_at:
                 with open(marker, "w") as f:
@@ -88,10 +89,10 @@ class ColdWorker:
         opt.load_state_dict(sd["optimizer"])
         del sd
         t3 = time.time()
-        x, w = _compute_inputs()
-        loss = _compute(x, w, compute_iters)
+        x, w = compute_inputs()
+        loss = compute_loss(x, w, compute_iters)
         t4 = time.time()
-        float(_all_reduce_mean(loss, world))
+        float(all_reduce_mean(loss, world))
         t5 = time.time()
         self.model, self.opt = model, opt
         return {"process_group": t1 - t0, "build": t2 - t1, "torch_load": t3 - t2,

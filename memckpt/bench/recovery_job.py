@@ -59,7 +59,7 @@ def build_state(d: int, n: int, fresh: bool, seed: int = 0):
     return model, opt
 
 
-def _compute_inputs(seed: int = 0):
+def compute_inputs(seed: int = 0):
     import torch
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(COMPUTE_N, COMPUTE_N, generator=g)
@@ -67,7 +67,7 @@ def _compute_inputs(seed: int = 0):
     return x, w
 
 
-def _compute(x, w, iters: int):
+def compute_loss(x, w, iters: int):
     """The fixed per-step compute: ``iters`` matmuls; returns a scalar loss."""
     import torch
     y = x
@@ -76,7 +76,7 @@ def _compute(x, w, iters: int):
     return y.square().mean()
 
 
-def _all_reduce_mean(loss, world_size: int):
+def all_reduce_mean(loss, world_size: int):
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(loss)
@@ -142,14 +142,14 @@ class RecoveryJob:
         with _RestoreProbe(ctx) as probe:
             start = ctx.restore(state)
         t_restored = time.time()
-        x, w = _compute_inputs(self.seed)
+        x, w = compute_inputs(self.seed)
         marks, compute_s, repl, first = [], [], [], {}
         for step in range(start + 1, self.steps + 1):
             t0 = time.time()
-            loss = _compute(x, w, self.compute_iters)
+            loss = compute_loss(x, w, self.compute_iters)
             t1 = time.time()
             compute_s.append(t1 - t0)
-            loss = _all_reduce_mean(loss, ctx.world_size)
+            loss = all_reduce_mean(loss, ctx.world_size)
             t2 = time.time()
             ctx.step(state, step, loss=float(loss))
             marks.append(time.time())

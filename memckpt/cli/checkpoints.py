@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 from memckpt.errors import ConfigError, NoSnapshotError
 
@@ -59,12 +61,20 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def export_main(args: argparse.Namespace) -> int:
     from memckpt.persist import export_weights
+    if not Path(args.weights_only).resolve().parent.is_dir():
+        raise ConfigError(f"--weights-only {args.weights_only!r} is invalid: its folder does "
+                          "not exist")
     store = _store(args.root)
+    if "://" not in args.root and not Path(args.root).is_dir():  # ls shows it as empty
+        raise ConfigError(f"ROOT {args.root!r} is invalid: no such folder; give the root of "
+                          "a persistence tier (its PersistTier uri) or s3://bucket/prefix")
     if args.step is None:
         manifest, reasons = store.latest_valid()
         if manifest is None:
             raise NoSnapshotError(f"no valid checkpoint under {store.describe()}: "
                                   + ("; ".join(reasons) or "it is empty"))
+        for reason in reasons:  # newer checkpoints passed over for this one
+            print(f"memckpt export: {reason}", file=sys.stderr)
     else:
         infos = [i for i in store.list_checkpoints() if i.step == args.step and i.complete]
         if not infos:

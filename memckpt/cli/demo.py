@@ -12,6 +12,8 @@ Modes:
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from memckpt.demo.local import DEFAULT_SIZE, DEFAULT_STEPS, default_kill_at, run_local
 
@@ -80,6 +82,13 @@ def _validate(args: argparse.Namespace) -> None:
             parser.error(f"argument --s3: {e}")
     if args.tiny and args.size not in (None, "tiny"):
         parser.error(f"argument --tiny: not allowed with --size {args.size}")
+    if args.summary:  # its folder is made if missing: the nearest existing one must allow it
+        folder = Path(args.summary).resolve().parent
+        while not folder.exists():
+            folder = folder.parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            parser.error(f"argument --summary: {args.summary!r} is invalid: {folder} is not a "
+                         "folder this process may write in")
 
 
 def _run_local(args: argparse.Namespace) -> int:

@@ -2,13 +2,15 @@
 
 Each sub-command lives in its own module and is imported only when used, so
 ``memckpt --help`` is fast. Exit codes: 0 success, 1 the job or check failed,
-2 bad usage (argparse) or a configuration error.
+2 bad usage (argparse) or a configuration error. Every failure is one line on
+stderr; an unexpected exception too (MEMCKPT_TRACEBACK=1 shows where it came from).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Callable, Optional
 
@@ -44,16 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args._main
+    name = " ".join(w for w in (args.command, getattr(args, "benchmark", None)) if w)
     try:
         return handler(args)
     except ConfigError as e:
-        print(f"memckpt {args.command}: {e}", file=sys.stderr)
+        print(f"memckpt {name}: {e}", file=sys.stderr)
         return 2
     except MemckptError as e:
-        print(f"memckpt {args.command}: {e}", file=sys.stderr)
+        print(f"memckpt {name}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # noqa: BLE001 (one line, not a traceback from deep inside)
+        if os.environ.get("MEMCKPT_TRACEBACK"):
+            raise
+        print(f"memckpt {name}: failed: {type(e).__name__}: {e} (set "
+              "MEMCKPT_TRACEBACK=1 to see where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -54,8 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from memckpt.runtime.driver import run
+    from memckpt.runtime.job_client import probe
     config = load_config(args.config)
     fn = load_train_fn(args.train)
+    probe(args.address)  # a cluster that is not there: one line now, not minutes of retries
     result = run(fn, config, address=args.address, summary=args.summary, run_dir=args.run_dir)
     print(json.dumps({"steps": result["steps"], "final_digest": result["final_digest"],
                       "recoveries": len(result["recoveries"])}))

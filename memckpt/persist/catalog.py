@@ -425,7 +425,8 @@ class CheckpointStore:
         shard file, a different ``world_size`` or ``fingerprint`` (when given;
         the reason says what differs), and with ``verify`` a shard that fails
         verification (the reason names the rank and the problem). Returns
-        ``(None, reasons)`` when nothing qualifies.
+        ``(None, reasons)`` when nothing qualifies. Nothing is logged: the caller that
+        acts on the answer reports the reasons (once).
         """
         return _search([self], world_size, fingerprint, verify)[1:]
 
@@ -455,11 +456,7 @@ def _search(stores: Sequence[CheckpointStore], world_size: Optional[int], finger
             if problem:
                 reasons.append(f"{where}{problem} ({info.folder}); falling back to an older checkpoint")
                 continue
-        for r in reasons:
-            log.warning("memckpt: %s", r)
         return store, m, reasons
-    for r in reasons:
-        log.warning("memckpt: %s", r)
     return None, None, reasons
 
 
@@ -471,6 +468,7 @@ def find_latest(stores: Sequence[CheckpointStore], world_size: Optional[int] = N
     All tiers' checkpoints are ordered by step (on a tie the earlier store in
     ``stores`` wins: list the fastest tier first) and verified newest first, so
     a slower tier is read only when it holds something newer or the faster one
-    fails. Reasons are prefixed with the tier's URI.
+    fails. Reasons are prefixed with the tier's URI. Nothing is logged: the caller
+    reports the reasons.
     """
     return _search(list(stores), world_size, fingerprint, verify)

@@ -2,7 +2,48 @@
 
 from __future__ import annotations
 
+import os
+import socket
+from typing import Optional
+
 from memckpt.errors import ConfigError, MemckptError
+
+_FIX = ("start the job first, or pass --address HOST:PORT (or set RAY_ADDRESS) to the head of "
+        "the cluster it runs on")
+PROBE_TIMEOUT_S = 5.0
+
+
+def probe(address: Optional[str]) -> None:
+    """Fail fast, in one line naming ``--address`` / ``RAY_ADDRESS``, when no Ray cluster can
+    answer where ``ray.init(address=address)`` would look: RAY_ADDRESS when set (Ray lets it
+    win), else ``address``; "auto" is resolved as Ray resolves it. ray.init itself would retry
+    a dead address for minutes, printing a warning every few seconds. ``None`` (start a local
+    instance) and ``ray://`` client addresses are left to Ray."""
+    env = os.environ.get("RAY_ADDRESS") or None
+    target = env or address
+    where = f"RAY_ADDRESS={env!r}" if env else f"--address {target!r}"
+    if target is None or target == "local" or target.startswith("ray://"):
+        return
+    try:  # Ray's own resolution: RAY_ADDRESS, its latest-cluster file, running GCS processes
+        from ray._private.services import canonicalize_bootstrap_address
+        resolved = canonicalize_bootstrap_address(target)
+    except ConnectionError:
+        raise ConfigError(f"no running Ray cluster was found; {_FIX}") from None
+    except ImportError:  # another Ray version: probe what was given
+        resolved = None if target == "auto" else target
+    except Exception:  # noqa: BLE001 (an address Ray cannot parse)
+        raise ConfigError(f"{where} is invalid: write HOST:PORT of the Ray head") from None
+    if not resolved:
+        return
+    host, _, port = resolved.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"{where} is invalid: write HOST:PORT of the Ray head")
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        found = "" if target == resolved else f" (found {resolved})"
+        raise ConfigError(f"no Ray cluster answers at {where}{found}: "
+                          f"{e.strerror or type(e).__name__}; {_FIX}") from None
 
 
 def connect(address: str = "auto") -> None:
@@ -12,15 +53,14 @@ def connect(address: str = "auto") -> None:
     from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE
     if ray.is_initialized():
         return
+    probe(address)
     try:
         ray.init(address=address, namespace=COORDINATOR_NAMESPACE, logging_level="ERROR",
                  log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = "no running Ray cluster was found" if address == "auto" else \
             f"no Ray cluster answers at {address!r}"
-        raise ConfigError(f"{where} ({type(e).__name__}); start the job first, or pass "
-                          "--address HOST:PORT (or set RAY_ADDRESS) to the head of the "
-                          "cluster it runs on") from None
+        raise ConfigError(f"{where} ({type(e).__name__}); {_FIX}") from None
 
 
 def fetch_status(job: str, address: str = "auto") -> dict:
