@@ -28,10 +28,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 FACADE = "memckpt"
 FACADE_LAYER = "runtime"
 MAX_LINES = 600
-# TODO(integrator): remove once the benchmark split lands. memckpt/bench/ is being split on
-# another branch; until then its modules are exempt from the size and private-name checks,
-# and cycles among bench modules alone are let through.
-PENDING_BENCH_SPLIT = "memckpt.bench"
 PURE_MODULES = ("memckpt.runtime.failure",)  # import neither Ray nor torch
 
 
@@ -121,16 +117,12 @@ def test_no_import_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
-    cycles = [c for c in cycles if not all(m.startswith(PENDING_BENCH_SPLIT + ".")
-                                           for m in c.split(" -> "))]
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
 def test_no_private_name_imported_from_another_module():
     private = []
     for module in MODULES:
-        if module.startswith(PENDING_BENCH_SPLIT + "."):
-            continue
         for target, name, line in _imports(module):
             hidden = [p for p in (target.split(".") + [name or ""]) if p.startswith("_")
                       and not (p.startswith("__") and p.endswith("__"))]
@@ -143,8 +135,6 @@ def test_no_private_name_imported_from_another_module():
 def test_no_module_is_too_long():
     long = []
     for module, path in MODULES.items():
-        if module.startswith(PENDING_BENCH_SPLIT + "."):
-            continue
         lines = len(path.read_text().splitlines())
         if lines > MAX_LINES:
             long.append(f"{path.relative_to(PACKAGE.parent)}: {lines} lines")
