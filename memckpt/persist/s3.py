@@ -224,6 +224,13 @@ class S3Backend(StorageBackend):
                                 "give the node an instance / pod role", uri=self.uri)
         streaming = tuple(getattr(bx, n) for n in ("IncompleteReadError", "ResponseStreamingError")
                           if hasattr(bx, n))
+        if isinstance(e, (bx.ReadTimeoutError, bx.ConnectTimeoutError)):
+            limit = self.read_timeout if isinstance(e, bx.ReadTimeoutError) else self.connect_timeout
+            return PersistError(f"{where} failed: the S3 endpoint {ep} did not answer within "
+                                f"{limit:g} s ({type(e).__name__}, {self.max_attempts} attempts): "
+                                "check that it is up and reachable from this node (network, "
+                                "firewall, proxy) and that AWS_ENDPOINT_URL / "
+                                "MEMCKPT_S3_ENDPOINT_URL is right", retryable=True, uri=self.uri)
         if isinstance(e, (bx.ConnectionError, bx.HTTPClientError) + streaming):
             return PersistError(f"{where} failed: cannot reach the S3 endpoint {ep} "
                                 f"({type(e).__name__}): check that it is up and reachable from this "

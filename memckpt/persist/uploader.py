@@ -256,6 +256,8 @@ class Persister:
         """Record a failed attempt; True if it is worth another (after the tier's backoff)."""
         store = self.stores[tier]
         with self._cond:
+            if self._closed:  # an attempt close() gave up on, ending late: nothing to say
+                return False
             self._last_error[tier] = f"its last attempt (step {step}) failed: {e.message}"
             if e.retryable:
                 delay = self._delay.get(tier, 0.5) * 2
