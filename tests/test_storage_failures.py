@@ -117,7 +117,7 @@ class Job:
                 and e.get("step", after + 1) > after]
 
     def assert_no_stall(self) -> None:
-        assert len(self.times) >= STEPS
+        self.until(lambda: True, 120, "the steps", steps=STEPS - len(self.times))
         median, worst = statistics.median(self.twin_times), max(self.twin_times)
         bound = max(10 * median, 2 * worst)
         slow = sorted(((t, i + 1) for i, t in enumerate(self.times) if t > bound), reverse=True)
@@ -143,7 +143,7 @@ def hole(aws_test_env, monkeypatch):  # noqa: F811
 
 
 # -- a hung endpoint ------------------------------------------------------------------------------
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_restore_from_a_hung_endpoint_ends_in_bounded_time_naming_the_tier(hole, ram_root, caplog):
     uri = "s3://bkt-hung/run"
     ckpt = memckpt.Checkpointer(config("hung-start", ram_root, uri, HUNG))
@@ -167,7 +167,7 @@ def test_restore_from_a_hung_endpoint_ends_in_bounded_time_naming_the_tier(hole,
     assert time.monotonic() - t0 < 1.0
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_hung_endpoint_never_stalls_a_step_close_is_bounded_and_keeps_ram(hole, ram_root):
     uri = "s3://bkt-hung/run"
     job = Job(ram_root, uri, HUNG)
@@ -198,7 +198,7 @@ def test_hung_endpoint_never_stalls_a_step_close_is_bounded_and_keeps_ram(hole, 
 
 
 # -- an endpoint killed mid-run, back later ---------------------------------------------------------
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)
 def test_endpoint_killed_mid_run_and_restarted(aws_test_env, ram_root, monkeypatch):  # noqa: F811
     port = _free_port()
     server = MotoProcess(port)
@@ -207,11 +207,11 @@ def test_endpoint_killed_mid_run_and_restarted(aws_test_env, ram_root, monkeypat
         monkeypatch.setenv("MEMCKPT_S3_ENDPOINT_URL", server.url)
         uri = "s3://bkt-killed/run"
         job = Job(ram_root, uri, FLAKY)
-        job.until(lambda: job.events("persisted"), 20, "a first checkpoint to land", steps=6)
+        job.until(lambda: job.events("persisted"), 60, "a first checkpoint to land", steps=6)
 
         server.stop()  # SIGKILL: connections are refused from now on
         down = job.n
-        job.until(lambda: job.events("persist_retry", after=down), 20, "a persist_retry",
+        job.until(lambda: job.events("persist_retry", after=down), 60, "a persist_retry",
                   steps=STEPS // 2)
         retry = job.events("persist_retry", after=down)[0]
         assert retry["tier"] == uri and "cannot reach the S3 endpoint" in retry["error"]
@@ -220,7 +220,7 @@ def test_endpoint_killed_mid_run_and_restarted(aws_test_env, ram_root, monkeypat
         server = MotoProcess(port)  # back on the same port, empty: the bucket is made again
         make_bucket(server.url, "bkt-killed")
         back = job.n
-        job.until(lambda: job.events("persisted", after=back), 40,
+        job.until(lambda: job.events("persisted", after=back), 60,
                   "checkpoints to land again after the endpoint came back", steps=STEPS // 2)
         job.assert_no_stall()
 
@@ -243,7 +243,7 @@ def test_endpoint_killed_mid_run_and_restarted(aws_test_env, ram_root, monkeypat
 
 
 # -- an endpoint that throttles, then fails, then recovers ----------------------------------------
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)
 def test_throttling_and_server_errors_never_stall_and_persistence_resumes(
         aws_test_env, ram_root, monkeypatch):  # noqa: F811
     server = MotoProcess(_free_port())
@@ -253,17 +253,17 @@ def test_throttling_and_server_errors_never_stall_and_persistence_resumes(
         monkeypatch.setenv("MEMCKPT_S3_ENDPOINT_URL", proxy.url)
         uri = "s3://bkt-throttled/run"
         job = Job(ram_root, uri, FLAKY)
-        job.until(lambda: job.events("persisted"), 20, "a first checkpoint to land", steps=6)
+        job.until(lambda: job.events("persisted"), 60, "a first checkpoint to land", steps=6)
 
         for status, code in ((503, "SlowDown"), (500, "InternalError")):
             proxy.fail_with = status
             since = job.n
             job.until(lambda: any(code in e["error"]
                                   for e in job.events("persist_retry", after=since)),
-                      30, f"a persist_retry for {status} {code}", steps=STEPS // 4)
+                      60, f"a persist_retry for {status} {code}", steps=STEPS // 4)
         proxy.fail_with = None
         back = job.n
-        job.until(lambda: job.events("persisted", after=back), 40,
+        job.until(lambda: job.events("persisted", after=back), 60,
                   "checkpoints to land again once the endpoint answers", steps=STEPS // 4)
         job.assert_no_stall()
         retries = job.events("persist_retry")

@@ -141,6 +141,9 @@ class Persister:
             self._wake += 1
             self._cond.notify_all()
             since = time.monotonic()
+            if self._pending is not None or self._busy:
+                log.info("memckpt: waiting for the persist in flight to %s (a tier silent for "
+                         "its close_timeout_s is given up on)", ", ".join(self.describe()))
             while self._pending is not None or self._busy:
                 now = time.monotonic()
                 if max_s is not None and now - since >= max_s:
@@ -234,14 +237,22 @@ class Persister:
                 if data is None:  # copied from its slot only now: a superseded job never is
                     data = self._stage(job.step)
                     if data is None:
+                        with self._cond:
+                            for t in job.tiers:
+                                self._last_error[t] = (f"step {job.step} left RAM before it "
+                                                       "could be staged")
                         return
                 t0 = time.perf_counter()
                 try:
                     if store.is_committed(job.step):
                         self._landed(tier, job.step)
                         break  # already persisted (e.g. again at shutdown)
+                    if self._closed:  # close() gave up on this tier: write nothing more
+                        return
                     entry = store.write_shard(job.step, self.rank, data, verify=False,
                                               folder=self.folder_for(tier, job.step), replace=True)
+                    if self._closed:
+                        return
                     self.on_written(tier, job.step, entry)
                     self.on_event("shard_persisted", step=job.step,
                                   tier=store.describe(), bytes=entry.size,
@@ -260,8 +271,7 @@ class Persister:
                 return False
             self._last_error[tier] = f"its last attempt (step {step}) failed: {e.message}"
             if e.retryable:
-                delay = self._delay.get(tier, 0.5) * 2
-                self._delay[tier] = min(BACKOFF_MAX_S, delay)
+                delay = self._delay[tier] = min(BACKOFF_MAX_S, self._delay.get(tier, 0.5) * 2)
                 self._retry_at[tier] = time.monotonic() + delay
                 self._failing.add(tier)
                 self._cond.notify_all()  # a submit waiting for this upload stops waiting
