@@ -508,9 +508,8 @@ def test_s3_endpoint_down_mid_run_then_back(aws_test_env, ram_root, monkeypatch)
 
         server.stop()  # the endpoint is down
         down_from = step
-        # Under the default fall-behind policy ("wait") a step may wait for the upload
-        # already in flight, but only until that attempt fails (botocore's own retries,
-        # a few seconds); from the first persist_retry on, storage never holds a step.
+        # Storage never holds a step (tests/test_storage_failures.py measures it); the
+        # generous max_s here only keeps this test about persistence coming back.
         deadline = time.monotonic() + 15
         while not [e for e in list(ckpt.events) if e["event"] == "persist_retry"]:
             assert time.monotonic() < deadline, "no persist_retry event while S3 was down"

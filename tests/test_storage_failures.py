@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 import memckpt
+from memckpt.errors import ConfigError
 from memckpt.persist import CheckpointStore, PersistError
 from s3_server import (BlackHole, FaultProxy, MotoProcess, _free_port, aws_test_env,  # noqa: F401
                        make_bucket)
@@ -140,6 +141,26 @@ def hole(aws_test_env, monkeypatch):  # noqa: F811
     monkeypatch.setenv("MEMCKPT_S3_ENDPOINT_URL", h.url)
     yield h
     h.close()
+
+
+# -- the settings ---------------------------------------------------------------------------------
+def test_tier_timeouts_are_validated_reach_the_backend_and_stay_out_of_the_fingerprint():
+    for name in ("request_timeout_s", "discover_timeout_s", "close_timeout_s"):
+        for bad in (0, -1.5, float("inf"), "30", True):
+            with pytest.raises(ConfigError, match=rf"persistence\.{name}=.* is invalid: use a "
+                                                   "finite number > 0"):
+                memckpt.PersistTier("s3://bkt-x/run", **{name: bad})
+    tier = memckpt.PersistTier("s3://bkt-x/run", request_timeout_s=3, discover_timeout_s=7,
+                               close_timeout_s=9)
+    store = CheckpointStore(tier)
+    assert (store.backend.read_timeout, store.backend.connect_timeout) == (3.0, 3.0)
+    assert (store.discover_timeout_s, store.close_timeout_s) == (7.0, 9.0)
+    assert CheckpointStore("s3://bkt-x/run").backend.read_timeout == 20.0  # the defaults
+    plain = memckpt.Config(persistence=(memckpt.PersistTier("s3://bkt-x/run"),))
+    tuned = memckpt.Config(persistence=(tier,))
+    assert plain.fingerprint() == tuned.fingerprint()  # a timeout does not split the history
+    assert plain.fingerprint() != memckpt.Config(
+        persistence=(memckpt.PersistTier("s3://bkt-x/run", every=3),)).fingerprint()
 
 
 # -- a hung endpoint ------------------------------------------------------------------------------
