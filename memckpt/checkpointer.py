@@ -115,10 +115,10 @@ class Checkpointer:
         step = step if step is not None else max(self.engine.steps(), default=None)
         if step is None:
             return False
-        self.persister.submit(step, range(len(self.persister.tiers)), stage_now=True, wait=True)
-        if timeout_s is None:
-            return self.persister.drain()
-        return self.persister.flush(timeout_s)
+        tiers = range(len(self.persister.tiers))
+        self.persister.submit(step, tiers, stage_now=True, wait=True)
+        idle = self.persister.drain() if timeout_s is None else self.persister.flush(timeout_s)
+        return idle and all(self.persister.last_persisted.get(t, -1) >= step for t in tiers)
 
     def _hook_optimizers(self, state: TrainState) -> None:
         # The next parameter update must not start before the background copy has read

@@ -66,7 +66,8 @@ class Persister:
         self._pending: Optional[_Job] = None
         self._busy = False
         self._closed = False
-        self._wake = 0  # bumped by close(): a retry waiting out its backoff tries again now
+        self._wake = 0  # bumped by drain(): a retry waiting out its backoff tries again now
+        self._drain_since: Optional[float] = None  # the first drain since something landed
         self._writing: Optional[int] = None  # the tier the thread is writing to
         self._failing: set[int] = set()  # tiers whose last attempt failed (retryable)
         self._progress_at = time.monotonic()  # the thread's last step forward
@@ -90,14 +91,16 @@ class Persister:
         RAM); otherwise the thread copies it from its slot when the upload ends, and a
         request still waiting is superseded. Nothing here waits for storage unless
         ``wait`` (a requested persist: stop file, signal, :meth:`persist_now`): then it
-        waits for a healthy upload to free the buffer, but never for one that is failing.
+        waits for a healthy upload to free the buffer, never for one to a tier that is
+        failing or silent for its ``close_timeout_s``.
         """
         tiers = tuple(tiers)
         if not tiers:
             return False
         with self._cond:
             if wait and self._busy:
-                self._cond.wait_for(lambda: not self._busy or self._stuck() or self._closed)
+                while self._busy and not self._stuck() and not self._closed:
+                    self._cond.wait(0.5)
             if self._pending is not None:
                 self._superseded(self._pending.step, step)
                 self._pending = None
@@ -126,34 +129,45 @@ class Persister:
         return True
 
     def _stuck(self) -> bool:
-        """The upload in progress goes to a tier whose last attempt failed (under the lock)."""
-        return self._busy and self._writing in self._failing
+        """The upload in progress goes to a tier whose last attempt failed, or that has been
+        silent for its ``close_timeout_s`` (under the lock)."""
+        tier = self._writing
+        if not self._busy or tier is None:
+            return False
+        return tier in self._failing or self._quiet(tier) >= self.stores[tier].close_timeout_s
+
+    def _quiet(self, tier: int, since: float = 0.0) -> float:
+        """Seconds since ``tier`` (or the thread, or ``since``) last made progress."""
+        last = max(since, self._progress_at, self.stores[tier].backend.last_progress)
+        return time.monotonic() - last
 
     def drain(self, max_s: Optional[float] = None) -> bool:
         """Wait for what is pending or being written while storage makes progress.
 
         A tier that neither answers nor moves bytes for its ``close_timeout_s`` (dead,
-        hung, or failing on every retry) is given up on; so is everything after
-        ``max_s``. A retry waiting out its backoff tries again at once. True if nothing
-        is left pending or in flight.
+        hung, or failing on every retry) is given up on, counting from the first drain
+        since something last landed (so a second drain does not wait again); so is
+        everything after ``max_s``. A retry waiting out its backoff tries again at once.
+        True if nothing is left pending or in flight.
         """
         with self._cond:
             self._wake += 1
             self._cond.notify_all()
-            since = time.monotonic()
+            start = time.monotonic()
             if self._pending is not None or self._busy:
                 log.info("memckpt: waiting for the persist in flight to %s (a tier silent for "
                          "its close_timeout_s is given up on)", ", ".join(self.describe()))
             while self._pending is not None or self._busy:
-                now = time.monotonic()
-                if max_s is not None and now - since >= max_s:
+                if max_s is not None and time.monotonic() - start >= max_s:
                     return False
                 tier = self._writing if self._writing is not None else self._next_tier()
-                store = self.stores[tier]
-                quiet = now - max(since, self._progress_at, store.backend.last_progress)
-                if quiet >= store.close_timeout_s:
+                limit = self.stores[tier].close_timeout_s
+                if self._drain_since is None:  # (again, once something landed)
+                    self._drain_since = time.monotonic()
+                quiet = self._quiet(tier, self._drain_since)
+                if quiet >= limit:
                     return False
-                self._cond.wait(min(0.5, store.close_timeout_s - quiet))
+                self._cond.wait(min(0.5, limit - quiet))
         return True
 
     def close(self) -> list[str]:
@@ -310,6 +324,7 @@ class Persister:
             self._retry_at.pop(tier, None)
             self.last_persisted[tier] = max(step, self.last_persisted.get(tier, step))
             self._progress_at = time.monotonic()
+            self._drain_since = None
 
     def describe(self) -> list[str]:
         return [s.describe() for s in self.stores]
