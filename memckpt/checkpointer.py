@@ -71,8 +71,8 @@ class Checkpointer:
 
     def _sealed(self, step: int, path: Path) -> None:
         if self.persister is not None and not self.engine.gated:  # sealed == committed here
-            self.persister.submit(step, self.persister.due(step), stage_now=True,
-                                  wait=self.config.failure.on_fall_behind == "wait")
+            # never waits for storage: an upload in flight makes this a pending request
+            self.persister.submit(step, self.persister.due(step), stage_now=True)
         if self._on_sealed is not None:
             self._on_sealed(step, path)
 
@@ -105,8 +105,10 @@ class Checkpointer:
             self.should_stop = action == STOP
         return took
 
-    def persist_now(self, step: Optional[int] = None, timeout_s: float = 600.0) -> bool:
-        """Persist the newest (or ``step``'s) snapshot to every tier and wait for it."""
+    def persist_now(self, step: Optional[int] = None, timeout_s: Optional[float] = None) -> bool:
+        """Persist the newest (or ``step``'s) snapshot to every tier and wait for it: up to
+        ``timeout_s``, or by default while the storage makes progress (a tier silent for
+        its ``close_timeout_s`` is given up on). True if it landed."""
         self.engine.wait()
         if self.persister is None:
             self._event("persist_skipped", step=step, reason="no persistence tier configured")
@@ -114,8 +116,10 @@ class Checkpointer:
         step = step if step is not None else max(self.engine.steps(), default=None)
         if step is None:
             return False
-        self.persister.submit(step, range(len(self.persister.tiers)), stage_now=True, wait=True)
-        return self.persister.flush(timeout_s)
+        tiers = range(len(self.persister.tiers))
+        self.persister.submit(step, tiers, stage_now=True, wait=True)
+        idle = self.persister.drain() if timeout_s is None else self.persister.flush(timeout_s)
+        return idle and all(self.persister.last_persisted.get(t, -1) >= step for t in tiers)
 
     def _hook_optimizers(self, state: TrainState) -> None:
         # The next parameter update must not start before the background copy has read
@@ -209,16 +213,29 @@ class Checkpointer:
     def _event(self, kind: str, **fields: Any) -> None:
         self.events.append(dict(event=kind, time=time.time(), rank=self.rank, **fields))
 
-    def close(self, unlink: bool = False) -> None:
-        """Stop background work; ``unlink`` also frees the RAM snapshots (job finished)."""
+    def close(self, unlink: bool = False) -> list[str]:
+        """Stop background work; ``unlink`` also frees the RAM snapshots (job finished).
+
+        Persists in flight get to finish while the storage makes progress; a tier that
+        is dead or hung is given up on after its ``close_timeout_s``. Returns one line per
+        tier whose newest checkpoint was not persisted (also logged); then the RAM
+        snapshots are kept even with ``unlink``, so a later process restores from them.
+        """
         for handle in self._hooks.values():  # the optimizers no longer wait on this engine
             handle.remove()
         self._hooks.clear()
+        unpersisted: list[str] = []
         if self.persister is not None:  # it reads the slots: let it finish first
             self.engine.wait()
-            self.persister.flush(600.0)
-            self.persister.close()
+            unpersisted = self.persister.close()
+        if unlink and unpersisted:
+            log.warning("memckpt: close(unlink=True) keeps the RAM snapshots in %s because "
+                        "%s; a new process of this job restores from them; remove the folder "
+                        "once they are not needed", self.directory, "; ".join(unpersisted))
+            self._event("ram_kept", directory=str(self.directory), reason=unpersisted)
+            unlink = False
         self.engine.close(unlink=unlink)
         if unlink:
             remove_path(self.directory)
+        return unpersisted
 

@@ -107,14 +107,27 @@ class PlacementConfig:
                   "placement.replicas >= 1, or placement.standby_nodes=0")
 
 
+# PersistTier's timeouts: how long storage may keep a job waiting (not in the fingerprint).
+TIER_TIMEOUTS = ("request_timeout_s", "discover_timeout_s", "close_timeout_s")
+
+
 @dataclass(frozen=True)
 class PersistTier:
-    """A slower tier under RAM: a local directory or an ``s3://bucket/prefix`` URI."""
+    """A slower tier under RAM: a local directory or an ``s3://bucket/prefix`` URI.
+
+    The timeouts bound what a storage that refuses, hangs or answers slowly can cost:
+    one S3 request (connect, and each wait for an answer); the auto-resume's listing of
+    the tier at start-up (it then fails naming the tier); and ``close()`` / the job's end
+    waiting for a persist that makes no progress (its RAM snapshots are then kept).
+    """
 
     uri: str
     every: int = 100  # persist every K steps
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted
     two_slot: bool = False  # alternate between two fixed locations (constant space)
+    request_timeout_s: float = 20.0
+    discover_timeout_s: float = 30.0
+    close_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.uri, str) or not self.uri.strip():
@@ -129,6 +142,8 @@ class PersistTier:
             _fail("persistence.uri", self.uri, "only local paths and s3:// URIs are supported")
         _positive_int("persistence.every", self.every)
         _positive_int("persistence.keep_last", self.keep_last)
+        for name in TIER_TIMEOUTS:
+            _positive_float(f"persistence.{name}", getattr(self, name))
 
     @property
     def is_s3(self) -> bool:
@@ -273,6 +288,9 @@ class Config:
         d = self.to_dict()
         for volatile in ("chaos", "job_name", "ram_root", "stop_file"):
             d.pop(volatile)
+        for tier in d["persistence"]:
+            for name in TIER_TIMEOUTS:
+                tier.pop(name)
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

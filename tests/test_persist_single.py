@@ -28,7 +28,7 @@ import memckpt
 from memckpt.persist import CheckpointStore
 from memckpt.persist.manifest import step_folder
 from _persist_job import Workload, make_config
-from s3_server import BUCKET, _free_port, _wait_up, aws_test_env, make_bucket, s3_endpoint  # noqa: F401
+from s3_server import BUCKET, MotoProcess, _free_port, aws_test_env, make_bucket, s3_endpoint  # noqa: F401
 
 HELPER = Path(__file__).with_name("_persist_job.py")
 REPO = HELPER.parent.parent
@@ -472,27 +472,6 @@ def test_sigterm_persists_the_newest_step_and_exits_cleanly(tmp_path, ram_root, 
 
 
 # -- 7. the S3 endpoint goes away and comes back ------------------------------------------------
-class MotoProcess:
-    """moto's S3 server in its own process (so stopping it drops every connection and
-    its in-memory buckets, as a real endpoint going down would)."""
-
-    def __init__(self, port: int) -> None:
-        self.port, self.url = port, f"http://127.0.0.1:{port}"
-        self.p = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                                   "-p", str(port)], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
-        try:
-            _wait_up(port, timeout=20)
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-            self.p.wait(10)
-
-
 @pytest.mark.timeout(60)
 def test_s3_endpoint_down_mid_run_then_back(aws_test_env, ram_root, monkeypatch):  # noqa: F811
     t_start = time.monotonic()
@@ -529,9 +508,8 @@ def test_s3_endpoint_down_mid_run_then_back(aws_test_env, ram_root, monkeypatch)
 
         server.stop()  # the endpoint is down
         down_from = step
-        # Under the default fall-behind policy ("wait") a step may wait for the upload
-        # already in flight, but only until that attempt fails (botocore's own retries,
-        # a few seconds); from the first persist_retry on, storage never holds a step.
+        # Storage never holds a step (tests/test_storage_failures.py measures it); the
+        # generous max_s here only keeps this test about persistence coming back.
         deadline = time.monotonic() + 15
         while not [e for e in list(ckpt.events) if e["event"] == "persist_retry"]:
             assert time.monotonic() < deadline, "no persist_retry event while S3 was down"

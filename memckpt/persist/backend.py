@@ -32,6 +32,7 @@ import abc
 import logging
 import os
 import re
+import time
 from typing import Any, Iterable, Optional, Union
 from urllib.parse import urlsplit, urlunsplit
 
@@ -148,7 +149,21 @@ def scrub(text: str) -> str:
 
 # -- interface --------------------------------------------------------------------------------
 class StorageBackend(abc.ABC):
-    """Objects under string keys relative to one root. Thread-safe; see the module docstring."""
+    """Objects under string keys relative to one root. Thread-safe; see the module docstring.
+
+    ``last_progress`` is the ``time.monotonic()`` of the last request answered or bytes
+    moved (0.0 before any): a waiter tells a slow transfer from a hung one by it.
+    """
+
+    last_progress: float = 0.0
+
+    def progressed(self) -> None:
+        """Record that storage answered or moved bytes just now."""
+        self.last_progress = time.monotonic()
+
+    def location(self) -> str:
+        """Where the tier is, for messages: the root, and for a remote store its endpoint."""
+        return self.describe()
 
     @abc.abstractmethod
     def put(self, key: str, data: Data) -> None:

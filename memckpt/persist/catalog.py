@@ -51,6 +51,7 @@ from memckpt import shard as fmt
 from memckpt.config import PersistTier
 from memckpt.errors import ChecksumError, ConfigError
 from memckpt.persist.backend import Data, StorageBackend, as_bytes_view, partial_target
+from memckpt.persist.deadline import DeadlineExceeded, call_within
 from memckpt.persist.errors import (
     ManifestError,
     ObjectNotFoundError,
@@ -104,9 +105,10 @@ class CheckpointInfo:
 class CheckpointStore:
     """Persisted checkpoints of one tier (a local directory or ``s3://bucket/prefix``).
 
-    ``tier``: a :class:`~memckpt.config.PersistTier` (its ``keep_last`` and
-    ``two_slot`` apply unless given here) or a URI string. ``backend``: use this
-    backend instead of opening ``tier``'s URI (tests, custom S3 options).
+    ``tier``: a :class:`~memckpt.config.PersistTier` (its ``keep_last``,
+    ``two_slot`` and timeouts apply unless given here) or a URI string (the
+    PersistTier defaults). ``backend``: use this backend instead of opening
+    ``tier``'s URI (tests, custom S3 options).
     """
 
     def __init__(self, tier: PersistTier | str, keep_last: Optional[int] = None,
@@ -116,8 +118,9 @@ class CheckpointStore:
             uri = tier.uri
             keep_last = tier.keep_last if keep_last is None else keep_last
             two_slot = tier.two_slot if two_slot is None else two_slot
+            timeouts: Any = tier
         elif isinstance(tier, str):
-            uri = tier
+            uri, timeouts = tier, PersistTier  # the class attributes are the defaults
         else:
             raise ConfigError(f"CheckpointStore tier={tier!r} is invalid: pass a memckpt.PersistTier "
                               "or a URI string")
@@ -128,6 +131,11 @@ class CheckpointStore:
         self.uri = uri
         self.keep_last = keep_last
         self.two_slot = bool(two_slot)
+        self.discover_timeout_s = float(timeouts.discover_timeout_s)
+        self.close_timeout_s = float(timeouts.close_timeout_s)
+        request_s = float(timeouts.request_timeout_s)
+        s3_options.setdefault("read_timeout", request_s)
+        s3_options.setdefault("connect_timeout", min(10.0, request_s))
         self.backend = backend if backend is not None else open_backend(uri, **s3_options)
 
     def describe(self) -> str:
@@ -327,6 +335,50 @@ class CheckpointStore:
                 out.setdefault(parts[0], {})[parts[1]] = size
         return out
 
+    def discover(self) -> list[CheckpointInfo]:
+        """:meth:`list_checkpoints` within ``discover_timeout_s`` (what a job's start waits on).
+
+        A retryable error (endpoint down, throttled) is tried again with backoff until
+        the bound; then, or when the storage does not answer at all, a retryable
+        :class:`PersistError` names the tier, its endpoint, what was tried and what to do.
+        """
+        t0 = time.monotonic()
+        bound = self.discover_timeout_s
+        tried = "listing the objects under it and reading each checkpoint's manifest.json"
+
+        def listing() -> list[CheckpointInfo]:
+            delay = 0.25
+            while True:
+                try:
+                    return self.list_checkpoints()
+                except PersistError as e:
+                    if not e.retryable or time.monotonic() + delay - t0 >= bound:
+                        raise
+                    log.warning("memckpt: %s (retrying in %.2g s)", e.message, delay)
+                    time.sleep(delay)
+                    delay = min(2 * delay, 4.0)
+
+        try:
+            return call_within(listing, bound, f"{self.backend.location()} to list its checkpoints")
+        except DeadlineExceeded:
+            problem = f"did not answer within {bound:g} s ({tried})"
+        except PersistError as e:
+            if not e.retryable:
+                raise
+            problem = f"kept failing for {time.monotonic() - t0:.0f} s ({tried}): {e.message}"
+        raise PersistError(f"{self.backend.location()} {problem}. {self._unreachable_fix()}",
+                           retryable=True, uri=self.describe()) from None
+
+    def _unreachable_fix(self) -> str:
+        if self.uri.startswith("s3://"):
+            check = ("check that the endpoint is up and reachable from this node (network, "
+                     "firewall, proxy) and that AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 / "
+                     "MEMCKPT_S3_ENDPOINT_URL names the right one")
+        else:
+            check = "check that its filesystem answers (a hung network mount?)"
+        return (f"To go on: {check}; or remove this tier from Config.persistence to start "
+                "without it; a slow but working store: raise its PersistTier.discover_timeout_s")
+
     def list_checkpoints(self) -> list[CheckpointInfo]:
         """Every memckpt checkpoint folder under the root, newest step first.
 
@@ -437,7 +489,7 @@ def _search(stores: Sequence[CheckpointStore], world_size: Optional[int], finger
     reasons: list[str] = []
     many = len(stores) > 1
     for order, store in enumerate(stores):
-        for info in store.list_checkpoints():
+        for info in store.discover():
             cands.append((info.step if info.step is not None else _UNKNOWN, -order, store, info))
     cands.sort(key=lambda c: (c[0], c[1]), reverse=True)
     for _, _, store, info in cands:
@@ -469,6 +521,8 @@ def find_latest(stores: Sequence[CheckpointStore], world_size: Optional[int] = N
     ``stores`` wins: list the fastest tier first) and verified newest first, so
     a slower tier is read only when it holds something newer or the faster one
     fails. Reasons are prefixed with the tier's URI. Nothing is logged: the caller
-    reports the reasons.
+    reports the reasons. Listing a tier is bounded by its ``discover_timeout_s`` (see
+    :meth:`CheckpointStore.discover`); reading the chosen shards is bounded per request
+    by the tier's ``request_timeout_s``.
     """
     return _search(list(stores), world_size, fingerprint, verify)

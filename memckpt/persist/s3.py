@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import threading
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
@@ -70,10 +70,12 @@ class _Reader(_MemoryFile):
 
 
 class _Writer(_MemoryFile):
-    """Writing into a preallocated uint8 array, for boto3 downloads."""
+    """Writing into a preallocated uint8 array, for boto3 downloads; ``received()`` after
+    each write (bytes arriving are progress; bytes sent are not: a retry re-sends them)."""
 
-    def __init__(self, out: np.ndarray) -> None:
+    def __init__(self, out: np.ndarray, received: Callable[[], None]) -> None:
         super().__init__(memoryview(out))
+        self._received = received
         self.written = 0
 
     def writable(self) -> bool:
@@ -87,6 +89,7 @@ class _Writer(_MemoryFile):
         self._buf[self._pos: end] = data
         self._pos = end
         self.written += len(data)
+        self._received()
         return len(data)
 
 
@@ -105,8 +108,10 @@ class S3Backend(StorageBackend):
     transfer manager): above ``multipart_threshold`` bytes, in parts of
     ``multipart_chunksize`` (at least 5 MiB, S3's minimum), ``max_concurrency``
     at a time. botocore retries transient errors ``max_attempts`` times before a
-    :class:`PersistError` is raised. The backend can be pickled (to a Ray actor):
-    the client is re-created on first use.
+    :class:`PersistError` is raised. Each attempt gives up after ``connect_timeout``
+    seconds to connect and ``read_timeout`` seconds waiting for an answer, so a hung
+    endpoint costs at most about ``max_attempts`` times that per request. The backend
+    can be pickled (to a Ray actor): the client is re-created on first use.
     """
 
     def __init__(self, uri: str, *, endpoint_url: Optional[str] = None, region: Optional[str] = None,
@@ -147,6 +152,9 @@ class S3Backend(StorageBackend):
     def describe(self) -> str:
         return self.uri
 
+    def location(self) -> str:
+        return f"{self.uri} (endpoint {self.endpoint})"
+
     @property
     def endpoint(self) -> str:
         """The endpoint in use (without any user:password), for messages."""
@@ -179,12 +187,19 @@ class S3Backend(StorageBackend):
                                        "check the endpoint URL (AWS_ENDPOINT_URL / "
                                        "MEMCKPT_S3_ENDPOINT_URL) and the region (AWS_DEFAULT_REGION)",
                                        uri=self.uri) from None
+                self._client.meta.events.register("after-call.s3", self._answered)
                 self._manager = create_transfer_manager(self._client, TransferConfig(
                     multipart_threshold=self.multipart_threshold,
                     multipart_chunksize=self.multipart_chunksize,
                     max_concurrency=self.max_concurrency, use_threads=True,
                     preferred_transfer_client="classic"))
             return self._client, self._manager
+
+    def _answered(self, http_response: Any = None, **_: Any) -> None:
+        # botocore's after-call hook: an answer that is not a throttle or a server error
+        status = getattr(http_response, "status_code", 500)
+        if status < 500 and status != 429:
+            self.progressed()
 
     def close(self) -> None:
         with self._lock:
@@ -209,6 +224,13 @@ class S3Backend(StorageBackend):
                                 "give the node an instance / pod role", uri=self.uri)
         streaming = tuple(getattr(bx, n) for n in ("IncompleteReadError", "ResponseStreamingError")
                           if hasattr(bx, n))
+        if isinstance(e, (bx.ReadTimeoutError, bx.ConnectTimeoutError)):
+            limit = self.read_timeout if isinstance(e, bx.ReadTimeoutError) else self.connect_timeout
+            return PersistError(f"{where} failed: the S3 endpoint {ep} did not answer within "
+                                f"{limit:g} s ({type(e).__name__}, {self.max_attempts} attempts): "
+                                "check that it is up and reachable from this node (network, "
+                                "firewall, proxy) and that AWS_ENDPOINT_URL / "
+                                "MEMCKPT_S3_ENDPOINT_URL is right", retryable=True, uri=self.uri)
         if isinstance(e, (bx.ConnectionError, bx.HTTPClientError) + streaming):
             return PersistError(f"{where} failed: cannot reach the S3 endpoint {ep} "
                                 f"({type(e).__name__}): check that it is up and reachable from this "
@@ -268,7 +290,7 @@ class S3Backend(StorageBackend):
             resp = client.get_object(Bucket=self.bucket, Key=full)
             size = int(resp["ContentLength"])
             out = np.empty(size, dtype=np.uint8)
-            writer = _Writer(out)
+            writer = _Writer(out, self.progressed)
             if size <= self.multipart_threshold:  # one request: stream the body into the array
                 body = resp["Body"]
                 try:

@@ -97,13 +97,12 @@ class WorkerContext:
         if tiers:
             # Stage the copy here, while the step's slot is protected. If a healthy upload
             # still holds the staging buffer, a requested persist waits; a scheduled one
-            # follows failure.on_fall_behind (wait: hold the next commit; skip: skip this
-            # step). An upload retrying against a failing tier is superseded, never waited on.
-            wait = request is not None or self.config.failure.on_fall_behind == "wait"
-            self.persister.submit(step, tiers, stage_now=True, wait=wait)
+            # never waits for storage (the thread copies it from its slot later). An upload
+            # retrying against a failing tier is superseded, never waited on.
+            self.persister.submit(step, tiers, stage_now=True, wait=request is not None)
         if request == STOP:
             if self.persister is not None:
-                self.persister.flush(600.0)
+                self.persister.drain()  # bounded: a dead tier is given up on (close_timeout_s)
             self.stop_after = step
 
     # -- restore ------------------------------------------------------------------------------
@@ -305,7 +304,7 @@ class WorkerContext:
         self.ckpt.wait()
         self.replicator.drain(timeout_s)
         if self.persister is not None:
-            self.persister.flush(timeout_s)
+            self.persister.drain(timeout_s)  # a dead or hung tier: its close_timeout_s
 
     def abort(self) -> None:
         """Recovery replaced this generation: make the training function return at its next
@@ -319,6 +318,5 @@ class WorkerContext:
     def close(self) -> None:
         self.replicator.close()
         if self.persister is not None:
-            self.persister.flush(60.0)
-            self.persister.close()
+            self.persister.close()  # bounded; logs and reports what it left unpersisted
         self.ckpt.close()
