@@ -23,15 +23,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from memckpt import placement
-from memckpt.buffers import remove_path, resolve_ram_root
 from memckpt.config import Config
 from memckpt.control import STOP, Control
-from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, Coordinator, coordinator_name
+from memckpt.runtime import actors
+from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE
 from memckpt.errors import ConfigError, MemckptError, PlacementError, RecoveryError
 from memckpt.runtime.faults import Fault, FaultInjector, kill_node, send_signal
 from memckpt.recovery_plan import (RecoveryPlan, plan_from_persisted, plan_from_scratch,
-                              plan_recovery)
-from memckpt.runtime.replica_store import ReplicaStore
+                              plan_recovery, source_label)
 from memckpt.runtime.worker import RestoreInstruction, Worker, WorkerSpec
 
 log = logging.getLogger("memckpt")
@@ -42,9 +41,7 @@ STARTUP_TIMEOUT_S = 120.0  # a rank silent this long before its first step is hu
 LARGEST_SHARD_WAIT_S = 2.0  # stores answering what spares prepare for (see _largest_shard)
 
 
-def _affinity(node_id: str):
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+_affinity = actors.on_node
 
 
 def eligible_nodes(config: Config) -> dict[str, int]:
@@ -113,13 +110,7 @@ class Runtime:
         self.coordinator.log_event.remote(kind, fields)
 
     def _start_store(self, node: str) -> Any:
-        ray, cfg = self.ray, self.config
-        cls = ray.remote(ReplicaStore)
-        return cls.options(
-            name=f"memckpt-store-{cfg.job_name}-{node[:16]}", namespace=COORDINATOR_NAMESPACE,
-            num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=16,
-            scheduling_strategy=_affinity(node),
-        ).remote(cfg.ram_root or "", cfg.job_name, node)
+        return actors.start_store(self.config, node)
 
     def _ensure_stores(self, nodes: list[str]) -> None:
         new = {n: self._start_store(n) for n in nodes if n not in self.stores}
@@ -128,19 +119,7 @@ class Runtime:
             self.stores.update(new)
 
     def _start_coordinator(self) -> None:
-        ray, cfg = self.ray, self.config
-        from ray.experimental import internal_kv
-        if ray.util.list_named_actors(all_namespaces=True).count(coordinator_name(cfg.job_name)):
-            raise ConfigError(f"job_name={cfg.job_name!r} is invalid: a job of that name is running "
-                              "on this cluster; pick another job_name or stop it with memckpt kill")
-        internal_kv._internal_kv_del(f"memckpt/{cfg.job_name}/coordinator".encode())
-        here = ray.get_runtime_context().get_node_id()
-        self.coordinator = ray.remote(Coordinator).options(
-            name=coordinator_name(cfg.job_name), namespace=COORDINATOR_NAMESPACE, num_cpus=0,
-            max_restarts=-1, max_task_retries=-1,
-            scheduling_strategy=_affinity(here),
-        ).remote(cfg.job_name, str(self.run_dir), cfg.workers.num_workers, cfg.persistence,
-                  cfg.fingerprint())
+        self.coordinator = actors.start_coordinator(self.config, self.run_dir)
 
     def initial_layout(self) -> tuple[dict[int, str], dict[int, tuple[str, ...]], dict[str, int]]:
         cfg = self.config
@@ -261,7 +240,7 @@ class Runtime:
         ray, cfg = self.ray, self.config
         self.ray.get(self.coordinator.configure.remote(
             gen, assignment, {r: list(h) for r, h in holders.items()}, committed,
-            {n: f"memckpt-store-{cfg.job_name}-{n[:16]}" for n in self.stores}))
+            {n: actors.store_name(cfg.job_name, n) for n in self.stores}))
         workers, how = {}, {}
         for rank, node in assignment.items():
             if rank in self.workers and self.worker_nodes[rank] == node:
@@ -616,7 +595,7 @@ class Runtime:
             "dead_nodes": sorted((set(self.worker_nodes.values()) | g.holder_nodes) - set(cap)),
             "resumed_step": plan.step, "moved_ranks": list(plan.moved),
             "in_place_ranks": sorted(plan.placed),  # copies already placed: no re-copy
-            "sources": {str(r): _source_label(s, plan.assignment[r]) for r, s in plan.sources.items()},
+            "sources": {str(r): source_label(s, plan.assignment[r]) for r, s in plan.sources.items()},
             "notes": list(plan.notes), "gen": g.gen + 1, "fault_at": failure["fault_at"],
             "detected_at": failure["detected_at"],
             "phases_s": {"detect": (failure["detected_at"] - failure["fault_at"])
@@ -648,14 +627,7 @@ class Runtime:
             time.sleep(0.2)
 
     def _inventory(self, nodes: list[str]) -> dict[str, dict[int, list[int]]]:
-        refs = {n: self.stores[n].inventory.remote() for n in nodes}
-        out = {}
-        for n, ref in refs.items():
-            try:
-                out[n] = {int(r): s for r, s in self.ray.get(ref, timeout=30).items()}
-            except self.ray.exceptions.RayError:
-                out[n] = {}
-        return out
+        return actors.inventory(self.stores, nodes)
 
     # -- the end --------------------------------------------------------------------------------
     def _install_signal_handlers(self) -> None:
@@ -704,26 +676,9 @@ class Runtime:
         return summary
 
     def _teardown(self) -> None:
-        ray = self.ray
-        # A dead node's RAM folder only exists on that node; where nodes share a machine
-        # (a simulated cluster) free it here, since no store is left to do it.
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        job_root = resolve_ram_root(self.config.ram_root) / self.config.job_name
-        for node in set(self.stores) - alive:
-            remove_path(job_root / node)
         for w in list(self.workers.values()) + list(self.spares.values()):
-            ray.kill(w, no_restart=True)
-        for s in list(self.stores.values()):
-            try:
-                ray.get(s.clear.remote(), timeout=10)
-            except Exception:  # a dead node's store: nothing to clear
-                pass
-            ray.kill(s, no_restart=True)
-        try:
-            ray.get(self.coordinator.finish.remote(), timeout=10)
-        except Exception:
-            pass
-        ray.kill(self.coordinator, no_restart=True)
+            self.ray.kill(w, no_restart=True)
+        actors.release(self.config, self.stores, self.coordinator)
 
 
 class _Stopped(Exception):
@@ -742,14 +697,6 @@ def progress_line(gen: int, prog: dict[str, Any]) -> str:
             f"{num(prog.get('steps_per_s'), '.1f')} steps/s "
             f"committed {num(prog['committed'], 'd')} "
             f"stall {num(prog.get('stall_ms'), '.1f')} ms lag {num(prog.get('lag'), 'd')}")
-
-
-def _source_label(sources: tuple[str, ...], node: str) -> str:
-    if not sources:
-        return "scratch"
-    if sources == ("persist",):
-        return "persisted"
-    return "local" if sources and sources[0] == node else f"peer:{sources[0][:12]}"
 
 
 def _is_peer_failure(err: BaseException) -> bool:
