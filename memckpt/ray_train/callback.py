@@ -21,6 +21,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Worker
 from memckpt.config import Config
 from memckpt.errors import ConfigError, RecoveryError
 from memckpt.ray_train import context as worker_side
+from memckpt.ray_train.janitor import start_janitor
 from memckpt.ray_train.layout import holders_for, run_config, train_tier
 from memckpt.recovery_plan import plan_in_place, source_label
 from memckpt.runtime import actors
@@ -61,6 +62,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
     def _reset(self) -> None:
         self.config: Optional[Config] = None
         self.coordinator: Any = None
+        self.janitor: Any = None
         self.stores: dict[str, Any] = {}
         self.gen = -1
         self.assignment: dict[int, str] = {}
@@ -92,13 +94,23 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
             self.report = (len(cfg.persistence) - 1, tier.uri)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.coordinator = actors.start_coordinator(cfg, self.run_dir)
+        self.janitor = start_janitor(cfg, self.coordinator)
         self._event("job_started", world_size=cfg.workers.num_workers, run=str(storage
                     .experiment_fs_path), fingerprint=cfg.fingerprint())
         threading.Thread(target=self._watchdog, name="memckpt-watchdog", daemon=True).start()
 
     def before_controller_execute_failure_decision(self, failure_decision: Any) -> None:
+        self._unwatch()
         if self.coordinator is not None:
             self._event("failure_detected", gen=self.gen, decision=str(failure_decision))
+
+    def before_worker_group_shutdown(self, worker_group: Any) -> None:
+        self._unwatch()
+
+    def _unwatch(self) -> None:
+        """Ray Train is ending this generation: its ranks going silent is no hang."""
+        with self._lock:
+            self.processes = {}
 
     async def before_controller_shutdown(self) -> None:
         self._teardown("job_finished")
@@ -152,6 +164,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         if new:
             ray.get([s.ping.remote() for s in new.values()])
             self.stores.update(new)
+            ray.get(self.janitor.add_nodes.remote(list(new)))
 
     def _plan(self, gen: int, assignment: dict[int, str],
               holders: dict[int, tuple[str, ...]]) -> dict[int, RestoreInstruction]:
@@ -222,5 +235,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         except Exception:  # noqa: BLE001 (the coordinator is being torn down anyway)
             pass
         actors.release(self.config, self.stores, self.coordinator)
-        self.coordinator, self.stores = None, {}
+        import ray
+        ray.kill(self.janitor, no_restart=True)
+        self.coordinator, self.stores, self.janitor = None, {}, None
 

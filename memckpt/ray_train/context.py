@@ -120,11 +120,19 @@ class RayTrainContext:
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
+        from memckpt.persist import CheckpointStore
         from memckpt.persist.manifest import step_folder
         tier, root = self._report
         deadline = time.time() + REPORT_WAIT_S
         coord = self._inner.spec.coordinator
+        store = CheckpointStore(self.config.persistence[tier])
+        polls = 0
         while ray.get(coord.persisted.remote()).get(str(tier), -1) < step:
+            # a step redone after a resume that an earlier run had persisted is not
+            # written again (the persister skips a committed step): its manifest is there
+            polls += 1
+            if polls % 50 == 0 and store.is_committed(step):
+                break
             if self._inner.replicator.error is not None:
                 raise self._inner.replicator.error
             if time.time() > deadline:
