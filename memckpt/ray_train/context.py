@@ -74,6 +74,10 @@ class RayTrainContext:
         return self._inner.last_step
 
     @property
+    def replicator(self):
+        return self._inner.replicator
+
+    @property
     def restore_source(self) -> Optional[str]:
         return getattr(self._inner, "restore_source", None)
 
