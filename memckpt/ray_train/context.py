@@ -58,8 +58,8 @@ class RayTrainContext:
     def __init__(self, spec: WorkerSpec, report: Optional[tuple[int, str]]) -> None:
         import ray
         node = ray.get_runtime_context().get_node_id()
-        if spec.restore is None and report is not None:
-            spec = dataclasses.replace(spec, restore=_from_ray_checkpoint(report[0]))
+        if spec.restore is None and spec.config.persistence:
+            spec = dataclasses.replace(spec, restore=_from_storage(report[0] if report else None))
         self._inner = WorkerContext(spec, node)
         self.rank, self.world_size = spec.rank, spec.world_size
         self.config, self.generation, self.node_id = spec.config, spec.gen, node
@@ -157,20 +157,25 @@ def _tail(root: str) -> str:
     return root.rstrip("/").rsplit("/", 1)[-1]
 
 
-def _from_ray_checkpoint(tier: int) -> Optional[RestoreInstruction]:
-    """No RAM copy to restore from: Ray Train's latest checkpoint, if any (after the whole
-    cluster was lost, or every copy of some rank), is a memckpt checkpoint folder."""
+def _from_storage(tier: Optional[int]) -> Optional[RestoreInstruction]:
+    """No RAM copy to restore from: Ray Train's latest checkpoint (after the whole cluster
+    was lost, or every copy of some rank), which is a memckpt checkpoint folder; without
+    one (a report Ray Train had not registered yet when the run died), memckpt's newest
+    valid persisted checkpoint in any tier."""
     import ray.train
 
     from memckpt.persist import CheckpointStore
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return None
-    folder = checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
+    from memckpt.persist.uploader import persisted_restore
     spec = _spec
     assert spec is not None
-    store = CheckpointStore(spec.config.persistence[tier])
-    manifest = store.manifest_of(folder)
+    checkpoint = ray.train.get_checkpoint() if tier is not None else None
+    if checkpoint is not None:
+        folder = checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
+        manifest = CheckpointStore(spec.config.persistence[tier]).manifest_of(folder)
+    else:
+        stores = [CheckpointStore(t) for t in spec.config.persistence]
+        found, manifest, _ = persisted_restore(stores, spec.world_size)
+        if manifest is None:
+            return None
+        tier = found
     return RestoreInstruction(manifest.step, ("persist",), tier, manifest.to_json())
-
-
