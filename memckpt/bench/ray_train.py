@@ -7,8 +7,9 @@ stall     per-step blocking time of a TorchTrainer step loop: memckpt's snapshot
           measured). Target: >= 10x lower at 1 GiB.
 recovery  a killed worker (rank 1 of 2 SIGKILLs itself), from the kill to every rank's first
           resumed step: TorchTrainer + memckpt (restore from RAM) vs TorchTrainer restoring
-          its own checkpoint from storage_path; split into Ray Train's worker-group restart
-          (both pay it) and the restore. Target: the restore >= 3x faster.
+          its own checkpoint from storage_path (both with the controller polling every
+          0.1 s); split into Ray Train's worker-group restart (both pay it), building the
+          model, the restore and the first step. Target: the restore >= 3x faster.
 lost_work derived from the stall rows: the snapshot interval each can afford at <= 5 % step
           overhead, and the work redone per failure (half an interval on average).
 """
@@ -147,13 +148,15 @@ def memckpt_recovery(size: int, a: argparse.Namespace, work: Path, name: str) ->
 
 def lost_work(stall: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per method and size: the interval (steps) whose blocking costs <= 5 % of a step, and
-    the steps a failure redoes on average (half of it), in seconds of training."""
+    the training time a failure redoes on average (half an interval). Both sides run the
+    same compute; its fastest measurement at that size is the step both are held to."""
     rows = []
     for r in stall:
-        compute = r["compute_s"]
-        interval = max(1, math.ceil(r["median"] / (OVERHEAD * compute))) if compute else 1
+        compute = min(o["compute_s"] for o in stall if o["size"] == r["size"])
+        interval = max(1, math.ceil(r["median"] / (OVERHEAD * compute)))
         rows.append({"benchmark": "lost_work", "method": r["method"], "size": r["size"],
                      "state_bytes": r["state_bytes"], "interval_steps": interval,
+                     "compute_s": compute,
                      "median": interval / 2 * (compute + r["median"] / interval), "unit": "s"})
     return rows
 
@@ -176,7 +179,8 @@ def run(a: argparse.Namespace, parts: list[str], work: Path, log) -> list[dict[s
                              "samples": res["blocking_s"]})
         if "recovery" in parts:
             log(f"recovery {label}: memckpt")
-            m = memckpt_recovery(size, a, work, f"bench-rt-rec-{label.lower()}")
+            with raytrain_poll(POLL_S):  # the same restart for both
+                m = memckpt_recovery(size, a, work, f"bench-rt-rec-{label.lower()}")
             log(f"recovery {label}: Ray Train restoring from storage_path")
             d, n = rjob.layout(size)
             with raytrain_poll(POLL_S):
