@@ -64,3 +64,10 @@ def test_plan_in_place_without_a_copy_of_some_rank_names_it():
     with pytest.raises(RecoveryError, match=r"rank\(s\) \[1\]"):
         plan_in_place({0: "a", 1: "b"}, {0: "a", 1: "a"}, {0: (), 1: ()}, ["a"],
                       {"a": {0: [3]}}, committed=3)
+
+
+def test_only_worker_faults_can_be_scheduled_under_ray_train():
+    cfg = base(workers=memckpt.WorkersConfig(num_workers=3),
+               chaos=(memckpt.ChaosEvent(3, "node", 1),))
+    with pytest.raises(ConfigError, match="memckpt kill"):
+        run_config(cfg, 3, None)

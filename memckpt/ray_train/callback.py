@@ -113,10 +113,10 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
             self.processes = {}
 
     async def before_controller_shutdown(self) -> None:
-        self._teardown("job_finished")
+        self._teardown("job_ended")
 
     def after_controller_finish(self, result: Any) -> None:
-        self._teardown("job_finished")
+        self._teardown("job_ended")
 
     def before_controller_abort(self) -> None:
         self._teardown("job_aborted")

@@ -22,6 +22,11 @@ def run_config(config: Config, num_workers: int, tier: Optional[PersistTier]) ->
     if not isinstance(config, Config):
         raise ConfigError(f"MemckptCallback(config) needs a memckpt.Config, got "
                           f"{type(config).__name__}")
+    other = sorted({ev.target for ev in config.chaos} - {"worker"})
+    if other:
+        raise ConfigError(f"chaos targets {other} are not available under Ray Train (only "
+                          "target='worker', KILL or STOP, fires from inside the step): drop them "
+                          "or use memckpt.run / memckpt kill for node, store and coordinator drills")
     w = config.workers
     workers = WorkersConfig(num_workers=num_workers, workers_per_node=1,
                             cpus_per_worker=w.cpus_per_worker, gpus_per_worker=w.gpus_per_worker,
