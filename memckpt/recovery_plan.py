@@ -95,38 +95,64 @@ def plan_recovery(assignment: Mapping[int, str], holders: Mapping[int, Sequence[
     ``committed`` (the coordinator's last committed step) only informs the notes
     and messages. If some rank has no copy left, :class:`RecoveryError` names it.
     """
-    ranks = sorted(assignment)
     live_inv = {n: inv for n, inv in inventory.items() if n in alive}
-    step = newest_common_step(ranks, live_inv)
-    if step is None:
-        held = {r: sorted({s for inv in live_inv.values() for s in inv.get(r, ())}) for r in ranks}
-        lost = [r for r, steps in held.items() if not steps]
-        if lost:
-            raise RecoveryError(
-                f"every RAM copy of rank(s) {lost} is gone (last committed step {committed}): "
-                "their node and all their replica holders died; configure a persistence tier "
-                "or raise placement.replicas")
-        raise RecoveryError(f"no step is held in RAM for every rank (steps held per rank: "
-                            f"{held}); configure a persistence tier")
-    notes = []
-    if committed is not None and step < committed:
-        notes.append(f"rolled back past committed step {committed} to {step}: copies were lost")
+    step = _restore_step(sorted(assignment), live_inv, committed)
     new_assignment = choose_nodes(assignment, alive, capacity, live_inv, step)
-    sources = {}
-    for r in ranks:
-        nodes = [n for n in alive if step in live_inv.get(n, {}).get(r, ())]
-        nodes.sort(key=lambda n: n != new_assignment[r])  # the rank's own node first
-        sources[r] = tuple(nodes)
     new_holders = repair_holders(holders, new_assignment, alive, replicas)
+    notes = []
     short = [r for r, hs in new_holders.items() if len(hs) < replicas]
     if short:
         notes.append(f"only {len(alive)} nodes alive: rank(s) {short} keep fewer than "
                      f"{replicas} replicas until nodes are added")
-    moved = tuple(r for r in ranks if new_assignment[r] != assignment[r])
+    return _plan_at(step, assignment, new_assignment, new_holders, alive, live_inv, committed,
+                    notes)
+
+
+def plan_in_place(previous: Mapping[int, str], assignment: Mapping[int, str],
+                  holders: Mapping[int, Sequence[str]], alive: Sequence[str],
+                  inventory: Inventory, committed: Optional[int] = None) -> RecoveryPlan:
+    """The same decision where a scheduler already placed every rank (Ray Train restarts the
+    whole worker group wherever it finds room): ``assignment`` and the new ``holders`` are
+    given; the step and each rank's sources (its own node first) are decided as in
+    :func:`plan_recovery`. ``previous`` is where the ranks ran before."""
+    live_inv = {n: inv for n, inv in inventory.items() if n in alive}
+    step = _restore_step(sorted(assignment), live_inv, committed)
+    return _plan_at(step, previous, assignment, {r: tuple(hs) for r, hs in holders.items()},
+                    alive, live_inv, committed, [])
+
+
+def _restore_step(ranks: Sequence[int], live_inv: Inventory, committed: Optional[int]) -> int:
+    step = newest_common_step(ranks, live_inv)
+    if step is not None:
+        return step
+    held = {r: sorted({s for inv in live_inv.values() for s in inv.get(r, ())}) for r in ranks}
+    lost = [r for r, steps in held.items() if not steps]
+    if lost:
+        raise RecoveryError(
+            f"every RAM copy of rank(s) {lost} is gone (last committed step {committed}): "
+            "their node and all their replica holders died; configure a persistence tier "
+            "or raise placement.replicas")
+    raise RecoveryError(f"no step is held in RAM for every rank (steps held per rank: "
+                        f"{held}); configure a persistence tier")
+
+
+def _plan_at(step: int, old: Mapping[int, str], new: Mapping[int, str],
+             holders: dict[int, tuple[str, ...]], alive: Sequence[str], live_inv: Inventory,
+             committed: Optional[int], notes: list[str]) -> RecoveryPlan:
+    """Sources (the rank's own node first), moved and already-placed ranks at ``step``."""
+    ranks = sorted(new)
+    if committed is not None and step < committed:
+        notes.insert(0, f"rolled back past committed step {committed} to {step}: copies were lost")
+    sources = {}
+    for r in ranks:
+        nodes = [n for n in alive if step in live_inv.get(n, {}).get(r, ())]
+        nodes.sort(key=lambda n: n != new[r])  # the rank's own node first
+        sources[r] = tuple(nodes)
+    moved = tuple(r for r in ranks if new[r] != old.get(r))
     placed = frozenset(r for r in ranks
                        if all(step in live_inv.get(n, {}).get(r, ())
-                              for n in (new_assignment[r], *new_holders[r])))
-    return RecoveryPlan(step, new_assignment, sources, new_holders, moved, tuple(notes), placed)
+                              for n in (new[r], *holders.get(r, ()))))
+    return RecoveryPlan(step, dict(new), sources, holders, moved, tuple(notes), placed)
 
 
 def plan_from_persisted(assignment: Mapping[int, str], holders: Mapping[int, Sequence[str]],
@@ -149,3 +175,12 @@ def plan_from_scratch(assignment: Mapping[int, str], holders: Mapping[int, Seque
     return RecoveryPlan(0, new_assignment, {r: () for r in assignment},
                         repair_holders(holders, new_assignment, alive, replicas), moved,
                         ("nothing was snapshotted yet: starting over",))
+
+
+def source_label(sources: tuple[str, ...], node: str) -> str:
+    """How a plan's sources read in events: scratch, persisted, local, or the peer's node."""
+    if not sources:
+        return "scratch"
+    if sources == ("persist",):
+        return "persisted"
+    return "local" if sources[0] == node else f"peer:{sources[0][:12]}"

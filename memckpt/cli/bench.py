@@ -23,6 +23,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "compare": ("memckpt.bench.compare",
                 "side by side: memckpt vs torch.save, DCP async_save, Ray Train (stall, recovery, "
                 "lost work, scaling)"),
+    "ray-train": ("memckpt.bench.ray_train",
+                  "inside Ray Train: memckpt's snapshot vs ray.train.report(checkpoint=...); "
+                  "recovery after a killed worker"),
 }
 
 

@@ -312,6 +312,14 @@ class CheckpointStore:
             raise ManifestError(f"step {step} belongs in {step_folder(step)!r}, not {folder!r}")
 
     # -- listing ------------------------------------------------------------------------------
+    def manifest_of(self, folder: str) -> Manifest:
+        """The valid manifest of checkpoint ``folder`` (shards not read); :class:`PersistError`
+        naming why there is none."""
+        manifest, reason = self._read_manifest(folder)
+        if manifest is None:
+            raise PersistError(f"{self.describe()}/{folder} is no complete checkpoint: {reason}")
+        return manifest
+
     def _read_manifest(self, folder: str) -> tuple[Optional[Manifest], Optional[str]]:
         key = manifest_key(folder)
         source = f"{self.describe()}/{key}"

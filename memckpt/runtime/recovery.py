@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from memckpt.errors import RecoveryError
 from memckpt.recovery_plan import (RecoveryPlan, plan_from_persisted, plan_from_scratch,
-                                   plan_recovery)
+                                   plan_recovery, source_label)
 from memckpt.runtime.control_plane import ControlPlane, eligible_nodes
 from memckpt.runtime.failure import Decision
 from memckpt.runtime.faults import send_signal
@@ -151,7 +151,7 @@ class Recovery:
                                  - set(cap)),
             "resumed_step": plan.step, "moved_ranks": list(plan.moved),
             "in_place_ranks": sorted(plan.placed),  # copies already placed: no re-copy
-            "sources": {str(r): _source_label(s, plan.assignment[r])
+            "sources": {str(r): source_label(s, plan.assignment[r])
                         for r, s in plan.sources.items()},
             "notes": list(plan.notes), "gen": g.gen + 1, "fault_at": failure["fault_at"],
             "detected_at": failure["detected_at"],
@@ -179,11 +179,3 @@ class Recovery:
         phases["total"] = now - (last.get("fault_at") or self._started)
         self.plane.event("recovery_finished", step=last["resumed_step"], gen=gen, phases_s=phases)
         return True
-
-
-def _source_label(sources: tuple[str, ...], node: str) -> str:
-    if not sources:
-        return "scratch"
-    if sources == ("persist",):
-        return "persisted"
-    return "local" if sources and sources[0] == node else f"peer:{sources[0][:12]}"

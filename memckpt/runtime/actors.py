@@ -1,0 +1,95 @@
+"""The job's long-lived actors, started and released the same way by both front doors
+(``memckpt.run``'s driver and the Ray Train callback): one coordinator per job, one
+replica store per node.
+
+Lifetimes: neither is detached. Each is owned by the process that starts it (the
+driver, or Ray Train's controller) and dies with it, so a killed driver leaves no
+actor behind; both restart in place after their own process dies (``max_restarts=-1``)
+as long as their owner lives.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from memckpt.buffers import remove_path, resolve_ram_root
+from memckpt.config import Config
+from memckpt.errors import ConfigError
+from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, Coordinator, coordinator_name
+from memckpt.runtime.replica_store import ReplicaStore
+
+
+def on_node(node_id: str):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+def store_name(job: str, node: str) -> str:
+    return f"memckpt-store-{job}-{node[:16]}"
+
+
+def start_store(config: Config, node: str) -> Any:
+    """The replica store of ``node`` (pinned there, no CPU reserved)."""
+    import ray
+    return ray.remote(ReplicaStore).options(
+        name=store_name(config.job_name, node), namespace=COORDINATOR_NAMESPACE,
+        num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=16,
+        scheduling_strategy=on_node(node),
+    ).remote(config.ram_root or "", config.job_name, node)
+
+
+def start_coordinator(config: Config, run_dir: Path) -> Any:
+    """The job's coordinator, on this process's node; refuses a job name already running."""
+    import ray
+    from ray.experimental import internal_kv
+    if ray.util.list_named_actors(all_namespaces=True).count(coordinator_name(config.job_name)):
+        raise ConfigError(f"job_name={config.job_name!r} is invalid: a job of that name is "
+                          "running on this cluster; pick another job_name or stop it with "
+                          "memckpt kill")
+    internal_kv._internal_kv_del(f"memckpt/{config.job_name}/coordinator".encode())
+    here = ray.get_runtime_context().get_node_id()
+    return ray.remote(Coordinator).options(
+        name=coordinator_name(config.job_name), namespace=COORDINATOR_NAMESPACE, num_cpus=0,
+        max_restarts=-1, max_task_retries=-1, scheduling_strategy=on_node(here),
+    ).remote(config.job_name, str(run_dir), config.workers.num_workers, config.persistence,
+             config.fingerprint())
+
+
+def inventory(stores: Mapping[str, Any], nodes: Iterable[str],
+              timeout_s: float = 30.0) -> dict[str, dict[int, list[int]]]:
+    """node -> rank -> steps its store holds (own slots and replicas); {} for a store
+    that does not answer."""
+    import ray
+    refs = {n: stores[n].inventory.remote() for n in nodes}
+    out = {}
+    for n, ref in refs.items():
+        try:
+            out[n] = {int(r): s for r, s in ray.get(ref, timeout=timeout_s).items()}
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            out[n] = {}
+    return out
+
+
+def release(config: Config, stores: Mapping[str, Any], coordinator: Any) -> None:
+    """The job ended: every store frees its node's RAM and goes, then the coordinator.
+    A dead node's RAM folder only exists on that node; where nodes share a machine (a
+    simulated cluster) it is freed here, since no store is left to do it."""
+    import ray
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    job_root = resolve_ram_root(config.ram_root) / config.job_name
+    for node in set(stores) - alive:
+        remove_path(job_root / node)
+    for s in list(stores.values()):
+        try:
+            ray.get(s.clear.remote(), timeout=10)
+        except Exception:  # a dead node's store: nothing to clear
+            pass
+        ray.kill(s, no_restart=True)
+    if coordinator is None:
+        return
+    try:
+        ray.get(coordinator.finish.remote(), timeout=10)
+    except Exception:
+        pass
+    ray.kill(coordinator, no_restart=True)

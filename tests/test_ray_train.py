@@ -1,0 +1,287 @@
+"""memckpt inside Ray Train (``TorchTrainer`` + ``MemckptCallback``) against real failures.
+
+One local 3-node cluster for the module. Each fault test kills real processes (a
+worker's SIGKILL or SIGSTOP, a whole raylet with its processes) and passes only when
+the run's per-step losses and every rank's final digest equal those of the
+uninterrupted TorchTrainer run, and when the restore came from where the test says
+(own node's RAM, a peer's store, Ray Train's checkpoint). After every run no memckpt
+actor is alive and the run's RAM folder is empty.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import memckpt
+from memckpt.demo.job import GPTJob
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+JOB = GPTJob(steps=12, size="tiny", seed=3)
+KILL_AT = 6
+EVERY = 4  # Ray Train checkpoints every 4 steps
+
+
+def train_loop(cfg: dict) -> None:
+    """The TorchTrainer's ``train_loop_per_worker``: the demo GPT with memckpt's context."""
+    from memckpt.ray_train import context
+    ctx = context()
+    cfg["job"](ctx)
+    ctx.finish()
+    out = Path(cfg["out"])
+    (out / f"rank{ctx.rank}.digest").write_text(ctx.digest() or "")
+
+
+def config(name: str, ram_root: str, **kw) -> memckpt.Config:
+    return memckpt.Config(
+        job_name=name, ram_root=ram_root,
+        workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
+        placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
+        failure=memckpt.FailurePolicy(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+                                      collective_timeout_s=60.0), **kw)
+
+
+def fit(cfg: memckpt.Config, tmp: Path, job: GPTJob = JOB, max_failures: int = 3,
+        storage: Path | None = None, name: str | None = None):
+    """Run the trainer; (result, per-step losses, rank digests, events)."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from memckpt.ray_train import MemckptCallback
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    out = tmp / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = TorchTrainer(
+        train_loop, train_loop_config={"job": job, "out": str(out)},
+        scaling_config=ray.train.ScalingConfig(num_workers=3, resources_per_worker={"CPU": 1},
+                                               placement_strategy="SPREAD"),
+        run_config=ray.train.RunConfig(
+            name=name or cfg.job_name, storage_path=str(storage or tmp / "storage"),
+            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            callbacks=[MemckptCallback(cfg, checkpoint_every=EVERY, run_dir=tmp / "run")]))
+    result = trainer.fit()
+    return result, losses(tmp / "run"), digests(out), events(tmp / "run")
+
+
+def losses(run_dir: Path) -> list[float]:
+    by_step: dict[int, float] = {}
+    for line in (run_dir / "losses.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        by_step[rec["step"]] = rec["loss"]  # a redone step: the last line wins
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def digests(out: Path) -> list[str]:
+    return [(out / f"rank{r}.digest").read_text() for r in range(3)]
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def assert_clean(ram_root: str) -> None:
+    """No memckpt actor alive, nothing left in the job's RAM folder."""
+    import ray
+    deadline = time.time() + 60
+    while True:
+        alive = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith(("memckpt-coordinator-", "memckpt-store-", "memckpt-janitor-"))]
+        left = [p for p in Path(ram_root).rglob("*") if p.is_file()]
+        if not alive and not left:
+            return
+        if time.time() > deadline:
+            raise AssertionError(f"leaked: actors {alive}, files {left}")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    ram = str(tmp / "ram")
+    result, loss, digest, ev = fit(config("rt-reference", ram), tmp)
+    assert result.error is None
+    assert len(loss) == JOB.steps
+    assert not [e for e in ev if e["event"] == "recovery_plan"]
+    (gen0,) = [e for e in ev if e["event"] == "generation_started"]
+    assert len(set(gen0["assignment"].values())) == 3  # 3 workers on 3 nodes
+    assert_clean(ram)
+    return loss, digest
+
+
+def test_sigkill_worker_restores_from_own_nodes_ram(full_cluster, reference, tmp_path, ram_root):
+    cfg = config("rt-kill", ram_root, chaos=(memckpt.ChaosEvent(KILL_AT, "worker", 1, "KILL"),))
+    result, loss, digest, ev = fit(cfg, tmp_path)
+    assert result.error is None
+    assert (loss, digest) == reference
+    (plan,) = [e for e in ev if e["event"] == "recovery_plan"]
+    assert plan["resumed_step"] == KILL_AT - 1
+    restored = [e for e in ev if e["event"] == "restored" and e["gen"] == 1]
+    assert len(restored) == 3
+    # every rank from RAM (its own node's slot or a peer's store), none from storage_path
+    assert all(e["source"].startswith(("local:", "peer:")) for e in restored), restored
+    assert_clean(ram_root)
+
+
+def coordinator(name: str):
+    import ray
+    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+    return ray.get_actor(coordinator_name(name), namespace=COORDINATOR_NAMESPACE)
+
+
+def when_step(name: str, step: int, action) -> threading.Thread:
+    """In the background: once the run's coordinator sees ``step`` reached, ``action(status)``."""
+    import ray
+
+    def watch() -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                coord = coordinator(name)
+                if ray.get(coord.progress.remote())["max_step"] >= step:
+                    action(ray.get(coord.status.remote()))
+                    return
+            except (ValueError, ray.exceptions.RayError):
+                pass  # not started yet
+            time.sleep(0.05)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.chaos
+def test_node_removed_its_rank_restores_from_the_peer_replica(full_cluster, reference, tmp_path,
+                                                             ram_root):
+    name = "rt-node"
+    removed = []
+
+    def remove(status: dict) -> None:
+        node = status["workers"]["1"]["node_id"]
+        removed.append(node)
+        full_cluster.remove_node(node)
+
+    watcher = when_step(name, KILL_AT, remove)
+    result, loss, digest, ev = fit(config(name, ram_root), tmp_path)
+    watcher.join(5)
+    assert result.error is None and len(removed) == 1
+    assert (loss, digest) == reference
+    (plan,) = [e for e in ev if e["event"] == "recovery_plan"]
+    assert plan["dead_nodes"] == removed
+    restored = {e["rank"]: e for e in ev if e["event"] == "restored" and e["gen"] == 1}
+    # rank 1's own node is gone: its shard came from the store that held its replica (on
+    # rank 2's node), fetched over the network or, if it now runs there, renamed in
+    (gen0,) = [e for e in ev if e["event"] == "generation_started" and e["gen"] == 0]
+    holder = gen0["holders"]["1"][0]
+    source = restored[1]["source"]
+    assert source == f"peer:{holder}" or source.startswith(f"local:{ram_root}/{name}/{holder}/")
+    assert all(e["source"].startswith(("local:", "peer:")) for e in restored.values())
+    assert_clean(ram_root)
+
+
+@pytest.mark.chaos
+def test_sigstopped_worker_is_found_by_heartbeat_and_the_group_restarts(full_cluster, reference,
+                                                                        tmp_path, ram_root):
+    cfg = config("rt-hung", ram_root, chaos=(memckpt.ChaosEvent(KILL_AT, "worker", 2, "STOP"),))
+    result, loss, digest, ev = fit(cfg, tmp_path)
+    assert result.error is None
+    assert (loss, digest) == reference
+    (killed,) = [e for e in ev if e["event"] == "hung_rank_killed"]
+    assert killed["rank"] == 2 and killed["gen"] == 0
+    # found within the heartbeat timeout (plus a beat's and a check's interval) of the last
+    # step every rank finished (rank 2 stopped itself at the start of the next)
+    steps = [json.loads(x) for x in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
+    last = max(s["time"] for s in steps if s["gen"] == 0 and s["step"] == KILL_AT - 1)
+    assert killed["time"] - last < cfg.failure.heartbeat_timeout_s + 2.0
+    restored = [e for e in ev if e["event"] == "restored" and e["gen"] == 1]
+    assert len(restored) == 3
+    assert all(e["source"].startswith(("local:", "peer:")) for e in restored)
+    assert_clean(ram_root)
+
+
+@pytest.mark.chaos
+def test_whole_cluster_lost_a_new_run_resumes_from_ray_trains_checkpoint(cluster, reference,
+                                                                         tmp_path, ram_root):
+    """The first run dies for good at step 10 (no retries; every RAM copy is freed with it,
+    as with the whole cluster gone); a new run of the same name on the same storage_path
+    resumes from the last checkpoint reported to Ray Train, a memckpt checkpoint."""
+    storage = tmp_path / "storage"
+    cfg = config("rt-cluster", ram_root, chaos=(memckpt.ChaosEvent(10, "worker", 0, "KILL"),))
+    import ray.train
+
+    from memckpt.bench.alternatives import raytrain_poll
+    with pytest.raises(ray.train.TrainingFailedError), raytrain_poll(0.1):
+        # the controller polls every 0.1 s: the report of step 4 (made at step 8) is
+        # registered before the failure at step 10 (with Ray's 2 s poll it may not be)
+        fit(cfg, tmp_path / "first", max_failures=0, storage=storage)
+    assert_clean(ram_root)  # a failed run leaves nothing behind either
+    result, loss, digest, ev = fit(config("rt-cluster", ram_root), tmp_path / "second",
+                                   storage=storage)
+    assert result.error is None
+    (restored_step,) = {e["step"] for e in ev if e["event"] == "restored"}
+    assert restored_step == 4  # Ray Train's checkpoint (step 8 is persisted, never reported)
+    sources = {e["source"] for e in ev if e["event"] == "restored"}
+    assert all(s.endswith("/rt-cluster/memckpt@4") for s in sources), sources
+    assert loss == reference[0][4:] and digest == reference[1]
+    assert result.checkpoint.path.endswith("step-0000000012")
+    assert_clean(ram_root)
+
+
+DRIVER = """
+import sys, ray, ray.train
+from pathlib import Path
+from ray.train.torch import TorchTrainer
+import memckpt
+from memckpt.demo.job import GPTJob
+from memckpt.ray_train import MemckptCallback, context
+
+def train_loop(cfg):
+    ctx = context()
+    cfg["job"](ctx)
+    ctx.finish()
+
+tmp, ram = Path(sys.argv[1]), sys.argv[2]
+ray.init(namespace="memckpt")
+cfg = memckpt.Config(job_name="rt-driver-killed", ram_root=ram,
+                     placement=memckpt.PlacementConfig(strategy="ring", replicas=1))
+TorchTrainer(train_loop, train_loop_config={"job": GPTJob(steps=10_000, size="tiny", step_delay_s=0.05)},
+             scaling_config=ray.train.ScalingConfig(num_workers=3, resources_per_worker={"CPU": 1},
+                                                    placement_strategy="SPREAD"),
+             run_config=ray.train.RunConfig(name="rt-driver-killed", storage_path=str(tmp / "storage"),
+                                            callbacks=[MemckptCallback(cfg, run_dir=tmp / "run")])).fit()
+"""
+
+
+@pytest.mark.chaos
+def test_a_killed_driver_leaves_no_actor_and_no_ram_behind(full_cluster, tmp_path, ram_root):
+    """SIGKILL the driver mid-run: the controller, coordinator and stores die with it (owned),
+    and the detached janitor frees the job's RAM folder on every node, then ends."""
+    import signal
+    import subprocess
+    import ray
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    env = dict(os.environ, RAY_ADDRESS=full_cluster.address)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), ram_root], env=env)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:  # training is under way, snapshots are in RAM
+            try:
+                if ray.get(coordinator("rt-driver-killed").progress.remote())["max_step"] >= 3:
+                    break
+            except (ValueError, ray.exceptions.RayError):
+                pass
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the job never reached step 3")
+        assert [p for p in Path(ram_root).rglob("*.shard")]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert_clean(ram_root)
