@@ -110,12 +110,12 @@ class _Flattener:
 
 
 def _local_alias(t: torch.Tensor, name: str, dtensors: dict[str, Any]) -> torch.Tensor:
-    """``t`` detached; a DTensor becomes its local tensor, its layout recorded under ``name``."""
-    t = t.detach()
+    """``t`` detached; a DTensor becomes its local tensor, its layout recorded under ``name``
+    (detached after ``to_local``: a DTensor's own detach costs a dispatch per tensor)."""
     if dt.is_dtensor(t):
         dtensors[name] = dt.chunk_meta(t)
-        return dt.local(t)
-    return t
+        return dt.local(t).detach()
+    return t.detach()
 
 
 Wrap = Callable[[str, torch.Tensor], torch.Tensor]
@@ -230,7 +230,7 @@ class TrainState:
         for mname, m in self.models.items():
             params = {fqn for fqn, _ in m.named_parameters(remove_duplicate=False)}
             keys = []
-            for key, t in m.state_dict().items():
+            for key, t in m.state_dict(keep_vars=True).items():  # detached below, cheaper
                 name = f"model/{mname}/{key}"
                 keys.append(key)
                 t = _local_alias(t, name, dtensors)
