@@ -26,20 +26,21 @@ JOBS = {  # name -> (job, ranks, ranks per node)
 }
 
 
-def config(kind: str, name: str) -> memckpt.Config:
+def config(kind: str, name: str, persist=()) -> memckpt.Config:
     _, ranks, per_node = JOBS[kind]
     return memckpt.Config(
         job_name=f"{kind}-{name}",
         workers=memckpt.WorkersConfig(num_workers=ranks, workers_per_node=per_node,
                                       cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
+        persistence=tuple(memckpt.PersistTier(str(p), every=1, keep_last=2) for p in persist),
         failure=memckpt.FailurePolicy(heartbeat_interval_s=0.25, heartbeat_timeout_s=3.0,
                                       max_restarts=3, collective_timeout_s=60.0))
 
 
-def run(kind: str, name: str, tmp_path, injector=None) -> dict:
-    return memckpt.run(JOBS[kind][0], config(kind, name), run_dir=tmp_path, injector=injector,
-                       quiet=True)
+def run(kind: str, name: str, tmp_path, injector=None, persist=()) -> dict:
+    return memckpt.run(JOBS[kind][0], config(kind, name, persist), run_dir=tmp_path,
+                       injector=injector, quiet=True)
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +91,28 @@ def test_fsdp_job_survives_the_loss_of_a_node(full_cluster, reference, tmp_path)
     (rec,) = result["recoveries"]
     assert len(rec["dead_nodes"]) == 1 and rec["moved_ranks"] == [1]
     assert rec["resumed_step"] == KILL_AT - 1
+
+
+@pytest.mark.chaos
+def test_fsdp_job_falls_back_to_the_persisted_tier(full_cluster, reference, tmp_path):
+    """A node and its replica holder die together: no RAM copy of rank 1's shard is left,
+    so every rank reloads its local chunks from the disk tier, and the run is still exact."""
+    import ray
+
+    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+
+    ref = reference("fsdp")
+
+    def kill_with_holder(node_id: str) -> None:
+        coord = ray.get_actor(coordinator_name("fsdp-lost"), namespace=COORDINATOR_NAMESPACE)
+        (holder,) = ray.get(coord.status.remote())["holders"]["1"]
+        full_cluster.remove_node(node_id)
+        full_cluster.remove_node(holder)
+
+    full_cluster.add_node()  # room for the displaced ranks
+    inj = FaultInjector(node_killer=kill_with_holder).kill_node(rank=1, at_step=KILL_AT)
+    result = run("fsdp", "lost", tmp_path / "run", inj, persist=[tmp_path / "root"])
+    assert_same_run(result, ref)
+    (rec,) = result["recoveries"]
+    assert 1 <= rec["resumed_step"] < KILL_AT  # a trained step, from disk
+    assert set(rec["sources"].values()) == {"persisted"}

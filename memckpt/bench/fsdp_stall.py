@@ -13,7 +13,9 @@ step. Then, all ranks at once, method by method:
   gather        full_tensor() of every parameter: what a snapshot that gathered the
                 model would pay on the step (a collective), for scale
 
-Target: on every rank, the memckpt stall is at most 1.3x the memcpy of its local bytes.
+Target: on every rank, the median memckpt stall is at most 1.3x the median memcpy of its
+local bytes (the table also shows the ratio of the fastest repeats, steadier on a busy
+machine). Repeats start on all ranks together.
 Sizes are binary: 100M = 100 MiB.
 """
 
@@ -58,6 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 
 
+class _Lockstep(Quiet):
+    """Starts every timed repeat on all ranks together: a rank's background seal of its
+    last snapshot (a checksum pass) must not run during another rank's timed copy."""
+
+    def settle(self) -> None:
+        import torch.distributed as dist
+        super().settle()
+        dist.barrier()
+
+
 def _rank(rank: int, args: dict[str, Any], port: int, out: str) -> None:
     import psutil
     import torch
@@ -93,7 +105,7 @@ def _rank(rank: int, args: dict[str, Any], port: int, out: str) -> None:
         sharded = len(captured.meta["dtensors"])
         del captured
         rss_state = psutil.Process().memory_info().rss
-        quiet, repeats = Quiet(), args["repeats"]
+        quiet, repeats = _Lockstep(), args["repeats"]
         dist.barrier()
         memcpy = measure_memcpy(tensors, repeats, quiet)
         del tensors
@@ -116,6 +128,7 @@ def _rank(rank: int, args: dict[str, Any], port: int, out: str) -> None:
                "layers": len(model), "width": width, "repeats": repeats,
                "memcpy_s": memcpy_s, "memckpt_s": stall_s,
                "ratio_to_memcpy": stall_s / memcpy_s if memcpy_s > 0 else None,
+               "best_ratio_to_memcpy": min(snap["times"]) / min(memcpy["times"]),
                "capture_s": snap["capture_s"], "gather_s": median(gathers),
                "memcpy_times_s": memcpy["times"], "memckpt_times_s": snap["times"],
                "allocations_flat": snap["allocations_flat"], "foreign_cpu": quiet.foreign(),
@@ -140,12 +153,14 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| rank | local bytes | memcpy | memckpt stall | × memcpy | capture() | gather (info) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| rank | local bytes | memcpy | memckpt stall | × memcpy | × memcpy (best of each) "
+             "| capture() | gather (info) |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['rank']} | {human_bytes(r['local_bytes'])} | {human_s(r['memcpy_s'])} | "
                      f"{human_s(r['memckpt_s'])} | {r['ratio_to_memcpy']:.2f} | "
-                     f"{human_s(r['capture_s'])} | {human_s(r['gather_s'])} |")
+                     f"{r['best_ratio_to_memcpy']:.2f} | {human_s(r['capture_s'])} | "
+                     f"{human_s(r['gather_s'])} |")
     return "\n".join(lines)
 
 
