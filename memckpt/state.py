@@ -370,9 +370,15 @@ class TrainState:
 
         def as_live(pname: str) -> Wrap:
             # a state tensor saved as a DTensor takes its parameter's mesh and placements;
-            # plain ones (step counters) stay plain
-            return lambda name, t: dt.like(name, dtensors[name], t, params[pname]) \
-                if name in dtensors else t
+            # 0-d ones (step counters) stay plain; any other plain one of a DTensor
+            # parameter is from another layout (like() says so)
+            param = params[pname]
+
+            def wrap(name: str, t: torch.Tensor) -> torch.Tensor:
+                if name in dtensors or (t.dim() and dt.is_dtensor(param)):
+                    return dt.like(name, dtensors.get(name), t, param)
+                return t
+            return wrap
 
         state = {index[p]: _unflatten(st, tensors, as_live(p)) for p, st in saved["state"].items()}
         groups = []

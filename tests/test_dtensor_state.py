@@ -143,12 +143,28 @@ def _worker(rank: int, world: int, port: int, mode: str, device: str, ram_root: 
     except StateError as e:
         refused = str(e)
     untouched = all(torch.equal(a, b) for a, b in zip(before, plain.parameters()))
+    # optimizer state alone, both ways: sharded into plain, plain into sharded
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    plain.to(device)(torch.ones(2, 5, device=device)).sum().backward()
+    plain_opt.step()
+    refused_optim = []
+    with ckpt.engine.reading() as shard:
+        pairs = [(memckpt.TrainState(model=plain, optimizer=plain_opt), shard.tensors, shard.meta)]
+        cap = memckpt.TrainState(model=plain, optimizer=plain_opt).capture(0)
+        pairs.append((state, dict(cap.tensors), cap.meta))
+        for target, tensors, meta in pairs:
+            try:
+                target.load(tensors, meta, content=["optimizer"])
+                refused_optim.append("")
+            except StateError as e:
+                refused_optim.append(str(e))
     # restored DTensors live where the job's do (the mesh's device)
     on_device = all(dt.local(t).device.type == device for t in m.state_dict().values())
     result = {"world_size": captured.meta["world_size"], "rank": captured.meta["rank"],
               "chunks": chunks, "at_snapshot": at_snapshot, "after_restore": after_restore,
               "restored": restored, "first": first, "again": again, "refused": refused,
-              "untouched": untouched, "pinned": pinned, "on_device": on_device}
+              "untouched": untouched, "pinned": pinned, "on_device": on_device,
+              "refused_optim": refused_optim}
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
     ckpt.close()
     dist.barrier()
@@ -181,6 +197,9 @@ def _check(mode: str, world: int, results: list[dict], device: str) -> None:
         assert "does not fit this process's layout" in r["refused"], r["refused"]
         assert "model/model/" in r["refused"]
         assert r["untouched"] and r["on_device"]
+        saved_sharded, saved_plain = r["refused_optim"]
+        assert "saved as a DTensor" in saved_sharded and "'optim/optimizer/model/" in saved_sharded
+        assert "saved as a plain tensor" in saved_plain and "'optim/optimizer/model/" in saved_plain
         assert r["pinned"] == (device == "cuda")
 
 
