@@ -33,6 +33,13 @@ def test_fsdp_example_job_and_config_load():
     assert config.workers.num_workers % job.tp == 0
 
 
+@pytest.mark.parametrize("tp", [0, -2, 1.5, True])
+def test_fsdp_job_rejects_a_bad_tp(tp):
+    from memckpt.demo.job import FSDPJob
+    with pytest.raises(ValueError, match="use a whole number >= 1"):
+        FSDPJob(tp=tp)
+
+
 @pytest.mark.parametrize("spec, fix", [
     ("no_colon", "module:function"),
     ("missing_file.py:train", "does not exist"),

@@ -64,6 +64,11 @@ class FSDPJob:
     step_delay_s: float = 0.0
     tp: int = 1  # tensor-parallel degree; the world size must be a multiple of it
 
+    def __post_init__(self) -> None:
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"FSDPJob.tp={self.tp!r} is invalid: use a whole number >= 1 "
+                             "(1: FSDP2 alone)")
+
     def __call__(self, ctx: Any) -> dict[str, Any]:
         import torch
         import torch.distributed as dist
