@@ -39,3 +39,16 @@ def test_drill_kill_is_not_reported_as_a_crash(tmp_path):
     drill = [line for line in res.stdout.splitlines() if "not a crash" in line]
     assert drill == ["[memckpt demo] a worker process was killed: the drill's fault "
                      "(--fault worker), not a crash"], out[-4000:]
+
+
+def test_fsdp_demo_recovers_bit_identically(tmp_path):
+    summary = tmp_path / "summary.json"
+    res = subprocess.run([sys.executable, "-m", "memckpt.cli", "demo", "--model", "fsdp",
+                          "--fault", "worker", "--tiny", "--steps", "8", "--summary",
+                          str(summary)], capture_output=True, text=True, timeout=840)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "with FSDP2" in res.stdout
+    assert "losses identical: yes; final digest identical: yes" in res.stdout
+    s = json.loads(summary.read_text())
+    assert s["identical"] is True and len(s["recoveries"]) == 1
+    assert len(set(s["rank_digests"])) == 3  # sharded: every rank holds other chunks
