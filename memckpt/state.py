@@ -188,6 +188,20 @@ class TrainState:
             groups.append(pnames)
         return groups
 
+    def named_params(self) -> dict[str, torch.nn.Parameter]:
+        """Every parameter by its name in a shard: ``<model name>/<fqn>``."""
+        return {f"{mname}/{fqn}": p for mname, m in self.models.items()
+                for fqn, p in m.named_parameters()}
+
+    def local_optimizer(self, oname: str) -> torch.optim.Optimizer:
+        """The optimizer holding this rank's state (for ZeRO its shard's optimizer)."""
+        return _local_optimizer(self.optimizers[oname])
+
+    def optimizer_params(self, oname: str) -> list[list[str]]:
+        """Names of the parameters in each group of optimizer ``oname``'s local optimizer
+        (for ZeRO, the parameters this rank owns)."""
+        return self._optimizer_names(oname, self.local_optimizer(oname), self._param_names())
+
     # -- capture ---------------------------------------------------------------------------
     def capture(self, step: int) -> Captured:
         """Named live tensors and metadata for ``step``. Copies nothing large."""
