@@ -348,6 +348,24 @@ class TrainState:
         opt.load_state_dict({"state": state, "param_groups": groups})
 
 
+def same_layout(state: TrainState, header: Any) -> bool:
+    """True if a shard header (a :class:`memckpt.dcp_storage.ShardHeader`) holds this
+    rank's model tensors as the live state lays them out (same local shapes and, for
+    DTensors, the same offsets): then the shard loads as it is, else it is resharded."""
+    cap = state.capture(int(header.header.get("step", 0)))
+    live_dt = cap.meta.get("dtensors") or {}
+    for name, t in cap.tensors:
+        if not name.startswith("model/"):
+            continue
+        e = header.entries.get(name)
+        if e is None or e.shape != tuple(t.shape):
+            return False
+        stored_dt = (header.meta.get("dtensors") or {}).get(name)
+        if (stored_dt or {}).get("offsets") != (live_dt.get(name) or {}).get("offsets"):
+            return False
+    return True
+
+
 def restore_allocations(layout: fmt.Layout, min_bytes: int = 0
                         ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of the tensors a restore of ``layout`` creates: the optimizer state

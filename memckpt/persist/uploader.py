@@ -210,12 +210,18 @@ class Persister:
 
 def persisted_restore(stores: Sequence[CheckpointStore], world_size: int
                       ) -> tuple[Optional[int], Optional[Any], list[str]]:
-    """The newest verified checkpoint across tiers: (tier index, manifest, skipped reasons).
+    """The checkpoint to resume from across tiers: (tier index, manifest, skipped reasons).
 
-    Only the world size must match: a changed setting (snapshot interval, tiers) does
-    not block a resume, and a different model is refused by name when it is loaded.
+    The newest complete checkpoint, whatever wrote it: one of another world size is
+    resharded (:mod:`memckpt.reshard`, its reads verified chunk by chunk); one of this
+    world size is verified first (every shard) and skipped for an older one when
+    corrupt. A changed setting (snapshot interval, tiers) does not block a resume, and
+    a different model is refused by name when it is loaded.
     """
     from memckpt.persist.catalog import find_latest
+    store, newest, _ = find_latest(list(stores), verify=False)
+    if store is not None and newest.world_size != world_size:
+        return list(stores).index(store), newest, []
     store, manifest, reasons = find_latest(list(stores), world_size=world_size, verify=True)
     if store is None:
         return None, None, reasons

@@ -250,8 +250,12 @@ class Runtime:
         if found is None:
             return None, {}
         tier, manifest = found
-        self._say(f"auto-resume: step {manifest.step} from {self.config.persistence[tier].uri}")
-        self._event("auto_resume", step=manifest.step, tier=self.config.persistence[tier].uri)
+        uri, now = self.config.persistence[tier].uri, self.config.workers.num_workers
+        resharded = "" if manifest.world_size == now else \
+            f", resharded from {manifest.world_size} ranks to {now}"
+        self._say(f"auto-resume: step {manifest.step} from {uri}{resharded}")
+        self._event("auto_resume", step=manifest.step, tier=uri,
+                    from_world_size=manifest.world_size, to_world_size=now)
         return manifest.step, self._persisted_instructions(found, assignment)
 
     def _start_generation(self, gen: int, assignment: dict[int, str],

@@ -368,10 +368,9 @@ class WorkerContext:
         from memckpt.persist import CheckpointStore, Manifest
         store = CheckpointStore(self.config.persistence[instr.tier])
         manifest = Manifest.from_json(instr.manifest, store.describe())
-        region = store.read_shard(manifest, self.rank)  # verified
-        source = f"{store.describe()}@{manifest.step}"
-        self.restore_source = source
-        return self.ckpt.load_shard(state, fmt.open_shard(region, source), source)
+        self.restore_source = f"{store.describe()}@{manifest.step}"
+        step = self.ckpt.load_persisted(state, store, manifest)
+        return 0 if step is None else step
 
     def _replica_files(self, step: int) -> list[Path]:
         """The complete replica files of this rank on this node; one must hold ``step``."""
