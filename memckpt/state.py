@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import numpy as np
 import torch
 
+from memckpt import dtensor as dt
 from memckpt import shard as fmt
 from memckpt.config import CONTENT_KINDS
 from memckpt.errors import StateError
@@ -30,6 +31,10 @@ OPTIMIZER_PREFIX = "optim/"  # names of optimizer tensors in a shard: optim/<opt
 @dataclass
 class Captured:
     """Named tensors (live aliases) plus the JSON metadata to rebuild the state.
+
+    A DTensor is captured as its rank-local tensor; ``meta["dtensors"]`` maps its name
+    to :func:`memckpt.dtensor.chunk_meta` (global shape, offsets of the local chunk,
+    mesh, placements). ``meta["world_size"]`` and ``meta["rank"]`` say who wrote it.
 
     ``stable`` names tensors that only ``optimizer.step()`` mutates (parameters and
     optimizer state): an overlapped snapshot may copy them while the next forward
@@ -68,12 +73,14 @@ _SCALARS = frozenset({bool, int, float, str, type(None)})  # exact types: JSON a
 class _Flattener:
     """Splits a nested state_dict into JSON plus tensors (never pickle)."""
 
-    def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]],
+                 dtensors: Optional[dict[str, Any]] = None) -> None:
         self.tensors = tensors
+        self.dtensors = {} if dtensors is None else dtensors
 
     def __call__(self, obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
-            self.tensors.append((path, obj.detach()))
+            self.tensors.append((path, _local_alias(obj, path, self.dtensors)))
             return {"__tensor__": path}
         if isinstance(obj, np.ndarray):
             # ascontiguousarray makes a 0-d array 1-d: keep the shape
@@ -102,20 +109,36 @@ class _Flattener:
                          "tensors, numpy arrays, numbers, strings, lists, tuples and dicts")
 
 
-def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of :class:`_Flattener`; tensors are cloned so no state aliases a buffer."""
+def _local_alias(t: torch.Tensor, name: str, dtensors: dict[str, Any]) -> torch.Tensor:
+    """``t`` detached; a DTensor becomes its local tensor, its layout recorded under ``name``."""
+    t = t.detach()
+    if dt.is_dtensor(t):
+        dtensors[name] = dt.chunk_meta(t)
+        return dt.local(t)
+    return t
+
+
+Wrap = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor], wrap: Optional[Wrap] = None) -> Any:
+    """Inverse of :class:`_Flattener`; tensors are cloned so no state aliases a buffer.
+    ``wrap(name, clone)`` turns a clone back into what the live state holds (a DTensor)."""
     if isinstance(obj, list):
-        return [_unflatten(v, tensors) for v in obj]
+        return [_unflatten(v, tensors, wrap) for v in obj]
     if isinstance(obj, dict):
         if "__tensor__" in obj:
-            return populated_clone(_tensor(tensors, obj["__tensor__"]))
+            name = obj["__tensor__"]
+            out = populated_clone(_tensor(tensors, name))
+            return wrap(name, out) if wrap is not None else out
         if "__ndarray__" in obj:
             return _tensor(tensors, obj["__ndarray__"]).numpy().copy()
         if "__tuple__" in obj:
-            return tuple(_unflatten(v, tensors) for v in obj["__tuple__"])
+            return tuple(_unflatten(v, tensors, wrap) for v in obj["__tuple__"])
         if "__items__" in obj:
-            return {_unflatten(k, tensors): _unflatten(v, tensors) for k, v in obj["__items__"]}
-        return {k: _unflatten(v, tensors) for k, v in obj.items()}
+            return {_unflatten(k, tensors, wrap): _unflatten(v, tensors, wrap)
+                    for k, v in obj["__items__"]}
+        return {k: _unflatten(v, tensors, wrap) for k, v in obj.items()}
     return obj
 
 
@@ -127,6 +150,7 @@ def _tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
+    """Where ``t``'s bytes are (a plain or local tensor): equal keys are one tied weight."""
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
             tuple(t.stride()), t.dtype)
 
@@ -175,6 +199,10 @@ class TrainState:
                 names.setdefault(id(p), f"{mname}/{fqn}")
         return names
 
+    def _params_by_name(self) -> dict[str, torch.nn.Parameter]:
+        return {f"{mname}/{fqn}": p for mname, m in self.models.items()
+                for fqn, p in m.named_parameters()}
+
     def _optimizer_names(self, oname: str, opt: torch.optim.Optimizer,
                          names: dict[int, str]) -> list[list[str]]:
         groups = []
@@ -207,8 +235,11 @@ class TrainState:
         """Named live tensors and metadata for ``step``. Copies nothing large."""
         tensors: list[tuple[str, torch.Tensor]] = []
         stable: set[str] = set()
-        meta: dict[str, Any] = {"step": step, "models": {}, "aliases": {}}
-        flat = _Flattener(tensors)
+        world_size, rank = dt.world()
+        dtensors: dict[str, Any] = {}
+        meta: dict[str, Any] = {"step": step, "world_size": world_size, "rank": rank,
+                                "models": {}, "aliases": {}, "dtensors": dtensors}
+        flat = _Flattener(tensors, dtensors)
         seen: dict[tuple, str] = {}
         for mname, m in self.models.items():
             params = {fqn for fqn, _ in m.named_parameters(remove_duplicate=False)}
@@ -216,9 +247,11 @@ class TrainState:
             for key, t in m.state_dict().items():
                 name = f"model/{mname}/{key}"
                 keys.append(key)
+                t = _local_alias(t, name, dtensors)
                 skey = _storage_key(t)
-                if skey in seen:  # tied weight: store once, remember the alias
+                if skey in seen and t.numel():  # tied weight: store once, remember the alias
                     meta["aliases"][name] = seen[skey]
+                    dtensors.pop(name, None)  # the alias's target holds the layout
                     continue
                 seen[skey] = name
                 tensors.append((name, t))
@@ -267,6 +300,7 @@ class TrainState:
         whose keys do not match.
         """
         kinds = set(CONTENT_KINDS if content is None else content)
+        dtensors: Mapping[str, Any] = meta.get("dtensors", {})
         tensors = dict(tensors)
         for alias, target in meta.get("aliases", {}).items():
             tensors[alias] = _tensor(tensors, target)
@@ -279,14 +313,20 @@ class TrainState:
                 if want != have:
                     raise StateError(f"model {mname!r} does not match the snapshot: missing keys: "
                                      f"[{_short(want - have)}]; unexpected keys: [{_short(have - want)}]")
-                populate(live.values())  # the copy below then takes no page faults
-                m.load_state_dict({k: _tensor(tensors, f"model/{mname}/{k}") for k in have})
+                entries = {}
+                for k in have:
+                    name = f"model/{mname}/{k}"
+                    record = dtensors.get(meta.get("aliases", {}).get(name, name))
+                    entries[k] = dt.like(name, record, _tensor(tensors, name), live[k])
+                populate(dt.local(t) for t in live.values())  # the copy then takes no faults
+                m.load_state_dict(entries)
         if "optimizer" in kinds:
             self._check_names("optimizer", meta["optimizers"], self.optimizers)
             names = self._param_names()
             for oname, opt in self.optimizers.items():
                 local = _local_optimizer(opt)
-                self._load_optimizer(oname, local, meta["optimizers"][oname], tensors, names)
+                self._load_optimizer(oname, local, meta["optimizers"][oname], tensors, names,
+                                     dtensors)
                 if local is not opt:  # ZeRO: its own groups feed the shard's at every step
                     for outer, inner in zip(opt.param_groups, local.param_groups):
                         outer.update({k: v for k, v in inner.items() if k != "params"})
@@ -317,7 +357,8 @@ class TrainState:
                 f"[{_short(live)}]; pass the same {kind}s, or leave {kind!r} out of load.content")
 
     def _load_optimizer(self, oname: str, opt: torch.optim.Optimizer, saved: Mapping[str, Any],
-                        tensors: Mapping[str, torch.Tensor], names: dict[int, str]) -> None:
+                        tensors: Mapping[str, torch.Tensor], names: dict[int, str],
+                        dtensors: Mapping[str, Any]) -> None:
         current = self._optimizer_names(oname, opt, names)
         stored_groups = saved["param_groups"]
         if len(stored_groups) != len(current):
@@ -339,7 +380,15 @@ class TrainState:
                 index[pname] = len(index)
         # Indices follow the *current* parameter order, so torch maps each saved
         # entry onto the parameter with the same name.
-        state = {index[p]: _unflatten(st, tensors) for p, st in saved["state"].items()}
+        params = self._params_by_name()
+
+        def as_live(pname: str) -> Wrap:
+            # a state tensor saved as a DTensor takes its parameter's mesh and placements;
+            # plain ones (step counters) stay plain
+            return lambda name, t: dt.like(name, dtensors[name], t, params[pname]) \
+                if name in dtensors else t
+
+        state = {index[p]: _unflatten(st, tensors, as_live(p)) for p, st in saved["state"].items()}
         groups = []
         for group, cur in zip(stored_groups, current):
             g = {k: _unflatten(v, tensors) for k, v in group.items() if k != "params"}
