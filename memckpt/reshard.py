@@ -22,15 +22,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
+from memckpt import dtensor as dt
 from memckpt import shard as fmt
 from memckpt.dcp_storage import MemckptReader
 from memckpt.errors import IncompatibleCheckpointError
 from memckpt.state import TrainState
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-    return isinstance(t, DTensor)
 
 
 def markers(obj: Any) -> Iterable[str]:
@@ -106,8 +102,10 @@ def load_resharded(state: TrainState, reader: MemckptReader, rank: int,
         with warnings.catch_warnings():  # every rank plans its own reads: no collective
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(targets, storage_reader=reader, no_dist=True)
-    meta = dict(meta0, optimizers=opt_meta)
-    tensors = {n: (t.to_local() if _is_dtensor(t) else t) for n, t in opt_tensors.items()}
+    # what a shard of this rank would hold: local chunks and their layout records
+    meta = dict(meta0, optimizers=opt_meta,
+                dtensors={n: dt.chunk_meta(t) for n, t in opt_tensors.items() if dt.is_dtensor(t)})
+    tensors = {n: dt.local(t) for n, t in opt_tensors.items()}
     rest = set(kinds) - {"model"}
     for part in ("schedulers", "scaler", "data"):
         for name in markers(meta0.get(part)):
@@ -148,7 +146,7 @@ def _optimizer_targets(state: TrainState, reader: MemckptReader, targets: dict[s
             p = params[pname]
             for name in markers(saved[pname]):
                 shape, dtype = reader.global_shape[name], fmt.torch_dtypes()[reader.dtype[name]]
-                if _is_dtensor(p) and tuple(p.shape) == shape:
+                if dt.is_dtensor(p) and tuple(p.shape) == shape:
                     t = torch.empty_like(p, dtype=dtype)
                 else:
                     t = torch.empty(shape, dtype=dtype)

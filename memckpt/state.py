@@ -199,10 +199,6 @@ class TrainState:
                 names.setdefault(id(p), f"{mname}/{fqn}")
         return names
 
-    def _params_by_name(self) -> dict[str, torch.nn.Parameter]:
-        return {f"{mname}/{fqn}": p for mname, m in self.models.items()
-                for fqn, p in m.named_parameters()}
-
     def _optimizer_names(self, oname: str, opt: torch.optim.Optimizer,
                          names: dict[int, str]) -> list[list[str]]:
         groups = []
@@ -380,7 +376,7 @@ class TrainState:
                 index[pname] = len(index)
         # Indices follow the *current* parameter order, so torch maps each saved
         # entry onto the parameter with the same name.
-        params = self._params_by_name()
+        params = self.named_params()
 
         def as_live(pname: str) -> Wrap:
             # a state tensor saved as a DTensor takes its parameter's mesh and placements;

@@ -40,3 +40,9 @@ def run_reshard(tmp_path: Path, root: str, src: tuple[str, int], dst: tuple[str,
                                      (("zero", 2), ("ddp", 3))])
 def test_reshard_plain_from_disk(tmp_path, src, dst):
     run_reshard(tmp_path, str(tmp_path / "ckpt"), src, dst)
+
+
+@pytest.mark.parametrize("src,dst", [(("fsdp", 4), ("fsdp", 2)), (("fsdp", 2), ("fsdp", 3)),
+                                     (("fsdp", 3), ("single", 1)), (("tp", 2), ("single", 1))])
+def test_reshard_dtensor_from_disk(tmp_path, src, dst):
+    run_reshard(tmp_path, str(tmp_path / "ckpt"), src, dst)
