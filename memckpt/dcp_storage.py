@@ -45,6 +45,7 @@ from torch.futures import Future
 
 from memckpt import shard as fmt
 from memckpt.errors import ChecksumError, StateError
+from memckpt.state import unflatten
 
 MERGE_LIMIT = 64 << 20  # ranges of one shard read together up to this many bytes
 MERGE_GAP = fmt.CHUNK_BYTES  # ... when less than a checksum chunk apart (else it is read twice)
@@ -215,7 +216,7 @@ def _walk(obj: Any, path: str, tensors: dict[str, str], objects: dict[str, Any])
         for i, v in enumerate(obj):
             _walk(v, f"{path}.{i}", tensors, objects)
     else:
-        objects[path] = obj
+        objects[path] = unflatten(obj, {})
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,13 @@ from typing import Any, Iterable, Optional
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import xxhash
 
 from memckpt import dtensor as dt
 from memckpt import shard as fmt
 from memckpt.dcp_storage import MemckptReader
-from memckpt.errors import IncompatibleCheckpointError
+from memckpt.errors import IncompatibleCheckpointError, MemckptError
 from memckpt.state import TrainState
 
 
@@ -101,7 +102,13 @@ def load_resharded(state: TrainState, reader: MemckptReader, rank: int,
     if targets:
         with warnings.catch_warnings():  # every rank plans its own reads: no collective
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(targets, storage_reader=reader, no_dist=True)
+            try:
+                dcp.load(targets, storage_reader=reader, no_dist=True)
+            except CheckpointException as e:  # DCP wraps what the reader raised: say that
+                for exc, _tb in e.failures.values():
+                    if isinstance(exc, MemckptError):
+                        raise exc from None
+                raise
     # what a shard of this rank would hold: local chunks and their layout records
     meta = dict(meta0, optimizers=opt_meta,
                 dtensors={n: dt.chunk_meta(t) for n, t in opt_tensors.items() if dt.is_dtensor(t)})

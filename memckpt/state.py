@@ -142,6 +142,12 @@ def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor], wrap: Optional[Wra
     return obj
 
 
+def unflatten(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """A captured JSON skeleton back to Python values (tuples, dicts with non-string
+    keys), its tensors taken from ``tensors`` by name (cloned)."""
+    return _unflatten(obj, tensors)
+
+
 def _tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     try:
         return tensors[name]

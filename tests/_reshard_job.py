@@ -178,3 +178,30 @@ def merged(out: Path, prefix: str, world: int) -> dict[str, torch.Tensor]:
                 assert torch.equal(full[k], v), f"ranks disagree on {k}"
             full[k] = v
     return full
+
+
+def dcp_job(rank: int, world: int, port: int, layout: str, root: str, out: str) -> None:
+    """``dcp.load`` through memckpt's reader with torchtitan's keys (no memckpt restore)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    try:
+        if layout != "single":
+            _init(rank, world, port)
+        model, opt, _ = build(layout, seed=123)
+        sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(sd, storage_reader=memckpt.dcp_reader(root))
+        model.load_state_dict(sd["model"])
+        set_optimizer_state_dict(model, opt, sd["optim"])
+        state = memckpt.TrainState(model=model, optimizer=opt)
+        torch.save({"state": full_state(state)}, Path(out) / f"after-{rank}.pt")
+        if layout != "single":
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException:
+        (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
