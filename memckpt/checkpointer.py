@@ -66,7 +66,7 @@ class Checkpointer:
                 config.persistence, rank, lambda s: self.engine.reading(s, verify=False),
                 self.directory / "staging.bin",
                 folder_for=lambda tier, step: self.persister.stores[tier].folder_for(step),
-                on_written=self._commit, on_event=self._event)
+                on_written=self._commit, on_event=self._event, world_size=world_size)
 
     def _sealed(self, step: int, path: Path) -> None:
         if self.persister is not None and not self.engine.gated:  # sealed == committed here
@@ -202,6 +202,8 @@ class Checkpointer:
                 raise
             self._event("incompatible_checkpoint", step=manifest.step, tier=store.describe(),
                         reason=e.message, action="start_fresh")
+            for s in self.persister.stores if self.persister is not None else ():
+                s.protected |= {info.folder for info in s.list_checkpoints()}
             log.warning("memckpt: %s; load.on_incompatible='start_fresh': starting from step 0",
                         e.message)
             return None

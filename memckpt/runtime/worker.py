@@ -219,7 +219,8 @@ class WorkerContext:
             folder_for=lambda tier, step: ray.get(coord.persist_folder.remote(tier, step)),
             on_written=lambda tier, step, entry: ray.get(
                 coord.persist_ready.remote(tier, step, rank, entry)),
-            on_event=lambda kind, **f: coord.log_event.remote(kind, dict(f, rank=rank)))
+            on_event=lambda kind, **f: coord.log_event.remote(kind, dict(f, rank=rank)),
+            world_size=self.world_size)
 
     def _committed(self, step: int, request: Optional[str]) -> None:
         """A step committed; ``request`` is "stop"/"persist" when the driver asked every
