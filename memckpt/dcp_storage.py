@@ -286,6 +286,23 @@ class MemckptReader(StorageReader):
                                  f"{math.prod(self.global_shape[name])} elements)")
         return Metadata(state_dict_metadata=md)
 
+    def full_tensor(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` (a memckpt name) whole, assembled from its chunks one at a time
+        (memory: the tensor and one chunk)."""
+        self.read_metadata()
+        if name not in self.by_name:
+            raise StateError(f"{self.source.describe(0)} has no tensor {name!r}")
+        out = torch.empty(self.global_shape[name], dtype=fmt.torch_dtypes()[self.dtype[name]])
+        for offsets, stored in self.by_name[name].items():
+            chunk = self.source.read_tensor(stored.rank, name)
+            out[tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape))] = chunk
+        return out
+
+    def objects(self) -> dict[str, Any]:
+        """The non-tensor values by FQN (hyperparameters, parameter names)."""
+        self.read_metadata()
+        return dict(self._objects)
+
     # -- StorageReader --------------------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
         pass

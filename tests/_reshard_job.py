@@ -194,7 +194,9 @@ def dcp_job(rank: int, world: int, port: int, layout: str, root: str, out: str) 
         sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(sd, storage_reader=memckpt.dcp_reader(root))
+            plain = (Path(root) / ".metadata").exists()  # written by `memckpt export --dcp`
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(root) if plain
+                     else memckpt.dcp_reader(root))
         model.load_state_dict(sd["model"])
         set_optimizer_state_dict(model, opt, sd["optim"])
         state = memckpt.TrainState(model=model, optimizer=opt)

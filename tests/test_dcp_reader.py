@@ -88,3 +88,21 @@ def test_s3_ranged_read(s3_env):
     store.backend.put("x/obj", data)
     assert bytes(store.backend.get_range("x/obj", 10, 20)) == bytes(data[10:30])
     assert bytes(store.backend.get_range("x/obj", 990, 20)) == bytes(data[990:])
+
+
+def test_export_dcp_and_sharded_weights(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from memckpt.cli.main import main
+    root = str(tmp_path / "ckpt")
+    out = written(tmp_path, root, "fsdp", 3)
+    assert main(["export", root, "--dcp", str(tmp_path / "dcp")]) == 0
+    dcp_job(0, 1, 0, "single", str(tmp_path / "dcp"), str(out))  # plain dcp.load
+    assert_same(out, 3, 1)
+    assert main(["export", root, "--step", str(STEPS), "--weights-only",
+                 str(tmp_path / "w.safetensors")]) == 0
+    weights = load_file(str(tmp_path / "w.safetensors"))
+    before = merged(out, "before", 3)
+    assert sorted(weights) == sorted(k.removeprefix("param/") for k in before if k.startswith("param/"))
+    for k, v in weights.items():
+        assert torch.equal(v, before[f"param/{k}"]), k
