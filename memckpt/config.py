@@ -159,12 +159,18 @@ class FailurePolicy:
                   "or a single late heartbeat would look like a hung worker")
 
 
+ON_INCOMPATIBLE = ("error", "start_fresh")
+
+
 @dataclass(frozen=True)
 class LoadSpec:
     """What a restore loads (InternEvo's ``content`` list)."""
 
     content: tuple[str, ...] = ("all",)
     ignore_data_position: bool = False  # the dataset changed: start the data from the beginning
+    # A persisted checkpoint of another model (keys or shapes differ): "error" stops the job
+    # naming the tensor; "start_fresh" starts from step 0 and leaves the old checkpoints alone.
+    on_incompatible: str = "error"
 
     def __post_init__(self) -> None:
         content = tuple(self.content) if not isinstance(self.content, str) else (self.content,)
@@ -173,6 +179,7 @@ class LoadSpec:
             _fail("load.content", self.content, 'name at least one of "all", ' + ", ".join(CONTENT_KINDS))
         for kind in content:
             _choice("load.content", kind, ("all",) + CONTENT_KINDS)
+        _choice("load.on_incompatible", self.on_incompatible, ON_INCOMPATIBLE)
 
     def kinds(self) -> frozenset[str]:
         kinds = set(CONTENT_KINDS) if "all" in self.content else set(self.content)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import numpy as np
 import torch
 
+from memckpt import dtensor as dt
 from memckpt import shard as fmt
 from memckpt.config import CONTENT_KINDS
 from memckpt.errors import StateError
@@ -29,6 +30,10 @@ OPTIMIZER_PREFIX = "optim/"  # names of optimizer tensors in a shard: optim/<opt
 @dataclass
 class Captured:
     """Named tensors (live aliases) plus the JSON metadata to rebuild the state.
+
+    A DTensor is captured as its rank-local tensor; ``meta["dtensors"]`` maps its name
+    to :func:`memckpt.dtensor.chunk_meta` (global shape, offsets of the local chunk,
+    mesh, placements). ``meta["world_size"]`` and ``meta["rank"]`` say who wrote it.
 
     ``stable`` names tensors that only ``optimizer.step()`` mutates (parameters and
     optimizer state): an overlapped snapshot may copy them while the next forward
@@ -67,12 +72,14 @@ _SCALARS = frozenset({bool, int, float, str, type(None)})  # exact types: JSON a
 class _Flattener:
     """Splits a nested state_dict into JSON plus tensors (never pickle)."""
 
-    def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]],
+                 dtensors: Optional[dict[str, Any]] = None) -> None:
         self.tensors = tensors
+        self.dtensors = {} if dtensors is None else dtensors
 
     def __call__(self, obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
-            self.tensors.append((path, obj.detach()))
+            self.tensors.append((path, _local_alias(obj, path, self.dtensors)))
             return {"__tensor__": path}
         if isinstance(obj, np.ndarray):
             # ascontiguousarray makes a 0-d array 1-d: keep the shape
@@ -112,23 +119,45 @@ class LoadMemory:
     clone: Callable[[torch.Tensor], torch.Tensor] = torch.clone
 
 
+def _local_alias(t: torch.Tensor, name: str, dtensors: dict[str, Any]) -> torch.Tensor:
+    """``t`` detached; a DTensor becomes its local tensor, its layout recorded under ``name``."""
+    t = t.detach()
+    if dt.is_dtensor(t):
+        dtensors[name] = dt.chunk_meta(t)
+        return dt.local(t)
+    return t
+
+
+Wrap = Callable[[str, torch.Tensor], torch.Tensor]
+
+
 def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor],
-               clone: Callable[[torch.Tensor], torch.Tensor] = torch.clone) -> Any:
-    """Inverse of :class:`_Flattener`; tensors are cloned so no state aliases a buffer."""
+               clone: Callable[[torch.Tensor], torch.Tensor] = torch.clone,
+               wrap: Optional[Wrap] = None) -> Any:
+    """Inverse of :class:`_Flattener`; tensors are cloned so no state aliases a buffer.
+    ``wrap(name, clone)`` turns a clone back into what the live state holds (a DTensor)."""
     if isinstance(obj, list):
-        return [_unflatten(v, tensors, clone) for v in obj]
+        return [_unflatten(v, tensors, clone, wrap) for v in obj]
     if isinstance(obj, dict):
         if "__tensor__" in obj:
-            return clone(_tensor(tensors, obj["__tensor__"]))
+            name = obj["__tensor__"]
+            out = clone(_tensor(tensors, name))
+            return wrap(name, out) if wrap is not None else out
         if "__ndarray__" in obj:
             return _tensor(tensors, obj["__ndarray__"]).numpy().copy()
         if "__tuple__" in obj:
-            return tuple(_unflatten(v, tensors, clone) for v in obj["__tuple__"])
+            return tuple(_unflatten(v, tensors, clone, wrap) for v in obj["__tuple__"])
         if "__items__" in obj:
-            return {_unflatten(k, tensors, clone): _unflatten(v, tensors, clone)
+            return {_unflatten(k, tensors, clone, wrap): _unflatten(v, tensors, clone, wrap)
                     for k, v in obj["__items__"]}
-        return {k: _unflatten(v, tensors, clone) for k, v in obj.items()}
+        return {k: _unflatten(v, tensors, clone, wrap) for k, v in obj.items()}
     return obj
+
+
+def unflatten(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """A captured JSON skeleton back to Python values (tuples, dicts with non-string
+    keys), its tensors taken from ``tensors`` by name (cloned)."""
+    return _unflatten(obj, tensors)
 
 
 def _tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -139,6 +168,7 @@ def _tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
+    """Where ``t``'s bytes are (a plain or local tensor): equal keys are one tied weight."""
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
             tuple(t.stride()), t.dtype)
 
@@ -200,13 +230,30 @@ class TrainState:
             groups.append(pnames)
         return groups
 
+    def named_params(self) -> dict[str, torch.nn.Parameter]:
+        """Every parameter by its name in a shard: ``<model name>/<fqn>``."""
+        return {f"{mname}/{fqn}": p for mname, m in self.models.items()
+                for fqn, p in m.named_parameters()}
+
+    def local_optimizer(self, oname: str) -> torch.optim.Optimizer:
+        """The optimizer holding this rank's state (for ZeRO its shard's optimizer)."""
+        return _local_optimizer(self.optimizers[oname])
+
+    def optimizer_params(self, oname: str) -> list[list[str]]:
+        """Names of the parameters in each group of optimizer ``oname``'s local optimizer
+        (for ZeRO, the parameters this rank owns)."""
+        return self._optimizer_names(oname, self.local_optimizer(oname), self._param_names())
+
     # -- capture ---------------------------------------------------------------------------
     def capture(self, step: int) -> Captured:
         """Named live tensors and metadata for ``step``. Copies nothing large."""
         tensors: list[tuple[str, torch.Tensor]] = []
         stable: set[str] = set()
-        meta: dict[str, Any] = {"step": step, "models": {}, "aliases": {}}
-        flat = _Flattener(tensors)
+        world_size, rank = dt.world()
+        dtensors: dict[str, Any] = {}
+        meta: dict[str, Any] = {"step": step, "world_size": world_size, "rank": rank,
+                                "models": {}, "aliases": {}, "dtensors": dtensors}
+        flat = _Flattener(tensors, dtensors)
         seen: dict[tuple, str] = {}
         for mname, m in self.models.items():
             params = {fqn for fqn, _ in m.named_parameters(remove_duplicate=False)}
@@ -214,9 +261,11 @@ class TrainState:
             for key, t in m.state_dict().items():
                 name = f"model/{mname}/{key}"
                 keys.append(key)
+                t = _local_alias(t, name, dtensors)
                 skey = _storage_key(t)
-                if skey in seen:  # tied weight: store once, remember the alias
+                if skey in seen and t.numel():  # tied weight: store once, remember the alias
                     meta["aliases"][name] = seen[skey]
+                    dtensors.pop(name, None)  # the alias's target holds the layout
                     continue
                 seen[skey] = name
                 tensors.append((name, t))
@@ -265,6 +314,7 @@ class TrainState:
         whose keys do not match.
         """
         kinds = set(CONTENT_KINDS if content is None else content)
+        dtensors: Mapping[str, Any] = meta.get("dtensors", {})
         tensors = dict(tensors)
         for alias, target in meta.get("aliases", {}).items():
             tensors[alias] = _tensor(tensors, target)
@@ -277,15 +327,20 @@ class TrainState:
                 if want != have:
                     raise StateError(f"model {mname!r} does not match the snapshot: missing keys: "
                                      f"[{_short(want - have)}]; unexpected keys: [{_short(have - want)}]")
-                memory.before_copy(live.values())  # the copy below then takes no page faults
-                m.load_state_dict({k: _tensor(tensors, f"model/{mname}/{k}") for k in have})
+                entries = {}
+                for k in have:
+                    name = f"model/{mname}/{k}"
+                    record = dtensors.get(meta.get("aliases", {}).get(name, name))
+                    entries[k] = dt.like(name, record, _tensor(tensors, name), live[k])
+                memory.before_copy(dt.local(t) for t in live.values())  # no page faults below
+                m.load_state_dict(entries)
         if "optimizer" in kinds:
             self._check_names("optimizer", meta["optimizers"], self.optimizers)
             names = self._param_names()
             for oname, opt in self.optimizers.items():
                 local = _local_optimizer(opt)
                 self._load_optimizer(oname, local, meta["optimizers"][oname], tensors, names,
-                                     memory.clone)
+                                     memory.clone, dtensors)
                 if local is not opt:  # ZeRO: its own groups feed the shard's at every step
                     for outer, inner in zip(opt.param_groups, local.param_groups):
                         outer.update({k: v for k, v in inner.items() if k != "params"})
@@ -317,7 +372,8 @@ class TrainState:
 
     def _load_optimizer(self, oname: str, opt: torch.optim.Optimizer, saved: Mapping[str, Any],
                         tensors: Mapping[str, torch.Tensor], names: dict[int, str],
-                        clone: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                        clone: Callable[[torch.Tensor], torch.Tensor],
+                        dtensors: Mapping[str, Any]) -> None:
         current = self._optimizer_names(oname, opt, names)
         stored_groups = saved["param_groups"]
         if len(stored_groups) != len(current):
@@ -339,13 +395,40 @@ class TrainState:
                 index[pname] = len(index)
         # Indices follow the *current* parameter order, so torch maps each saved
         # entry onto the parameter with the same name.
-        state = {index[p]: _unflatten(st, tensors, clone) for p, st in saved["state"].items()}
+        params = self.named_params()
+
+        def as_live(pname: str) -> Wrap:
+            # a state tensor saved as a DTensor takes its parameter's mesh and placements;
+            # plain ones (step counters) stay plain
+            return lambda name, t: dt.like(name, dtensors[name], t, params[pname]) \
+                if name in dtensors else t
+
+        state = {index[p]: _unflatten(st, tensors, clone, as_live(p))
+                 for p, st in saved["state"].items()}
         groups = []
         for group, cur in zip(stored_groups, current):
             g = {k: _unflatten(v, tensors, clone) for k, v in group.items() if k != "params"}
             g["params"] = [index[p] for p in cur]
             groups.append(g)
         opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def same_layout(state: TrainState, header: Any) -> bool:
+    """True if a shard header (a :class:`memckpt.dcp_storage.ShardHeader`) holds this
+    rank's model tensors as the live state lays them out (same local shapes and, for
+    DTensors, the same offsets): then the shard loads as it is, else it is resharded."""
+    cap = state.capture(int(header.header.get("step", 0)))
+    live_dt = cap.meta.get("dtensors") or {}
+    for name, t in cap.tensors:
+        if not name.startswith("model/"):
+            continue
+        e = header.entries.get(name)
+        if e is None or e.shape != tuple(t.shape):
+            return False
+        stored_dt = (header.meta.get("dtensors") or {}).get(name)
+        if (stored_dt or {}).get("offsets") != (live_dt.get(name) or {}).get("offsets"):
+            return False
+    return True
 
 
 def restore_allocations(layout: fmt.Layout, min_bytes: int = 0

@@ -86,7 +86,8 @@ class WorkerContext:
             folder_for=lambda tier, step: ray.get(coord.persist_folder.remote(tier, step)),
             on_written=lambda tier, step, entry: ray.get(
                 coord.persist_ready.remote(tier, step, rank, entry)),
-            on_event=lambda kind, **f: coord.log_event.remote(kind, dict(f, rank=rank)))
+            on_event=lambda kind, **f: coord.log_event.remote(kind, dict(f, rank=rank)),
+            world_size=self.world_size)
 
     def _committed(self, step: int, request: Optional[str]) -> None:
         """A step committed; ``request`` is "stop"/"persist" when the driver asked every
@@ -234,10 +235,9 @@ class WorkerContext:
         from memckpt.persist import CheckpointStore, Manifest
         store = CheckpointStore(self.config.persistence[instr.tier])
         manifest = Manifest.from_json(instr.manifest, store.describe())
-        region = store.read_shard(manifest, self.rank)  # verified
-        source = f"{store.describe()}@{manifest.step}"
-        self.restore_source = source
-        return self.ckpt.load_shard(state, fmt.open_shard(region, source), source)
+        self.restore_source = f"{store.describe()}@{manifest.step}"
+        step = self.ckpt.load_persisted(state, store, manifest)
+        return 0 if step is None else step
 
     def _replica_files(self, step: int) -> list[Path]:
         """The complete replica files of this rank on this node; one must hold ``step``."""

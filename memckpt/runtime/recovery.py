@@ -54,9 +54,12 @@ class Recovery:
         if found is None:
             return None, {}
         tier, manifest = found
-        uri = self.config.persistence[tier].uri
-        self.plane.say(f"auto-resume: step {manifest.step} from {uri}")
-        self.plane.event("auto_resume", step=manifest.step, tier=uri)
+        uri, now = self.config.persistence[tier].uri, self.config.workers.num_workers
+        resharded = "" if manifest.world_size == now else \
+            f", resharded from {manifest.world_size} ranks to {now}"
+        self.plane.say(f"auto-resume: step {manifest.step} from {uri}{resharded}")
+        self.plane.event("auto_resume", step=manifest.step, tier=uri,
+                         from_world_size=manifest.world_size, to_world_size=now)
         return manifest.step, self.persisted_instructions(found, assignment)
 
     # -- a failure --------------------------------------------------------------------------------
