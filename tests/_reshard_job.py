@@ -17,7 +17,8 @@ import memckpt
 from memckpt.persist import CheckpointStore, ShardEntry
 from memckpt import shard as fmt
 
-DIM, HIDDEN, OUT = 16, 24, 4
+DIM, OUT = 16, 4
+HIDDEN = int(os.environ.get("MEMCKPT_TEST_HIDDEN", "24"))
 LAYOUTS = ("ddp", "zero", "fsdp", "tp", "single")
 
 
@@ -98,8 +99,9 @@ def _config(root: str, ram: str, **load: Any) -> memckpt.Config:
 
 
 def write_job(rank: int, world: int, port: int, layout: str, root: str, ram: str, out: str,
-              steps: int) -> None:
-    """Train ``steps`` steps, snapshot, store this rank's shard under ``root``."""
+              steps: int, stores: Any = None) -> None:
+    """Train ``steps`` steps, snapshot, store this rank's shard under ``root`` (or, with
+    ``stores``, stream it to those replica stores as replication does)."""
     try:
         if layout != "single":
             _init(rank, world, port)
@@ -110,9 +112,16 @@ def write_job(rank: int, world: int, port: int, layout: str, root: str, ram: str
         ckpt = memckpt.Checkpointer(_config(root, ram), rank, world, persist=False)
         ckpt.step(state, steps)
         ckpt.wait()
-        store = CheckpointStore(root)
         with ckpt.engine.reading(steps) as shard:
-            store.write_shard(steps, rank, shard.raw)
+            if stores:
+                from memckpt.runtime.transport import StoreConnection
+                for address in stores[rank]:
+                    conn = StoreConnection(tuple(address))
+                    conn.send(rank, steps, shard.raw, shard.header["data_xxh3"], gen=-1,
+                              chunks=shard.chunks)
+                    conn.close()
+            else:
+                CheckpointStore(root).write_shard(steps, rank, shard.raw)
         torch.save(full_state(state), Path(out) / f"before-{rank}.pt")
         ckpt.close(unlink=True)
         if layout != "single":
@@ -201,6 +210,33 @@ def dcp_job(rank: int, world: int, port: int, layout: str, root: str, out: str) 
         set_optimizer_state_dict(model, opt, sd["optim"])
         state = memckpt.TrainState(model=model, optimizer=opt)
         torch.save({"state": full_state(state)}, Path(out) / f"after-{rank}.pt")
+        if layout != "single":
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException:
+        (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def ram_restore_job(rank: int, world: int, port: int, layout: str, holders: Any, n: int,
+                    step: int, out: str, more: int) -> None:
+    """Restore step ``step`` of an ``n``-rank job from replica stores' RAM into this layout."""
+    from memckpt.config import CONTENT_KINDS
+    from memckpt.dcp_storage import MemckptReader
+    from memckpt.reshard import load_resharded
+    from memckpt.runtime.ram_source import ReplicaSource
+    try:
+        if layout != "single":
+            _init(rank, world, port)
+        model, opt, _ = build(layout, seed=123)
+        state = memckpt.TrainState(model=model, optimizer=opt)
+        source = ReplicaSource(holders, n, step)
+        got = load_resharded(state, MemckptReader(source), rank, frozenset(CONTENT_KINDS))
+        source.close()
+        torch.save({"step": got, "state": full_state(state), "bytes_read": source.bytes_read},
+                   Path(out) / f"after-{rank}.pt")
+        losses = [train_step(model, opt, rank) for _ in range(more)]
+        torch.save(losses, Path(out) / f"losses-{rank}.pt")
         if layout != "single":
             dist.barrier()
             dist.destroy_process_group()
