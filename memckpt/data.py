@@ -80,3 +80,22 @@ class ResumableSampler(Sampler[int]):
         # the global position (a state without it: written by this world size)
         self.start = int(state.get("consumed", int(state["index"]) * self.world_size))
         self.index = 0
+
+
+def batch_plan(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """Gradient-accumulation steps per optimizer step that keep ``global_batch`` samples per
+    step at ``world_size`` ranks of ``micro_batch`` samples each, so the learning-rate
+    schedule (per step) means the same at any size. Raises :class:`StateError` naming the
+    sizes when ``global_batch`` is not a whole number of ``world_size x micro_batch``."""
+    for name, value in (("global_batch", global_batch), ("micro_batch", micro_batch),
+                        ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise StateError(f"batch_plan: {name}={value!r} must be a whole number >= 1")
+    per_step = world_size * micro_batch
+    if global_batch % per_step:
+        raise StateError(
+            f"global batch {global_batch} is not a whole number of steps of {world_size} ranks "
+            f"x micro batch {micro_batch} = {per_step} samples: choose a global batch divisible "
+            f"by micro_batch x every world size the job may run at (workers.min_workers .. "
+            f"num_workers), or a micro batch that divides it")
+    return global_batch // per_step

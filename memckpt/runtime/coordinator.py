@@ -104,6 +104,7 @@ class Coordinator:
                         committed: Optional[int], stores: dict[str, str]) -> None:
         """Start generation ``gen`` of the worker group (driver, at start and after recovery)."""
         async with self._cond:
+            self.world_size = len(assignment)  # an elastic job changes it between generations
             self.s.update(gen=gen, assignment={str(r): n for r, n in assignment.items()},
                           holders={str(r): list(h) for r, h in holders.items()},
                           committed=committed, ready={}, workers={}, stores=stores)

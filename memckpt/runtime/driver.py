@@ -152,16 +152,18 @@ class Runtime:
         ray.get(self.coordinator.configure.remote(
             gen, assignment, {r: list(h) for r, h in holders.items()}, committed,
             self.plane.store_names()))
+        resized = bool(self.pool.worker_nodes) and len(assignment) != len(self.pool.worker_nodes)
         workers, how = self.pool.assign(assignment)
         info = dict(zip(workers, ray.get([w.info.remote() for w in workers.values()])))
         master = ray.get(workers[0].address.remote())
         refs = {}
         for rank, w in workers.items():
-            spec = WorkerSpec(rank, cfg.workers.num_workers, gen, cfg, tuple(holders.get(rank, ())),
+            spec = WorkerSpec(rank, len(assignment), gen, cfg, tuple(holders.get(rank, ())),
                               dict(self.plane.stores), self.coordinator, restore.get(rank),
-                              tuple(self.injector.faults))
+                              tuple(self.injector.faults), resized=resized)
             refs[w.run.remote(self.train_fn, master, spec)] = rank
-        self._event("generation_started", gen=gen, assignment=assignment, holders=holders,
+        self._event("generation_started", gen=gen, world_size=len(assignment),
+                    assignment=assignment, holders=holders,
                     workers=how, restore={r: i.step for r, i in restore.items()})
         if gen == 0:  # the first spares; after a recovery, once it is over (_progress_and_faults)
             self.pool.top_up_spares()
@@ -346,7 +348,7 @@ class Runtime:
             recoveries[-1]["recopied_ranks"] = [
                 r["rank"] for r in results if "recopied" in (r.get("restore") or {})]
         summary = {
-            "job": self.config.job_name, "world_size": self.config.workers.num_workers,
+            "job": self.config.job_name, "world_size": len(g.workers),
             "steps": len(losses), "first_step": by_step[0][0] if by_step else None,
             "losses": losses, "final_digest": digest,
             "rank_digests": [r["digest"] for r in results], "recoveries": recoveries,
