@@ -93,6 +93,7 @@ def test_shrink_from_ram_then_matches_a_fresh_smaller_job(nodes3, tmp_path):
 
     # the reference: a 3-rank job persisted up to that step, then a 2-rank job resumed
     # from the persisted copy (resharded from disk)
+    nodes3.add_node()  # the reference's first part runs 3 ranks
     ref_out = tmp_path / "ref-out"
     ref_out.mkdir()
     disk = str(tmp_path / "disk")

@@ -119,3 +119,13 @@ def test_growth_size():
     assert growth_size(2, (3, 2), ["a", "c", "d"], CAP1, 1) == 3
     assert growth_size(2, (3, 2), ["a", "c"], CAP1, 1) is None
     assert growth_size(3, (3, 2), ["a", "b", "c", "d"], CAP1, 1) is None
+
+
+def test_ranks_stopped_for_growth_are_a_resize_not_a_finish_nor_a_restart():
+    from memckpt.runtime.failure import Action, Observation, decide
+    stopped = Observation(pending=(), stopped=7, restarts=3, max_restarts=3)
+    assert decide(stopped).action is Action.STOP
+    grow = decide(Observation(pending=(), stopped=7, grow_to=3, restarts=3, max_restarts=3))
+    assert grow.action is Action.RECOVER and grow.grow_to == 3 and "growing to 3" in grow.what
+    # a rank still running when another stopped at the boundary: the resize too
+    assert decide(Observation(pending=(1,), stopped=7, grow_to=3)).action is Action.RECOVER

@@ -301,6 +301,11 @@ class Coordinator:
         self._save()
         return True
 
+    async def set_elastic(self, info: dict[str, Any]) -> None:
+        """The driver: an elastic job's size, last resize and pending growth (for status)."""
+        self.s["elastic"] = dict(self.s.get("elastic") or {}, **info)
+        self._save()
+
     async def set_standby(self, ready: bool) -> None:
         """The driver: every node's warm spare is (or is no longer) ready to take over."""
         async with self._cond:

@@ -72,7 +72,7 @@ class Recovery:
         self.plane.say(f"failure detected: {decision.what}")
         self.plane.event("failure_detected", what=decision.what, ranks=sorted(decision.died),
                          gen=g.gen)
-        return {"what": decision.what, "died": sorted(decision.died),
+        return {"what": decision.what, "died": sorted(decision.died), "grow_to": decision.grow_to,
                 "hung": sorted(decision.hung), "detected_at": t, "fault_at": fault_time}
 
     def recover(self, g: Generation, failure: dict[str, Any], assignment: dict[int, str],
@@ -85,6 +85,10 @@ class Recovery:
         alive = self.plane.alive_nodes(set(assignment.values()))
         self.pool.keep_nodes(alive)
         cap = {n: c for n, c in eligible_nodes(self.config).items() if n in alive}
+        if failure.get("grow_to"):
+            plan = self.resize(g, assignment, cap, failure["what"])
+            self._record_resize(g, failure, plan, t0, t_killed, cap)
+            return plan, self.resize_instructions(plan)
         if self.config.workers.elastic and self._room(cap) < len(assignment):
             cap = self._wait_for_room(cap, len(assignment))
             if self._room(cap) < len(assignment):
@@ -153,6 +157,10 @@ class Recovery:
         self.plane.event("resized", from_world_size=plan.from_size, to_world_size=plan.to_size,
                          why=plan.why, step=plan.step, sources=record["sources"],
                          assignment=plan.assignment, lost_nodes=lost, gen=g.gen + 1)
+        self.plane.coordinator.set_elastic.remote({
+            "world_size": plan.to_size, "pending_growth": None,
+            "last_resize": {"from": plan.from_size, "to": plan.to_size, "step": plan.step,
+                            "why": plan.why, "sources": record["sources"]}})
         self._started = time.time()
 
     def _end_generation(self, g: Generation, failure: dict[str, Any]) -> None:
