@@ -4,6 +4,7 @@ and optimizer state after every step and right after every restore."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ def full(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
 class ElasticJob:
     steps: int
     out: str  # rank 0 writes params-<step>.pt and restored-<step>-ws<W>.pt here
+    pace_s: float = 0.0  # sleep per step: leaves time for a node to join mid-run
 
     def __call__(self, ctx: Any) -> dict[str, Any]:
         import torch.distributed as dist
@@ -61,4 +63,5 @@ class ElasticJob:
             if ctx.rank == 0:
                 torch.save(full(model, opt), out / f"params-{step}-ws{ctx.world_size}.pt")
             ctx.step(state, step, loss=total.item())
+            time.sleep(self.pace_s)
         return {"world_size": ctx.world_size}

@@ -8,6 +8,8 @@ the smaller size resumed from a persisted copy of that step."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from memckpt.runtime.faults import FaultInjector
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 STEPS, KILL_AT = 8, 4
+STEPS_GROW = 40
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +59,18 @@ def config(name: str, min_workers: int = 2, persist: str | None = None,
 
 def events(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def events_so_far(run_dir) -> list[dict]:
+    """The events written so far (a line being written is skipped)."""
+    path = run_dir / "events.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
 
 
 def losses_by_step(result: dict) -> dict[int, float]:
@@ -107,6 +122,51 @@ def test_shrink_from_ram_then_matches_a_fresh_smaller_job(nodes3, tmp_path):
     assert after == losses_by_step(ref) and len(after) == STEPS - step
     assert_same(torch.load(run_out / f"params-{STEPS}-ws2.pt", weights_only=False),
                 torch.load(ref_out / f"params-{STEPS}-ws2.pt", weights_only=False))
+
+
+def test_grows_back_when_a_node_is_added(nodes3, tmp_path):
+    """A node dies (3 -> 2); a node joins while the job runs at 2: at the next committed
+    step the job grows back to 3, resharded from RAM, and finishes; the state right after
+    the growth is the committed step's bit for bit."""
+    from _elastic_job import ElasticJob
+    out = tmp_path / "out"
+    out.mkdir()
+
+    inj = FaultInjector(node_killer=nodes3.remove_node).kill_node(rank=1, at_step=3)
+    done: dict = {}
+
+    def job() -> None:
+        try:
+            done["result"] = memckpt.run(ElasticJob(STEPS_GROW, str(out), pace_s=0.5),
+                                         config("elastic-grow"), run_dir=tmp_path / "run",
+                                         injector=inj, quiet=True)
+        except BaseException as e:  # noqa: BLE001 (re-raised below, in the test's thread)
+            done["error"] = e
+
+    runner = threading.Thread(target=job)
+    runner.start()
+    # Ray adds nodes from the main thread only: the job runs in another; once it has
+    # shrunk, a node with room joins
+    deadline = time.time() + 300
+    while runner.is_alive() and time.time() < deadline and not any(
+            e["event"] == "resized" for e in events_so_far(tmp_path / "run")):
+        time.sleep(0.2)
+    nodes3.add_node()
+    runner.join(600)
+    if "error" in done:
+        raise done["error"]
+    result = done["result"]
+    resizes = [r["resized"] for r in result["recoveries"]]
+    assert resizes == [{"from": 3, "to": 2}, {"from": 2, "to": 3}], result["recoveries"]
+    assert result["world_size"] == 3 and len(losses_by_step(result)) == STEPS_GROW
+    log = events(tmp_path / "run")
+    (pending,) = [e for e in log if e["event"] == "growth_pending"]
+    assert pending["to_world_size"] == 3
+    grew = result["recoveries"][1]
+    s = grew["resumed_step"]
+    assert s >= pending["after_step"]
+    assert_same(torch.load(out / f"restored-{s}-ws3.pt", weights_only=False),
+                torch.load(out / f"params-{s}-ws2.pt", weights_only=False))
 
 
 @pytest.mark.chaos

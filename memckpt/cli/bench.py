@@ -20,6 +20,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                 "persistence throughput: memckpt's disk / S3 tier vs a raw write of the same bytes"),
     "recovery": ("memckpt.bench.recovery",
                  "recovery after a killed worker / node vs restart + torch.load; transfer; step time"),
+    "elastic": ("memckpt.bench.elastic",
+                "elastic shrink: node death -> first step at fewer ranks, RAM reshard vs restart "
+                "+ DCP load"),
     "compare": ("memckpt.bench.compare",
                 "side by side: memckpt vs torch.save, DCP async_save, Ray Train (stall, recovery, "
                 "lost work, scaling)"),

@@ -10,8 +10,9 @@ would lose that slice for good.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,10 @@ class GPTJob:
     steps: int = 40
     size: str = "mini"  # a preset of memckpt.demo.model.PRESETS
     seed: int = 0
-    batch_size: int = 4  # per rank
+    batch_size: int = 4  # per rank (the micro batch with global_batch)
+    # samples per optimizer step over all ranks, kept at any world size (an elastic job)
+    # with ctx.batch_plan's gradient accumulation; None: batch_size per rank, no accumulation
+    global_batch: Optional[int] = None
     lr: float = 3e-3
     step_delay_s: float = 0.0  # stretch steps (drills on fast models)
     zero: bool = True  # shard AdamW's state across ranks (ZeroRedundancyOptimizer)
@@ -66,14 +70,21 @@ class GPTJob:
 
         stream = batches()
         net.train()
+        accum = ctx.batch_plan(self.global_batch, self.batch_size) if self.global_batch else 1
         for step in range(start + 1, self.steps + 1):
-            x, y = next(stream)
-            _, loss = net(x, y)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            mean = torch.zeros(())
+            for k in range(accum):
+                x, y = next(stream)
+                # DDP all-reduces the gradients once, after the last micro batch
+                sync = contextlib.nullcontext() if k == accum - 1 or not distributed \
+                    else net.no_sync()
+                with sync:
+                    _, loss = net(x, y)
+                    (loss / accum if accum > 1 else loss).backward()
+                mean += loss.detach() / accum
             opt.step()
             sched.step()
-            mean = loss.detach().clone()
             if distributed:
                 dist.all_reduce(mean)
                 mean /= ctx.world_size
