@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from memckpt.cli import main as cli
+from memckpt.cli import main
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 
 def test_elastic_bench_rows(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    assert cli.main(["bench", "elastic", "--state-mb", "4", "--steps", "6",
+    assert main(["bench", "elastic", "--state-mb", "4", "--steps", "6",
                      "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["method"] for r in rows] == ["memckpt elastic (RAM reshard)",

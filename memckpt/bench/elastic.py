@@ -115,7 +115,6 @@ def measure(state_mb: int, steps: int) -> list[dict[str, Any]]:
         disk = str(root / "disk")
         memckpt.run(ShrinkJob(step, state_mb), _config("bench-elastic-dcp", 3, 3, disk),
                     run_dir=root / "persist", quiet=True)
-        cluster.remove_node(next(iter(cluster.nodes)))
         t0 = time.time()
         memckpt.run(ShrinkJob(step + 1, state_mb), _config("bench-elastic-dcp", 2, 2, disk),
                     run_dir=root / "dcp", quiet=True)
