@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 
 ELASTIC_GLOBAL_BATCH = 12  # 2 micro batches of 2 per rank at 3 ranks, 3 at 2
-ELASTIC_ADD_AFTER_S = 8.0  # the elastic demo adds a node back this long after the loss
+ELASTIC_ADD_AFTER_S = 3.0  # the elastic demo adds a node back this long after the loss
 
 
 def demo_config(job_name: str, nodes: int = 3, replicas: int = 1, persist: tuple = (),
