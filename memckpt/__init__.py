@@ -38,7 +38,8 @@ def run(train_fn, config, **kwargs):
 __version__ = "0.1.0"
 
 __all__ = [
-    "Checkpointer", "ChaosEvent", "Config", "FailurePolicy", "FaultInjector", "LoadSpec", "MemckptError", "dcp_reader",
+    "Checkpointer", "ChaosEvent", "Config", "FailurePolicy", "FaultInjector", "LoadSpec", "MemckptError",
+    "dcp_reader",
     "PersistTier", "PlacementConfig", "ResumableSampler", "TrainState", "WorkersConfig",
     "load_config", "run", "__version__",
 ]

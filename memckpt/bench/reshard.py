@@ -171,7 +171,8 @@ def run_reshard_bench(size: int, worlds: tuple[int, ...] = (2, 3),
         entries = []
         for rank in range(WRITERS):
             key = f"{disk.folder_for(1)}/rank-{rank:05d}.shard"
-            head = disk.backend.get_range(key, 0, fmt.header_end(disk.backend.get_range(key, 0, 64), key))
+            end = fmt.header_end(disk.backend.get_range(key, 0, fmt.PREFIX.size), key)
+            head = disk.backend.get_range(key, 0, end)
             h, layout, cap = fmt.read_header(head, key, check_length=False)
             entries.append(ShardEntry(rank, key, fmt.data_offset(cap) + layout.data_len, h["data_xxh3"]))
         disk.commit(1, WRITERS, entries, "bench")
