@@ -112,7 +112,7 @@ def load_resharded(state: TrainState, reader: MemckptReader, rank: int,
                         raise exc from None
                 raise
     # what a shard of this rank would hold: local chunks and their layout records
-    meta = dict(meta0, optimizers=opt_meta,
+    meta = dict(meta0, optimizers=opt_meta, aliases={},  # the models are loaded already
                 dtensors={n: dt.chunk_meta(t) for n, t in opt_tensors.items() if dt.is_dtensor(t)})
     tensors = {n: dt.local(t) for n, t in opt_tensors.items()}
     rest = set(kinds) - {"model"}

@@ -6,7 +6,8 @@ of the same state saved by the same 4 ranks in the same run.
 Every rank is a process (gloo, CPU mesh). A row's time is the slowest rank's restore
 (memckpt: ``load_resharded``; DCP: ``get_optimizer_state_dict`` + ``dcp.load`` +
 ``set_optimizer_state_dict``, what a torchtitan-style job runs). Peak memory is each
-rank's RSS high-water mark over the restore, against its new shard's bytes. Files were
+rank's RSS high-water mark minus its RSS just before the restore (the model's local
+shards already allocated), against its new shard's bytes (parameters + 2 moments). Files were
 just written: both disk readers find them in the page cache.
 """
 
@@ -116,7 +117,8 @@ def _reader(rank: int, world: int, port: int, width: int, work: str, source: str
         model, opt = _model(width, world, meta=True)
         shard_bytes = 3 * sum(p.to_local().numel() * 4 for p in model.parameters())
         dist.barrier()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+        import psutil
+        before = psutil.Process().memory_info().rss  # now; the peak below is a high-water mark
         t0 = time.perf_counter()
         read = 0
         if source == "dcp":
