@@ -37,7 +37,8 @@ def run(train_fn, config, **kwargs):
     return _run(train_fn, config, **kwargs)
 
 __all__ = [
-    "Checkpointer", "ChaosEvent", "Config", "FailurePolicy", "FaultInjector", "LoadSpec", "MemckptError", "dcp_reader",
+    "Checkpointer", "ChaosEvent", "Config", "FailurePolicy", "FaultInjector", "LoadSpec", "MemckptError",
+    "dcp_reader",
     "PersistTier", "PlacementConfig", "ResumableSampler", "TrainState", "WorkersConfig",
     "load_config", "run", "__version__",
 ]

@@ -208,7 +208,8 @@ class Checkpointer:
             log.warning("memckpt: %s; load.on_incompatible='start_fresh': starting from step 0",
                         e.message)
             return None
-        if manifest.world_size == self.world_size and same_layout(state, reader.source.header(self.rank)):
+        if manifest.world_size == self.world_size and \
+                same_layout(state, reader.source.header(self.rank)):
             region = store.read_shard(manifest, self.rank)  # verified
             return self.load_shard(state, fmt.open_shard(region, source), source)
         t0 = time.perf_counter()

@@ -70,16 +70,18 @@ class ResumableSampler(Sampler[int]):
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index, "consumed": self.consumed,
-                "seed": self.seed, "data_len": self.data_len}
+                "world_size": self.world_size, "seed": self.seed, "data_len": self.data_len}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("data_len", self.data_len) != self.data_len:
             raise StateError(f"the snapshot's sampler covers {state['data_len']} samples, this one "
                              f"{self.data_len}: the dataset changed; set load.ignore_data_position")
-        self.epoch = int(state["epoch"])
-        # the global position (a state without it: written by this world size)
-        self.start = int(state.get("consumed", int(state["index"]) * self.world_size))
-        self.index = 0
+        self.epoch, index = int(state["epoch"]), int(state["index"])
+        if state.get("world_size", self.world_size) == self.world_size:  # exactly as it was
+            self.index = index
+            self.start = int(state.get("consumed", index * self.world_size)) - index * self.world_size
+        else:  # another world size: deal the rest of the epoch from the global position
+            self.start, self.index = int(state["consumed"]), 0
 
 
 def batch_plan(global_batch: int, micro_batch: int, world_size: int) -> int:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                   Metadata, MetadataIndex, TensorProperties,
+                                                   Metadata, TensorProperties,
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future

@@ -71,7 +71,8 @@ def mismatch(reader: MemckptReader, state: TrainState) -> Optional[str]:
                         f"{fmt.dtype_name(t.dtype)} {list(t.shape)} in the job")
     saved = meta.get("optimizers") or {}
     if set(saved) != set(state.optimizers):
-        return f"optimizer names differ: the checkpoint has {sorted(saved)}, the job {sorted(state.optimizers)}"
+        return (f"optimizer names differ: the checkpoint has {sorted(saved)}, the job "
+                f"{sorted(state.optimizers)}")
     return None
 
 
@@ -98,7 +99,8 @@ def load_resharded(state: TrainState, reader: MemckptReader, rank: int,
             for key, t in m.state_dict().items():
                 name = aliases.get(f"model/{mname}/{key}", f"model/{mname}/{key}")
                 targets.setdefault(reader.fqn_of[name], t)  # loaded in place
-    opt_meta, opt_tensors = _optimizer_targets(state, reader, targets) if "optimizer" in kinds else ({}, {})
+    opt_meta, opt_tensors = ({}, {}) if "optimizer" not in kinds else \
+        _optimizer_targets(state, reader, targets)
     if targets:
         with warnings.catch_warnings():  # every rank plans its own reads: no collective
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -110,7 +112,7 @@ def load_resharded(state: TrainState, reader: MemckptReader, rank: int,
                         raise exc from None
                 raise
     # what a shard of this rank would hold: local chunks and their layout records
-    meta = dict(meta0, optimizers=opt_meta,
+    meta = dict(meta0, optimizers=opt_meta, aliases={},  # the models are loaded already
                 dtensors={n: dt.chunk_meta(t) for n, t in opt_tensors.items() if dt.is_dtensor(t)})
     tensors = {n: dt.local(t) for n, t in opt_tensors.items()}
     rest = set(kinds) - {"model"}

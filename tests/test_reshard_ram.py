@@ -29,7 +29,8 @@ def test_fsdp_3_to_2_from_replica_stores(tmp_path, wide):
         holders = {r: [addresses[r % 2], addresses[(r + 1) % 2]] for r in range(3)}  # 2 copies
         out = tmp_path / "out"
         out.mkdir()
-        spawn(write_job, 3, "fsdp", str(tmp_path / "unused"), str(tmp_path / "ram-w"), str(out), STEPS, holders)
+        spawn(write_job, 3, "fsdp", str(tmp_path / "unused"), str(tmp_path / "ram-w"), str(out),
+              STEPS, holders)
         assert all(sorted(s.inventory()) == [0, 1, 2] for s in stores)
         total = sum(len(stores[0].serve_bytes(r, STEPS)) for r in range(3))
         # the first holder of rank 0 is gone: its reads go to the second copy

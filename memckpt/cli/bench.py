@@ -26,6 +26,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "compare": ("memckpt.bench.compare",
                 "side by side: memckpt vs torch.save, DCP async_save, Ray Train (stall, recovery, "
                 "lost work, scaling)"),
+    "reshard": ("memckpt.bench.reshard",
+                "restore FSDP2 state of 4 ranks into 2 and 3 (disk, RAM) vs dcp.load of the same"),
 }
 
 
