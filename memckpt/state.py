@@ -121,24 +121,25 @@ def _local_alias(t: torch.Tensor, name: str, dtensors: dict[str, Any]) -> torch.
 Wrap = Callable[[str, torch.Tensor], torch.Tensor]
 
 
-def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor], wrap: Optional[Wrap] = None) -> Any:
+def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor], wrap: Optional[Wrap] = None,
+               clone: bool = True) -> Any:
     """Inverse of :class:`_Flattener`; tensors are cloned so no state aliases a buffer.
     ``wrap(name, clone)`` turns a clone back into what the live state holds (a DTensor)."""
     if isinstance(obj, list):
-        return [_unflatten(v, tensors, wrap) for v in obj]
+        return [_unflatten(v, tensors, wrap, clone) for v in obj]
     if isinstance(obj, dict):
         if "__tensor__" in obj:
             name = obj["__tensor__"]
-            out = populated_clone(_tensor(tensors, name))
+            out = populated_clone(_tensor(tensors, name)) if clone else _tensor(tensors, name)
             return wrap(name, out) if wrap is not None else out
         if "__ndarray__" in obj:
             return _tensor(tensors, obj["__ndarray__"]).numpy().copy()
         if "__tuple__" in obj:
-            return tuple(_unflatten(v, tensors, wrap) for v in obj["__tuple__"])
+            return tuple(_unflatten(v, tensors, wrap, clone) for v in obj["__tuple__"])
         if "__items__" in obj:
-            return {_unflatten(k, tensors, wrap): _unflatten(v, tensors, wrap)
+            return {_unflatten(k, tensors, wrap, clone): _unflatten(v, tensors, wrap, clone)
                     for k, v in obj["__items__"]}
-        return {k: _unflatten(v, tensors, wrap) for k, v in obj.items()}
+        return {k: _unflatten(v, tensors, wrap, clone) for k, v in obj.items()}
     return obj
 
 
@@ -293,13 +294,14 @@ class TrainState:
 
     # -- load ------------------------------------------------------------------------------
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
-             content: Optional[Iterable[str]] = None) -> int:
+             content: Optional[Iterable[str]] = None, *, clone: bool = True) -> int:
         """Put a snapshot's state back into the live objects; returns its step.
 
         ``content`` limits what is loaded (kinds from ``memckpt.config.CONTENT_KINDS``;
         None loads everything). Missing or unexpected entries raise
         :class:`StateError` naming them; nothing is half-loaded for a model
-        whose keys do not match.
+        whose keys do not match. ``clone=False`` takes the optimizer state tensors as
+        they are instead of copying them (tensors made for this load, owned by nobody else).
         """
         kinds = set(CONTENT_KINDS if content is None else content)
         dtensors: Mapping[str, Any] = meta.get("dtensors", {})
@@ -328,7 +330,7 @@ class TrainState:
             for oname, opt in self.optimizers.items():
                 local = _local_optimizer(opt)
                 self._load_optimizer(oname, local, meta["optimizers"][oname], tensors, names,
-                                     dtensors)
+                                     dtensors, clone)
                 if local is not opt:  # ZeRO: its own groups feed the shard's at every step
                     for outer, inner in zip(opt.param_groups, local.param_groups):
                         outer.update({k: v for k, v in inner.items() if k != "params"})
@@ -360,7 +362,7 @@ class TrainState:
 
     def _load_optimizer(self, oname: str, opt: torch.optim.Optimizer, saved: Mapping[str, Any],
                         tensors: Mapping[str, torch.Tensor], names: dict[int, str],
-                        dtensors: Mapping[str, Any]) -> None:
+                        dtensors: Mapping[str, Any], clone: bool = True) -> None:
         current = self._optimizer_names(oname, opt, names)
         stored_groups = saved["param_groups"]
         if len(stored_groups) != len(current):
@@ -390,7 +392,8 @@ class TrainState:
             return lambda name, t: dt.like(name, dtensors[name], t, params[pname]) \
                 if name in dtensors else t
 
-        state = {index[p]: _unflatten(st, tensors, as_live(p)) for p, st in saved["state"].items()}
+        state = {index[p]: _unflatten(st, tensors, as_live(p), clone)
+                 for p, st in saved["state"].items()}
         groups = []
         for group, cur in zip(stored_groups, current):
             g = {k: _unflatten(v, tensors) for k, v in group.items() if k != "params"}
