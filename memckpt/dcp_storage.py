@@ -47,7 +47,7 @@ from memckpt import shard as fmt
 from memckpt.errors import ChecksumError, StateError
 from memckpt.state import unflatten
 
-MERGE_LIMIT = 64 << 20  # ranges of one shard read together up to this many bytes
+MERGE_LIMIT = 16 << 20  # ranges of one shard read together up to this many bytes
 MERGE_GAP = fmt.CHUNK_BYTES  # ... when less than a checksum chunk apart (else it is read twice)
 
 
@@ -313,7 +313,9 @@ class MemckptReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
-        self._metadata = metadata if self._metadata is None else self._metadata
+        # read_data needs this reader's own index of the chunks, not only DCP's Metadata:
+        # a rank that did not read the metadata itself builds it on first use
+        pass
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

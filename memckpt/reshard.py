@@ -129,7 +129,7 @@ def load_resharded(state: TrainState, reader: MemckptReader, rank: int,
             seed_new_rank(src.read_tensor(0, "rng/torch"), rank)
     if "optimizer" not in kinds:
         rest.discard("optimizer")
-    return state.load(tensors, meta, rest)
+    return state.load(tensors, meta, rest, clone=False)  # the optimizer state was made here
 
 
 def _optimizer_targets(state: TrainState, reader: MemckptReader, targets: dict[str, Any]

@@ -131,6 +131,10 @@ def _local_alias(t: torch.Tensor, name: str, dtensors: dict[str, Any]) -> torch.
 Wrap = Callable[[str, torch.Tensor], torch.Tensor]
 
 
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor],
                clone: Callable[[torch.Tensor], torch.Tensor] = torch.clone,
                wrap: Optional[Wrap] = None) -> Any:
@@ -305,13 +309,15 @@ class TrainState:
 
     # -- load ------------------------------------------------------------------------------
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
-             content: Optional[Iterable[str]] = None, memory: LoadMemory = LoadMemory()) -> int:
+             content: Optional[Iterable[str]] = None, memory: LoadMemory = LoadMemory(), *,
+             clone: bool = True) -> int:
         """Put a snapshot's state back into the live objects; returns its step.
 
         ``content`` limits what is loaded (kinds from ``memckpt.config.CONTENT_KINDS``;
         None loads everything); ``memory`` says how new memory is prepared. Missing or unexpected entries raise
         :class:`StateError` naming them; nothing is half-loaded for a model
-        whose keys do not match.
+        whose keys do not match. ``clone=False`` takes the optimizer state tensors as
+        they are instead of copying them (tensors made for this load, owned by nobody else).
         """
         kinds = set(CONTENT_KINDS if content is None else content)
         dtensors: Mapping[str, Any] = meta.get("dtensors", {})
@@ -340,7 +346,7 @@ class TrainState:
             for oname, opt in self.optimizers.items():
                 local = _local_optimizer(opt)
                 self._load_optimizer(oname, local, meta["optimizers"][oname], tensors, names,
-                                     memory.clone, dtensors)
+                                     memory.clone if clone else _as_is, dtensors)
                 if local is not opt:  # ZeRO: its own groups feed the shard's at every step
                     for outer, inner in zip(opt.param_groups, local.param_groups):
                         outer.update({k: v for k, v in inner.items() if k != "params"})

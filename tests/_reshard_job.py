@@ -171,9 +171,16 @@ def commit(root: str, step: int, world: int) -> None:
 
 
 def spawn(fn, world: int, *args: Any) -> None:
+    """Run ``fn(rank, world, port, *args)`` on ``world`` processes. The rendezvous port is
+    free when picked but another process may take it before rank 0 listens: then again."""
     from memckpt.netutil import free_port
-    mp.start_processes(fn, args=(world, free_port()) + args, nprocs=world, join=True,
-                       start_method="spawn")
+    for attempt in range(3):
+        try:
+            return mp.start_processes(fn, args=(world, free_port()) + args, nprocs=world,
+                                      join=True, start_method="spawn")
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
 
 
 def merged(out: Path, prefix: str, world: int) -> dict[str, torch.Tensor]:

@@ -43,6 +43,7 @@ def test_reshard_plain_from_disk(tmp_path, src, dst):
 
 
 @pytest.mark.parametrize("src,dst", [(("fsdp", 4), ("fsdp", 2)), (("fsdp", 2), ("fsdp", 3)),
-                                     (("fsdp", 3), ("single", 1)), (("tp", 2), ("single", 1))])
+                                     (("fsdp", 3), ("single", 1)), (("tp", 2), ("single", 1)),
+                                     (("fsdp", 2), ("tp", 2))])
 def test_reshard_dtensor_from_disk(tmp_path, src, dst):
     run_reshard(tmp_path, str(tmp_path / "ckpt"), src, dst)
