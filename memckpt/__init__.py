@@ -24,6 +24,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'memckpt' has no attribute {name!r}")
 
 
+def dcp_reader(uri_or_path, step=None):
+    """A ``torch.distributed.checkpoint`` StorageReader over the newest (or ``step``'s)
+    memckpt checkpoint under a local directory or ``s3://bucket/prefix``; see
+    :mod:`memckpt.dcp_storage` for the names it gives each tensor."""
+    from memckpt.persist.dcp_source import open_reader
+    return open_reader(uri_or_path, step)
+
+
 def run(train_fn, config, **kwargs):
     """Run ``train_fn(ctx)`` on Ray with in-memory replicas; see :func:`memckpt.runtime.driver.run`."""
     from memckpt.runtime.driver import run as _run
@@ -32,6 +40,6 @@ def run(train_fn, config, **kwargs):
 __all__ = [
     "Checkpointer", "ChaosEvent", "Config", "FailurePolicy", "FaultInjector", "LoadSpec", "MemckptError",
     "PersistTier", "PlacementConfig", "ResumableSampler", "TrainState", "WorkerContext",
-    "WorkersConfig",
+    "WorkersConfig", "dcp_reader",
     "load_config", "run", "__version__",
 ]

@@ -21,13 +21,13 @@ from typing import Any, Callable, Optional
 from memckpt import shard as fmt
 from memckpt.buffers import RamRegion, remove_path, resolve_ram_root
 from memckpt.config import Config
-from memckpt.errors import ChecksumError, MemckptError, StateError
+from memckpt.errors import ChecksumError, IncompatibleCheckpointError, MemckptError, StateError
 from memckpt.control import STOP, Control
 from memckpt.fsutil import write_atomic
 from memckpt.persist.uploader import Persister, persisted_restore
 from memckpt.populate import FAULTED_IN
 from memckpt.snapshot import SnapshotEngine
-from memckpt.state import TrainState
+from memckpt.state import TrainState, same_layout
 
 log = logging.getLogger("memckpt")
 
@@ -67,7 +67,7 @@ class Checkpointer:
                 config.persistence, rank, lambda s: self.engine.reading(s, verify=False),
                 self.directory / "staging.bin",
                 folder_for=lambda tier, step: self.persister.stores[tier].folder_for(step),
-                on_written=self._commit, on_event=self._event)
+                on_written=self._commit, on_event=self._event, world_size=world_size)
 
     def _sealed(self, step: int, path: Path) -> None:
         if self.persister is not None and not self.engine.gated:  # sealed == committed here
@@ -174,7 +174,8 @@ class Checkpointer:
         return 0
 
     def _restore_persisted(self, state: TrainState) -> Optional[int]:
-        """Auto-resume: the newest verified checkpoint across the persistence tiers."""
+        """Auto-resume: the newest checkpoint across the persistence tiers (resharded when
+        another world size or layout wrote it)."""
         if self.persister is None:
             return None
         tier, manifest, reasons = persisted_restore(self.persister.stores, self.world_size)
@@ -183,10 +184,47 @@ class Checkpointer:
             log.warning("memckpt: %s", reason)
         if manifest is None:
             return None
-        store = self.persister.stores[tier]
-        region = store.read_shard(manifest, self.rank)
+        return self.load_persisted(state, self.persister.stores[tier], manifest)
+
+    def load_persisted(self, state: TrainState, store: Any, manifest: Any) -> Optional[int]:
+        """Load a persisted checkpoint (``store``: its CheckpointStore) into ``state``; returns
+        its step, or None when it holds another model and ``load.on_incompatible`` is
+        ``"start_fresh"`` (else :class:`IncompatibleCheckpointError` names the tensor).
+
+        The same world size and layout read this rank's shard whole; otherwise the
+        checkpoint is resharded: only the byte ranges overlapping this rank's tensors are
+        read (see :mod:`memckpt.reshard`) and a ``resharded`` event says from what to what.
+        """
+        from memckpt.dcp_storage import MemckptReader
+        from memckpt.persist.dcp_source import PersistedSource
+        from memckpt.reshard import check_compatible, load_resharded
         source = f"{store.describe()}@{manifest.step}"
-        return self.load_shard(state, fmt.open_shard(region, source), source)
+        reader = MemckptReader(PersistedSource(store, manifest))
+        try:
+            check_compatible(reader, state, f"checkpoint step {manifest.step} in {store.describe()}")
+        except IncompatibleCheckpointError as e:
+            if self.config.load.on_incompatible != "start_fresh":
+                raise
+            self._event("incompatible_checkpoint", step=manifest.step, tier=store.describe(),
+                        reason=e.message, action="start_fresh")
+            for s in self.persister.stores if self.persister is not None else ():
+                s.protected |= {info.folder for info in s.list_checkpoints()}
+            log.warning("memckpt: %s; load.on_incompatible='start_fresh': starting from step 0",
+                        e.message)
+            return None
+        if manifest.world_size == self.world_size and \
+                same_layout(state, reader.source.header(self.rank)):
+            region = store.read_shard(manifest, self.rank)  # verified
+            return self.load_shard(state, fmt.open_shard(region, source), source)
+        t0 = time.perf_counter()
+        step = load_resharded(state, reader, self.rank, self.config.load.kinds())
+        self._event("resharded", step=step, source=source, from_world_size=manifest.world_size,
+                    to_world_size=self.world_size, bytes_read=reader.source.bytes_read,
+                    seconds=time.perf_counter() - t0)
+        log.info("memckpt: rank %d resharded step %d of %s from %d ranks to %d (%d bytes read)",
+                 self.rank, step, store.describe(), manifest.world_size, self.world_size,
+                 reader.source.bytes_read)
+        return step
 
     def load_shard(self, state: TrainState, shard: fmt.Shard, source: str) -> int:
         """Load a verified shard (from RAM, a file or a peer) into ``state``; returns its step."""

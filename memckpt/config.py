@@ -68,10 +68,25 @@ class WorkersConfig:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     backend: str = "auto"  # torch.distributed backend: gloo on CPU, nccl on GPU
+    # Elastic: when a lost node cannot be replaced, go on with fewer ranks (down to
+    # min_workers; None: num_workers, no shrinking); grow back when nodes with room appear.
+    min_workers: Optional[int] = None
+    grow: bool = True
+    # every world size the job runs at is a multiple of this (a TP degree, a pipeline depth)
+    size_multiple: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("workers.num_workers", self.num_workers)
         _positive_int("workers.workers_per_node", self.workers_per_node)
+        if self.min_workers is None:
+            object.__setattr__(self, "min_workers", self.num_workers)
+        _positive_int("workers.min_workers", self.min_workers)
+        _bool("workers.grow", self.grow)
+        _positive_int("workers.size_multiple", self.size_multiple)
+        if self.min_workers > self.num_workers:
+            _fail("workers.min_workers", self.min_workers,
+                  f"it must be <= workers.num_workers={self.num_workers} (the job never runs "
+                  "more ranks than num_workers)")
         _positive_float("workers.cpus_per_worker", self.cpus_per_worker, allow_zero=True)
         _positive_float("workers.gpus_per_worker", self.gpus_per_worker, allow_zero=True)
         _choice("workers.backend", self.backend, BACKENDS)
@@ -79,10 +94,31 @@ class WorkersConfig:
             _fail("workers.workers_per_node", self.workers_per_node,
                   f"it must divide workers.num_workers={self.num_workers} so every node runs "
                   "the same number of ranks")
+        step = self.size_step
+        for name, value in (("workers.num_workers", self.num_workers),
+                            ("workers.min_workers", self.min_workers)):
+            if value % step:
+                _fail(name, value,
+                      f"every world size must be a multiple of {step} (whole nodes of "
+                      f"workers_per_node={self.workers_per_node}, and "
+                      f"size_multiple={self.size_multiple}): use a multiple of {step}")
 
     @property
     def num_nodes(self) -> int:
         return self.num_workers // self.workers_per_node
+
+    @property
+    def size_step(self) -> int:
+        """World sizes the job may run at differ by multiples of this."""
+        return math.lcm(self.workers_per_node, self.size_multiple)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers < self.num_workers
+
+    def sizes(self) -> tuple[int, ...]:
+        """Every world size the job may run at, largest first (num_workers alone unless elastic)."""
+        return tuple(range(self.num_workers, self.min_workers - 1, -self.size_step))
 
 
 @dataclass(frozen=True)
@@ -160,6 +196,9 @@ class FailurePolicy:
     on_fall_behind: str = "wait"  # background copies behind: wait for them, or skip the snapshot
     collective_timeout_s: float = 300.0  # a torch.distributed call stuck this long fails the step
     warm_spares: bool = True  # keep one idle worker process per node to replace a dead rank
+    # A dead node's ranks wait this long for a node with room (a replacement joining) before
+    # an elastic job (workers.min_workers < num_workers) goes on with fewer ranks.
+    replace_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         _positive_float("failure.heartbeat_interval_s", self.heartbeat_interval_s)
@@ -168,10 +207,14 @@ class FailurePolicy:
         _choice("failure.on_fall_behind", self.on_fall_behind, FALL_BEHIND_POLICIES)
         _positive_float("failure.collective_timeout_s", self.collective_timeout_s)
         _bool("failure.warm_spares", self.warm_spares)
+        _positive_float("failure.replace_timeout_s", self.replace_timeout_s, allow_zero=True)
         if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
             _fail("failure.heartbeat_timeout_s", self.heartbeat_timeout_s,
                   f"it must exceed twice failure.heartbeat_interval_s={self.heartbeat_interval_s} "
                   "or a single late heartbeat would look like a hung worker")
+
+
+ON_INCOMPATIBLE = ("error", "start_fresh")
 
 
 @dataclass(frozen=True)
@@ -180,6 +223,9 @@ class LoadSpec:
 
     content: tuple[str, ...] = ("all",)
     ignore_data_position: bool = False  # the dataset changed: start the data from the beginning
+    # A persisted checkpoint of another model (keys or shapes differ): "error" stops the job
+    # naming the tensor; "start_fresh" starts from step 0 and leaves the old checkpoints alone.
+    on_incompatible: str = "error"
 
     def __post_init__(self) -> None:
         content = tuple(self.content) if not isinstance(self.content, str) else (self.content,)
@@ -188,6 +234,7 @@ class LoadSpec:
             _fail("load.content", self.content, 'name at least one of "all", ' + ", ".join(CONTENT_KINDS))
         for kind in content:
             _choice("load.content", kind, ("all",) + CONTENT_KINDS)
+        _choice("load.on_incompatible", self.on_incompatible, ON_INCOMPATIBLE)
 
     def kinds(self) -> frozenset[str]:
         kinds = set(CONTENT_KINDS) if "all" in self.content else set(self.content)
@@ -253,6 +300,22 @@ class Config:
             _fail("persistence", uris, "give each tier its own uri")
         n, standby = self.workers.num_nodes, self.placement.standby_nodes
         peers = self.placement.replicas - (1 if standby else 0)  # copies among the active nodes
+        if self.workers.elastic and standby:
+            _fail("placement.standby_nodes", standby,
+                  "an elastic job (workers.min_workers < num_workers) uses every node with room "
+                  "for ranks: set placement.standby_nodes=0, or workers.min_workers=num_workers")
+        if self.workers.elastic and self.placement.strategy != "ring" and peers > 0:
+            for size in self.workers.sizes():
+                nodes = size // self.workers.workers_per_node
+                try:
+                    placement.check_feasible(nodes, self.placement.strategy, min(peers, nodes - 1),
+                                             self.placement.group_size)
+                except PlacementError as e:
+                    if nodes > 1:
+                        raise ConfigError(f"workers.min_workers={self.workers.min_workers}: at "
+                                          f"{size} ranks ({nodes} nodes) {e.message}; use "
+                                          "placement.strategy='ring' or raise "
+                                          "workers.min_workers") from None
         if peers > 0 and (n > 1 or standby):
             try:
                 placement.check_feasible(n, self.placement.strategy, peers,

@@ -34,6 +34,10 @@ class StateError(MemckptError):
     """Training state cannot be captured or restored (missing/unexpected keys, bad types)."""
 
 
+class IncompatibleCheckpointError(StateError):
+    """A checkpoint of this job's tier holds another model (keys or shapes differ)."""
+
+
 class ChecksumError(MemckptError):
     """A shard's bytes do not match its checksum, or its file is truncated or malformed."""
 

@@ -184,3 +184,93 @@ def source_label(sources: tuple[str, ...], node: str) -> str:
     if sources == ("persist",):
         return "persisted"
     return "local" if sources[0] == node else f"peer:{sources[0][:12]}"
+
+
+@dataclass(frozen=True)
+class ResizePlan:
+    """Restart the job at another world size from step ``step`` held in RAM: every new rank
+    reads the chunks it needs of every old rank's shard from ``sources`` (old rank -> live
+    nodes holding it, through the universal restore)."""
+
+    step: int
+    from_size: int
+    to_size: int
+    assignment: dict[int, str]  # new rank -> node
+    sources: dict[int, tuple[str, ...]]  # OLD rank -> nodes holding its shard at `step`
+    holders: dict[int, tuple[str, ...]]  # new rank -> replica holders from now on
+    why: str
+    notes: tuple[str, ...] = ()
+
+
+def feasible_size(sizes: Sequence[int], room: int) -> Optional[int]:
+    """The largest of ``sizes`` that fits ``room`` rank slots, None if none does."""
+    fitting = [s for s in sizes if s <= room]
+    return max(fitting) if fitting else None
+
+
+def place_ranks(size: int, alive: Sequence[str], capacity: Mapping[str, int],
+                per_node: int, keep: Sequence[str] = ()) -> dict[int, str]:
+    """``size`` ranks on whole nodes of ``per_node`` ranks, nodes in ``keep`` (where the
+    job ran, in rank order) first, then the other live nodes with room."""
+    usable = [n for n in keep if n in alive and capacity.get(n, 0) >= per_node]
+    usable = list(dict.fromkeys(usable))
+    usable += [n for n in alive if n not in usable and capacity.get(n, 0) >= per_node]
+    nodes = usable[: size // per_node]
+    if len(nodes) * per_node < size:
+        raise RecoveryError(f"{size} ranks need {size // per_node} nodes with room for "
+                            f"{per_node} rank(s), only {len(nodes)} have it")
+    return {r: nodes[r // per_node] for r in range(size)}
+
+
+def plan_resize(assignment: Mapping[int, str], alive: Sequence[str],
+                capacity: Mapping[str, int], inventory: Inventory, replicas: int,
+                sizes: Sequence[int], per_node: int, why: str,
+                committed: Optional[int] = None) -> ResizePlan:
+    """Where an elastic job goes on after losing (or gaining) nodes: the largest size in
+    ``sizes`` (the config's allowed world sizes) that the live nodes' ``capacity`` (rank
+    slots per node) can place, from the newest step every old rank still has in RAM.
+
+    Raises :class:`RecoveryError` naming ``workers.min_workers`` and the lost nodes when
+    even the smallest size does not fit, or naming the ranks whose every copy is gone."""
+    old = sorted(assignment)
+    room = sum(capacity.get(n, 0) // per_node for n in alive) * per_node
+    size = feasible_size(sizes, room)
+    lost = sorted({n for n in assignment.values() if n not in alive})
+    if size is None:
+        raise RecoveryError(
+            f"node(s) {[n[:12] for n in lost]} lost and the live nodes have room for only "
+            f"{room} rank(s), fewer than workers.min_workers={min(sizes)}: add nodes, or lower "
+            "workers.min_workers (or configure a persistence tier to restart from later)")
+    live_inv = {n: inv for n, inv in inventory.items() if n in alive}
+    step = newest_common_step(old, live_inv)
+    if step is None:
+        gone = [r for r in old if not any(live_inv.get(n, {}).get(r) for n in alive)]
+        raise RecoveryError(
+            f"every RAM copy of rank(s) {gone} is gone (last committed step {committed}): "
+            "their node and all their replica holders died; configure a persistence tier "
+            "or raise placement.replicas")
+    keep = [assignment[r] for r in old]
+    new = place_ranks(size, alive, capacity, per_node, keep)
+    sources = {}
+    for r in old:
+        nodes = [n for n in alive if step in live_inv.get(n, {}).get(r, ())]
+        nodes.sort(key=lambda n: n not in new.values())  # a node the new job runs on first
+        sources[r] = tuple(nodes)
+    nodes_used = list(dict.fromkeys(new.values()))
+    new_holders = repair_holders({}, new, nodes_used, replicas)
+    notes = []
+    if committed is not None and step < committed:
+        notes.append(f"rolled back past committed step {committed} to {step}: copies were lost")
+    short = [r for r, hs in new_holders.items() if len(hs) < replicas]
+    if short:
+        notes.append(f"at {len(nodes_used)} node(s) rank(s) {short} keep fewer than {replicas} "
+                     "replicas until nodes are added")
+    return ResizePlan(step, len(old), size, new, sources, new_holders, why, tuple(notes))
+
+
+def growth_size(current: int, sizes: Sequence[int], alive: Sequence[str],
+                capacity: Mapping[str, int], per_node: int) -> Optional[int]:
+    """A larger world size the live nodes can now place (a node added or back), or None."""
+    room = sum(capacity.get(n, 0) // per_node for n in alive) * per_node
+    size = feasible_size(sizes, room)
+    return size if size is not None and size > current else None

@@ -296,6 +296,17 @@ class Chunks:
         return self.data_offset + start, min(self.chunk_bytes, data_len - start)
 
 
+def header_end(prefix: np.ndarray | bytes, source: str) -> int:
+    """Where a shard's header ends, from its 64-byte prefix: the bytes to read for
+    :func:`read_header` with ``check_length=False`` (a ranged read of a stored shard)."""
+    if len(prefix) < PREFIX.size:
+        raise ChecksumError(f"{source}: truncated ({len(prefix)} bytes, less than the 64-byte prefix)")
+    magic, _version, _state, cap, hlen = PREFIX.unpack_from(bytes(prefix[:PREFIX.size]), 0)[:5]
+    if magic != MAGIC or hlen > cap:
+        raise ChecksumError(f"{source}: not a memckpt shard (bad magic or corrupt prefix)")
+    return PREFIX.size + hlen
+
+
 def read_header(region: np.ndarray, source: str, check_length: bool = True,
                 require_complete: bool = True) -> tuple[dict[str, Any], Layout, int]:
     """Parse and check the prefix and header; returns (header, layout, header_capacity).

@@ -131,6 +131,10 @@ def _local_alias(t: torch.Tensor, name: str, dtensors: dict[str, Any]) -> torch.
 Wrap = Callable[[str, torch.Tensor], torch.Tensor]
 
 
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor],
                clone: Callable[[torch.Tensor], torch.Tensor] = torch.clone,
                wrap: Optional[Wrap] = None) -> Any:
@@ -152,6 +156,12 @@ def _unflatten(obj: Any, tensors: Mapping[str, torch.Tensor],
                     for k, v in obj["__items__"]}
         return {k: _unflatten(v, tensors, clone, wrap) for k, v in obj.items()}
     return obj
+
+
+def unflatten(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """A captured JSON skeleton back to Python values (tuples, dicts with non-string
+    keys), its tensors taken from ``tensors`` by name (cloned)."""
+    return _unflatten(obj, tensors)
 
 
 def _tensor(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -229,6 +239,15 @@ class TrainState:
         return {f"{mname}/{fqn}": p for mname, m in self.models.items()
                 for fqn, p in m.named_parameters()}
 
+    def local_optimizer(self, oname: str) -> torch.optim.Optimizer:
+        """The optimizer holding this rank's state (for ZeRO its shard's optimizer)."""
+        return _local_optimizer(self.optimizers[oname])
+
+    def optimizer_params(self, oname: str) -> list[list[str]]:
+        """Names of the parameters in each group of optimizer ``oname``'s local optimizer
+        (for ZeRO, the parameters this rank owns)."""
+        return self._optimizer_names(oname, self.local_optimizer(oname), self._param_names())
+
     # -- capture ---------------------------------------------------------------------------
     def capture(self, step: int) -> Captured:
         """Named live tensors and metadata for ``step``. Copies nothing large."""
@@ -290,13 +309,15 @@ class TrainState:
 
     # -- load ------------------------------------------------------------------------------
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
-             content: Optional[Iterable[str]] = None, memory: LoadMemory = LoadMemory()) -> int:
+             content: Optional[Iterable[str]] = None, memory: LoadMemory = LoadMemory(), *,
+             clone: bool = True) -> int:
         """Put a snapshot's state back into the live objects; returns its step.
 
         ``content`` limits what is loaded (kinds from ``memckpt.config.CONTENT_KINDS``;
         None loads everything); ``memory`` says how new memory is prepared. Missing or unexpected entries raise
         :class:`StateError` naming them; nothing is half-loaded for a model
-        whose keys do not match.
+        whose keys do not match. ``clone=False`` takes the optimizer state tensors as
+        they are instead of copying them (tensors made for this load, owned by nobody else).
         """
         kinds = set(CONTENT_KINDS if content is None else content)
         dtensors: Mapping[str, Any] = meta.get("dtensors", {})
@@ -325,7 +346,7 @@ class TrainState:
             for oname, opt in self.optimizers.items():
                 local = _local_optimizer(opt)
                 self._load_optimizer(oname, local, meta["optimizers"][oname], tensors, names,
-                                     memory.clone, dtensors)
+                                     memory.clone if clone else _as_is, dtensors)
                 if local is not opt:  # ZeRO: its own groups feed the shard's at every step
                     for outer, inner in zip(opt.param_groups, local.param_groups):
                         outer.update({k: v for k, v in inner.items() if k != "params"})
@@ -394,13 +415,32 @@ class TrainState:
                 return t
             return wrap
 
-        state = {index[p]: _unflatten(st, tensors, clone, as_live(p)) for p, st in saved["state"].items()}
+        state = {index[p]: _unflatten(st, tensors, clone, as_live(p))
+                 for p, st in saved["state"].items()}
         groups = []
         for group, cur in zip(stored_groups, current):
             g = {k: _unflatten(v, tensors, clone) for k, v in group.items() if k != "params"}
             g["params"] = [index[p] for p in cur]
             groups.append(g)
         opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def same_layout(state: TrainState, header: Any) -> bool:
+    """True if a shard header (a :class:`memckpt.dcp_storage.ShardHeader`) holds this
+    rank's model tensors as the live state lays them out (same local shapes and, for
+    DTensors, the same offsets): then the shard loads as it is, else it is resharded."""
+    cap = state.capture(int(header.header.get("step", 0)))
+    live_dt = cap.meta.get("dtensors") or {}
+    for name, t in cap.tensors:
+        if not name.startswith("model/"):
+            continue
+        e = header.entries.get(name)
+        if e is None or e.shape != tuple(t.shape):
+            return False
+        stored_dt = (header.meta.get("dtensors") or {}).get(name)
+        if (stored_dt or {}).get("offsets") != (live_dt.get(name) or {}).get("offsets"):
+            return False
+    return True
 
 
 def restore_allocations(layout: fmt.Layout, min_bytes: int = 0
@@ -415,8 +455,11 @@ def restore_allocations(layout: fmt.Layout, min_bytes: int = 0
 def _local_optimizer(opt: Any) -> Any:
     """The optimizer holding this rank's state: ZeroRedundancyOptimizer keeps only its
     shard in ``.optim`` (its own ``state_dict`` needs a collective consolidation)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+    # Not imported here: importing torch.distributed.optim compiles TorchScript (~0.5 s),
+    # and a ZeroRedundancyOptimizer exists only once its module is loaded.
+    import sys
+    mod = sys.modules.get("torch.distributed.optim")
+    return opt.optim if mod is not None and isinstance(opt, mod.ZeroRedundancyOptimizer) else opt
 
 
 def _rng_state() -> dict[str, Any]:

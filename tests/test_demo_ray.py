@@ -52,3 +52,20 @@ def test_fsdp_demo_recovers_bit_identically(tmp_path):
     s = json.loads(summary.read_text())
     assert s["identical"] is True and len(s["recoveries"]) == 1
     assert len(set(s["rank_digests"])) == 3  # sharded: every rank holds other chunks
+
+
+def test_elastic_demo_shrinks_and_grows_back(tmp_path):
+    """``memckpt demo --fault node --elastic``: 3 -> 2 ranks from RAM, a node added, back
+    to 3; the timeline picture is drawn in the run folder (under the working directory)."""
+    summary = tmp_path / "summary.json"
+    res = subprocess.run([sys.executable, "-m", "memckpt.cli", "demo", "--fault", "node",
+                          "--elastic", "--tiny", "--steps", "40", "--kill-at", "5",
+                          "--summary", str(summary)],
+                         capture_output=True, text=True, timeout=840, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert [r["resized"] for r in s["recoveries"]] == [{"from": 3, "to": 2},
+                                                       {"from": 2, "to": 3}]
+    assert s["world_size"] == 3 and len(s["losses"]) == 40
+    assert "resized from 3 to 2 ranks" in res.stdout
+    assert (tmp_path / "runs" / "demo-elastic" / "timeline.png").stat().st_size > 0

@@ -82,3 +82,23 @@ def test_report_of_a_run_with_a_worker_killed(cluster, tmp_path, capsys):
     assert png_size(run_dir / "timeline.png") == (WIDTH_PX, HEIGHT_PX)
     assert json.loads((run_dir / "timeline.json").read_text())["rollbacks"] == [rollback]
     assert "1 failure(s)" in capsys.readouterr().out
+
+
+def test_world_size_over_the_steps_of_an_elastic_run(tmp_path):
+    """A resized run's events give the world size from each step on, and the picture."""
+    from memckpt.cli.report import draw, load_timeline
+    lines = [{"time": 1.0, "event": "job_started", "world_size": 3},
+             {"time": 5.0, "event": "failure_detected", "what": "node lost", "gen": 0},
+             {"time": 6.0, "event": "resized", "from_world_size": 3, "to_world_size": 2,
+              "step": 4, "why": "node lost", "gen": 1, "sources": {}},
+             {"time": 9.0, "event": "resized", "from_world_size": 2, "to_world_size": 3,
+              "step": 8, "why": "nodes with room appeared", "gen": 2, "sources": {}}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "losses.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 11)))
+    t = load_timeline(tmp_path)
+    assert [(w["from_step"], w["world_size"]) for w in t["world_sizes"]] == \
+        [(1, 3), (5, 2), (9, 3)]
+    assert [r["resumed_step"] for r in t["recoveries"]] == [4, 8]
+    draw(t, tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0

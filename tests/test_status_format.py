@@ -26,3 +26,17 @@ def test_status_shows_placement_progress_and_the_standby_holder():
 def test_no_standby_line_when_every_holder_runs_ranks():
     ring = dict(STATUS, holders={"0": [STATUS["assignment"]["1"]], "1": [STATUS["assignment"]["0"]]})
     assert "running no rank" not in format_status("gpt", ring, now=100.0)
+
+
+def test_elastic_job_shows_its_size_last_resize_and_pending_growth():
+    el = dict(STATUS, elastic={
+        "world_size": 2, "num_workers": 3, "min_workers": 2, "pending_growth": 3,
+        "last_resize": {"from": 3, "to": 2, "step": 5, "why": "rank 1's worker died",
+                        "sources": {"0": ["ram:nodeA"], "1": ["ram:nodeC"]}}})
+    lines = format_status("gpt", el, now=100.0).splitlines()
+    assert "world size 2 of 3 (min 2)" in lines
+    assert any(x.startswith("last resize: from 3 to 2 ranks at step 5 (rank 1's worker died)")
+               for x in lines)
+    assert "pending growth: to 3 ranks at the next committed step (nodes with room appeared)" \
+        in lines
+    assert "world size" not in format_status("gpt", STATUS, now=100.0)

@@ -32,8 +32,8 @@ from typing import Any, Optional
 from memckpt.bench import recovery_job as rjob
 from memckpt.bench.alternatives import (StallJob, make_compute, raytrain_poll, raytrain_recovery,
                                         raytrain_stall)
-from memckpt.bench.common import human_bytes, human_s, machine_info, machine_line, write_rows
-from memckpt.bench.snapshot import parse_sizes
+from memckpt.bench.common import (human_bytes, human_s, machine_info, machine_line, parse_sizes,
+                                  write_rows)
 
 PARTS = ("stall", "recovery", "lost_work")
 OVERHEAD = 0.05  # the step overhead a checkpoint interval may cost

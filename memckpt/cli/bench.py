@@ -28,6 +28,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "ray-train": ("memckpt.bench.ray_train",
                   "inside Ray Train: memckpt's snapshot vs ray.train.report(checkpoint=...); "
                   "recovery after a killed worker"),
+    "elastic": ("memckpt.bench.elastic",
+                "elastic shrink: node death -> first step at fewer ranks, RAM reshard vs restart "
+                "+ DCP load"),
+    "reshard": ("memckpt.bench.reshard",
+                "restore FSDP2 state of 4 ranks into 2 and 3 (disk, RAM) vs dcp.load of the same"),
 }
 
 

@@ -1,4 +1,4 @@
-"""``memckpt ls ROOT`` and ``memckpt export ROOT --step N --weights-only OUT``."""
+"""``memckpt ls ROOT`` and ``memckpt export ROOT [--step N] (--weights-only OUT | --dcp OUT_DIR)``."""
 
 from __future__ import annotations
 
@@ -54,8 +54,13 @@ def ls_main(args: argparse.Namespace) -> int:
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("root", metavar="ROOT", help="a persistence root: a directory or s3://bucket/prefix")
     parser.add_argument("--step", type=int, help="the step to export (default: the newest valid)")
-    parser.add_argument("--weights-only", metavar="OUT", required=True,
-                        help="write the model's parameters here (.safetensors or .pt)")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--weights-only", metavar="OUT",
+                      help="write the model's parameters here (.safetensors or .pt), whole "
+                           "tensors even from a sharded (FSDP2/TP) checkpoint")
+    what.add_argument("--dcp", metavar="OUT_DIR",
+                      help="write a standard torch.distributed.checkpoint (DCP) checkpoint of "
+                           "the model and optimizer here (keys: model.*, optim.*)")
     parser.add_argument("--model", help="with several models in the state, which one")
 
 
@@ -82,6 +87,13 @@ def export_main(args: argparse.Namespace) -> int:
             raise NoSnapshotError(f"no complete checkpoint of step {args.step} under "
                                   f"{store.describe()}; complete steps: {steps}")
         manifest = infos[0].manifest
+    if args.dcp:
+        from memckpt.dcp_storage import MemckptReader
+        from memckpt.persist.dcp_source import PersistedSource
+        from memckpt.persist.export import export_dcp
+        keys = export_dcp(MemckptReader(PersistedSource(store, manifest)), args.dcp)
+        print(f"exported {len(keys)} entries of step {manifest.step} to {args.dcp} (DCP)")
+        return 0
     fmt = "pt" if args.weights_only.endswith((".pt", ".pth", ".bin")) else "safetensors"
     keys = export_weights(manifest, args.weights_only, fmt=fmt, store=store, model=args.model)
     print(f"exported {len(keys)} tensors of step {manifest.step} to {args.weights_only} ({fmt})")

@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--s3", metavar="URI",
                         help="with --fault cluster: also persist to this s3://bucket/prefix "
                              "(endpoint and credentials from the AWS environment)")
+    parser.add_argument("--elastic", action="store_true",
+                        help="with --fault node: 3 one-rank nodes and no spare room; the job "
+                             "goes on with 2 ranks from RAM, then grows back to 3 when a node "
+                             "is added")
     parser.add_argument("--no-compare", dest="compare", action="store_false",
                         help="multi-node demo: skip the uninterrupted reference run")
     parser.add_argument("--steps", type=_positive_int, default=None, metavar="N",
@@ -87,6 +91,9 @@ def _validate(args: argparse.Namespace) -> None:
     if args.local and args.model != "ddp":
         parser.error(f"argument --model: {args.model} runs in the multi-node demo; "
                      "leave out --local")
+    if args.elastic and (args.local or args.fault != "node" or args.model != "ddp"):
+        parser.error("argument --elastic: only with --fault node and --model ddp "
+                     "(the multi-node demo)")
     if args.tiny and args.size not in (None, "tiny"):
         parser.error(f"argument --tiny: not allowed with --size {args.size}")
     if args.summary:  # its folder is made if missing: the nearest existing one must allow it
@@ -108,9 +115,25 @@ def _run_ray(args: argparse.Namespace) -> int:
     size = "tiny" if args.tiny else (args.size or "mini")
     return run_ray_demo(fault=args.fault, steps=args.steps, kill_at=args.kill_at, size=size,
                         summary=args.summary, compare=args.compare, seed=args.seed,
-                        s3=args.s3, model=args.model)
+                        s3=args.s3, model=args.model, elastic=args.elastic)
+
+
+def _timeline(job: str) -> None:
+    """The elastic demo's picture: loss, failures and the world size over the steps."""
+    from memckpt.cli.report import draw, load_timeline
+    from memckpt.runtime.driver import default_run_dir
+    run_dir = default_run_dir(job)
+    draw(load_timeline(run_dir), run_dir / "timeline.png")
+    print(f"timeline (world size over the steps): {run_dir / 'timeline.png'}; "
+          f"redraw with `memckpt report {run_dir}`", flush=True)
 
 
 def main(args: argparse.Namespace) -> int:
     _validate(args)
-    return _run_local(args) if args.local else _run_ray(args)
+    if args.local:
+        return _run_local(args)
+    rc = _run_ray(args)
+    if args.elastic:
+        from memckpt.demo.ray_demo import ELASTIC_JOB
+        _timeline(ELASTIC_JOB)
+    return rc

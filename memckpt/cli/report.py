@@ -2,8 +2,8 @@
 
 Reads the run folder the coordinator and runtime write (``events.jsonl``,
 ``losses.jsonl``, ``steps.jsonl``) of a finished or running job. Top panel: loss
-per step, failures, resumes and the steps redone after each resume (shaded);
-bottom panel: each step's snapshot stall (every rank, and the slowest).
+per step, failures, resumes and the steps redone after each resume (shaded), and
+the world size over the steps when an elastic job resized; bottom panel: each step's snapshot stall (every rank, and the slowest).
 """
 
 from __future__ import annotations
@@ -78,7 +78,16 @@ def load_timeline(run_dir: Path) -> dict[str, Any]:
     return {"run_dir": str(run_dir), "job_started": started,
             "figure": {"width_px": WIDTH_PX, "height_px": HEIGHT_PX, "dpi": DPI},
             "steps": steps, "failures": failures, "recoveries": recoveries,
-            "rollbacks": rollbacks}
+            "rollbacks": rollbacks, "world_sizes": _world_sizes(events)}
+
+
+def _world_sizes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The world size from each step on: the job's start, then every resize (elastic)."""
+    out = [{"from_step": 1, "world_size": e["world_size"], "time": e["time"]}
+           for e in events[:1] if e["event"] == "job_started" and "world_size" in e]
+    out += [{"from_step": e["step"] + 1, "world_size": e["to_world_size"], "time": e["time"],
+             "why": e.get("why")} for e in events if e["event"] == "resized"]
+    return out
 
 
 def _incidents(events: list[dict[str, Any]]
@@ -95,11 +104,13 @@ def _incidents(events: list[dict[str, Any]]
             failures.append({"time": e["time"], "step": e.get("reached_step"),
                              "committed": e.get("committed"), "what": e.get("what"),
                              "ranks": e.get("ranks"), "gen": e.get("gen")})
-        elif e["event"] == "recovery_plan":
+        elif e["event"] in ("recovery_plan", "resized"):
             done = finished.get(e.get("gen"), {})
-            rec = {"time": e["time"], "resumed_step": e["resumed_step"], "gen": e.get("gen"),
+            resumed = e["resumed_step"] if e["event"] == "recovery_plan" else e["step"]
+            rec = {"time": e["time"], "resumed_step": resumed, "gen": e.get("gen"),
                    "what": e.get("what"), "sources": e.get("sources"),
-                   "dead_nodes": e.get("dead_nodes"), "finished_at": done.get("time"),
+                   "dead_nodes": e.get("dead_nodes", e.get("lost_nodes")),
+                   "finished_at": done.get("time"),
                    "phases_s": done.get("phases_s")}
             recoveries.append(rec)
             reached = failures[-1]["step"] if failures else None
@@ -149,6 +160,15 @@ def draw(timeline: dict[str, Any], out: Path) -> None:
                      xycoords=("data", "axes fraction"), xytext=(-4, 4),
                      textcoords="offset points", ha="right", fontsize=8, color="tab:green")
     top.set_ylabel("loss")
+    sizes = timeline.get("world_sizes") or []
+    if len(sizes) > 1 and steps:  # an elastic job resized: its world size over the steps
+        ws = top.twinx()
+        xs = [s["from_step"] - 0.5 for s in sizes] + [steps[-1]["step"] + 0.5]
+        ys = [s["world_size"] for s in sizes] + [sizes[-1]["world_size"]]
+        ws.step(xs, ys, where="post", color="tab:purple", lw=2, label="world size (ranks)")
+        ws.set_ylabel("world size (ranks)", color="tab:purple")
+        ws.set_ylim(0, max(ys) + 1)
+        ws.legend(loc="lower left", fontsize=8)
     top.set_title(f"{Path(timeline['run_dir']).name}: {len(steps)} steps, "
                   f"{len(timeline['failures'])} failure(s), "
                   f"{len(timeline['recoveries'])} recovery(ies)")

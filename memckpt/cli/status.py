@@ -27,6 +27,17 @@ def format_status(job: str, s: dict, now: float) -> str:
     if idle:  # placement.standby_nodes, or holders a recovery left without ranks
         lines.append("holding replicas, running no rank (take over a dead node's ranks): "
                      + ", ".join(n[:12] for n in idle))
+    el = s.get("elastic")
+    if el:
+        lines.append(f"world size {el.get('world_size')} of {el.get('num_workers')} "
+                     f"(min {el.get('min_workers')})")
+        last = el.get("last_resize")
+        if last:
+            lines.append(f"last resize: from {last['from']} to {last['to']} ranks at step "
+                         f"{last['step']} ({last['why']}); chunks from {last['sources']}")
+        if el.get("pending_growth"):
+            lines.append(f"pending growth: to {el['pending_growth']} ranks at the next "
+                         "committed step (nodes with room appeared)")
     for rank, m in sorted(s["metrics"].items(), key=lambda kv: int(kv[0])):
         lines.append(f"  rank {rank}: step {m.get('step')}, snapshot stall "
                      f"{1000 * m.get('stall_s', 0):.1f} ms, last report "

@@ -17,8 +17,9 @@ Both are small picklable callables: ``memckpt.run(FSDPJob(steps=40), config)``.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,10 @@ class GPTJob:
     steps: int = 40
     size: str = "mini"  # a preset of memckpt.demo.model.PRESETS
     seed: int = 0
-    batch_size: int = 4  # per data-parallel rank
+    batch_size: int = 4  # per rank (the micro batch with global_batch)
+    # samples per optimizer step over all ranks, kept at any world size (an elastic job)
+    # with ctx.batch_plan's gradient accumulation; None: batch_size per rank, no accumulation
+    global_batch: Optional[int] = None
     lr: float = 3e-3
     step_delay_s: float = 0.0  # stretch steps (drills on fast models)
     zero: bool = True  # shard AdamW's state across ranks (ZeroRedundancyOptimizer)
@@ -149,14 +153,21 @@ def _train(job: Any, ctx: Any, net: Any, model: Any, opt: Any, data: Any, dp_ran
 
     stream = batches()
     net.train()
+    global_batch = getattr(job, "global_batch", None)
+    accum = ctx.batch_plan(global_batch, job.batch_size) if global_batch else 1
     for step in range(start + 1, job.steps + 1):
-        x, y = (t.to(device) for t in next(stream))
-        _, loss = net(x, y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        mean = torch.zeros((), device=device)
+        for k in range(accum):
+            x, y = (t.to(device) for t in next(stream))
+            # DDP all-reduces the gradients once, after the last micro batch
+            last = k == accum - 1 or not hasattr(net, "no_sync")
+            with contextlib.nullcontext() if last else net.no_sync():
+                _, loss = net(x, y)
+                (loss / accum if accum > 1 else loss).backward()
+            mean += loss.detach() / accum
         opt.step()
         sched.step()
-        mean = loss.detach().clone()
         if distributed:
             dist.all_reduce(mean)
             mean /= ctx.world_size

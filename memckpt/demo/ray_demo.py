@@ -61,17 +61,81 @@ def drill_notices(fault: str) -> Iterator[None]:
         sys.stdout = out
 
 
-def demo_config(job_name: str, nodes: int = 3, replicas: int = 1, persist: tuple = ()):
+ELASTIC_GLOBAL_BATCH = 12  # 2 micro batches of 2 per rank at 3 ranks, 3 at 2
+ELASTIC_ADD_AFTER_S = 3.0  # the elastic demo adds a node back this long after the loss
+
+
+def demo_config(job_name: str, nodes: int = 3, replicas: int = 1, persist: tuple = (),
+                min_workers: Optional[int] = None):
     import memckpt
     return memckpt.Config(
         job_name=job_name,
         persistence=tuple(memckpt.PersistTier(uri, every=5, keep_last=2) for uri in persist),
-        workers=memckpt.WorkersConfig(num_workers=nodes, workers_per_node=1, cpus_per_worker=1),
+        workers=memckpt.WorkersConfig(num_workers=nodes, workers_per_node=1, cpus_per_worker=1,
+                                      min_workers=min_workers),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=replicas),
         snapshot_every=1,
         failure=memckpt.FailurePolicy(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0,
-                                      max_restarts=3, collective_timeout_s=60.0),
+                                      max_restarts=3, collective_timeout_s=60.0,
+                                      replace_timeout_s=2.0,
+                                      warm_spares=min_workers is None),
     )
+
+
+ELASTIC_JOB = "demo-elastic"
+
+
+def _elastic_demo(steps: int, kill_at: int, size: str, seed: int) -> dict:
+    """3 one-rank nodes, no room to spare: a node dies, the job goes on with 2 ranks from
+    RAM; a node is added back and the job grows to 3. ``memckpt report`` draws it."""
+    import threading
+    import time
+
+    import memckpt
+    from memckpt.demo.job import GPTJob
+    from memckpt.runtime.driver import default_run_dir
+    from memckpt.runtime.faults import FaultInjector
+    from memckpt.runtime.local_cluster import local_cluster
+
+    job = GPTJob(steps=steps, size=size, seed=seed, batch_size=2,
+                 global_batch=ELASTIC_GLOBAL_BATCH, step_delay_s=0.3)
+    run_dir = default_run_dir(ELASTIC_JOB)
+    done: dict[str, Any] = {}
+    with local_cluster(nodes=3, cpus_per_node=1) as cluster:
+        inj = FaultInjector(node_killer=cluster.remove_node).kill_node(rank=1, at_step=kill_at)
+
+        def train() -> None:
+            try:
+                done["result"] = memckpt.run(job, demo_config(ELASTIC_JOB, min_workers=2),
+                                             run_dir=run_dir, injector=inj)
+            except BaseException as e:  # noqa: BLE001 (re-raised in the main thread)
+                done["error"] = e
+
+        runner = threading.Thread(target=train, name="memckpt-demo-job")
+        runner.start()
+        # Ray adds nodes from the main thread only; the job runs in another
+        while runner.is_alive() and not _resized(run_dir):
+            time.sleep(0.2)
+        if runner.is_alive():
+            time.sleep(ELASTIC_ADD_AFTER_S)
+            print("adding a node with room for a rank", flush=True)
+            cluster.add_node()
+        runner.join()
+    if "error" in done:
+        raise done["error"]
+    result = done["result"]
+    for rec in result["recoveries"]:
+        r = rec.get("resized") or {}
+        print(f"resized from {r.get('from')} to {r.get('to')} ranks at step "
+              f"{rec['resumed_step']} ({rec['what']}); chunks read from RAM: {rec['sources']}",
+              flush=True)
+    result["run_dir"] = str(run_dir)
+    return result
+
+
+def _resized(run_dir: Path) -> bool:
+    path = run_dir / "events.jsonl"
+    return path.exists() and '"event": "resized"' in path.read_text()
 
 
 def injector_for(fault: str, kill_at: int, cluster) -> "Any":
@@ -147,7 +211,8 @@ PARALLELISM = {"ddp": "DDP + ZeRO", "fsdp": "FSDP2 (every block fully_shard-ed)"
 
 def run_ray_demo(fault: str = "worker", steps: int = 30, kill_at: Optional[int] = None,
                  size: str = "mini", summary: Optional[str] = None, compare: bool = True,
-                 seed: int = 0, s3: Optional[str] = None, model: str = "ddp") -> int:
+                 seed: int = 0, s3: Optional[str] = None, model: str = "ddp",
+                 elastic: bool = False) -> int:
     import memckpt
     from memckpt.demo.job import FSDPJob, GPTJob
     from memckpt.runtime.local_cluster import local_cluster
@@ -162,6 +227,12 @@ def run_ray_demo(fault: str = "worker", steps: int = 30, kill_at: Optional[int] 
           f"over gloo, {steps} steps, snapshot every step, ring placement (1 replica on the "
           f"next node); fault: {fault}" + (f" at step {kill_at}" if fault != "none" else ""), flush=True)
     try:
+        if elastic:
+            result = _elastic_demo(steps, kill_at, size, seed)
+            if summary:
+                Path(summary).write_text(json.dumps(result, indent=1, default=str))
+            sizes = [r.get("resized", {}).get("to") for r in result["recoveries"]]
+            return 0 if sizes[-2:] == [2, 3] else 1
         if fault == "cluster":
             result = _whole_cluster_drill(job, kill_at, run_root, s3)
         with local_cluster(nodes=3) as cluster:

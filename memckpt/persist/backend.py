@@ -109,6 +109,11 @@ def partial_target(name: str) -> Optional[str]:
     return m.group("name") if m else None
 
 
+def check_range(offset: int, length: int) -> None:
+    if offset < 0 or length < 0:
+        raise PersistError(f"byte range offset={offset}, length={length} is invalid: both must be >= 0")
+
+
 def as_bytes_view(data: Data) -> memoryview:
     if isinstance(data, np.ndarray):
         if not data.flags.c_contiguous:
@@ -175,6 +180,13 @@ class StorageBackend(abc.ABC):
 
         Raises :class:`ObjectNotFoundError` when the key does not exist.
         """
+
+    def get_range(self, key: str, offset: int, length: int) -> np.ndarray:
+        """Bytes ``[offset, offset + length)`` of the object as a new 1-D ``uint8`` array
+        (shorter only if the object ends first). Backends read just that range; this
+        default reads the whole object."""
+        check_range(offset, length)
+        return self.get(key)[offset: offset + length].copy()
 
     @abc.abstractmethod
     def list_sizes(self, prefix: str = "") -> dict[str, int]:

@@ -137,6 +137,9 @@ class CheckpointStore:
         s3_options.setdefault("read_timeout", request_s)
         s3_options.setdefault("connect_timeout", min(10.0, request_s))
         self.backend = backend if backend is not None else open_backend(uri, **s3_options)
+        # folders of another model's checkpoints a job started fresh beside
+        # (LoadSpec.on_incompatible="start_fresh"): never written, never removed by retention
+        self.protected: set[str] = set()
 
     def describe(self) -> str:
         return self.backend.describe()
@@ -167,10 +170,17 @@ class CheckpointStore:
         A persister skips such a step (e.g. the newest committed step persisted
         again on SIGTERM) instead of rewriting it.
         """
+        return self.committed(step) is not None
+
+    def committed(self, step: int) -> Optional[Manifest]:
+        """The valid manifest of ``step`` in this tier, or None (shards are not read)."""
         if not self.two_slot:
-            return self._read_manifest(step_folder(step))[0] is not None
-        return any((m := self._read_manifest(slot)[0]) is not None and m.step == step
-                   for slot in SLOT_FOLDERS)
+            return self._read_manifest(step_folder(step))[0]
+        for slot in SLOT_FOLDERS:
+            m = self._read_manifest(slot)[0]
+            if m is not None and m.step == step:
+                return m
+        return None
 
     def write_shard(self, step: int, rank: int, data: Data, *, folder: Optional[str] = None,
                     verify: bool = True, replace: bool = False) -> ShardEntry:
@@ -288,6 +298,7 @@ class CheckpointStore:
                    == (ref.job, ref.fingerprint, ref.world_size)]  # newest first
         doomed = [i for i in lineage[self.keep_last:] if i.folder != ref.folder]
         doomed += [i for i in steps if not i.complete and i.step is not None and i.step < ref.step]
+        doomed = [i for i in doomed if i.folder not in self.protected]
         for info in doomed:
             self._delete_folder(info.folder, folders.get(info.folder, {}))
             touched.append(info.folder)

@@ -22,6 +22,7 @@ from memckpt.persist.backend import (
     as_bytes_view,
     check_key,
     check_prefix,
+    check_range,
 )
 from memckpt.persist.errors import ObjectNotFoundError, PersistError, UnsafeKeyError
 
@@ -106,6 +107,25 @@ class LocalBackend(StorageBackend):
                 return out
         except OSError as e:
             raise self._error("get", key, e) from e
+
+    def get_range(self, key: str, offset: int, length: int) -> np.ndarray:
+        check_range(offset, length)
+        path = self._path(key)
+        out = np.empty(length, dtype=np.uint8)
+        view, pos = memoryview(out), 0
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                while pos < length:
+                    n = os.preadv(fd, [view[pos: pos + CHUNK]], offset + pos)
+                    if not n:  # the object ends first
+                        return out[:pos].copy()
+                    pos += n
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise self._error("read", key, e) from e
+        return out
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
         check_prefix(prefix)

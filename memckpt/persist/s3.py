@@ -25,6 +25,7 @@ from memckpt.persist.backend import (
     as_bytes_view,
     check_key,
     check_prefix,
+    check_range,
     sanitize_url,
     scrub,
 )
@@ -316,6 +317,33 @@ class S3Backend(StorageBackend):
             raise PersistError(f"get {self.uri}/{key}: received {writer.written} of {size} bytes "
                                "(the object changed while it was read)", retryable=True, uri=self.uri)
         return out
+
+    def get_range(self, key: str, offset: int, length: int) -> np.ndarray:
+        check_range(offset, length)
+        out = np.empty(length, dtype=np.uint8)
+        if not length:
+            return out
+        full = self._full(key)
+        writer = _Writer(out)
+        try:
+            client, _ = self._s3()
+            resp = client.get_object(Bucket=self.bucket, Key=full,
+                                     Range=f"bytes={offset}-{offset + length - 1}")
+            body = resp["Body"]
+            try:
+                while writer.written < length:
+                    chunk = body.read(min(CHUNK, length - writer.written))
+                    if not chunk:
+                        break
+                    writer.write(chunk)
+            finally:
+                body.close()
+        except Exception as e:
+            err = self._error("get", key, e)
+            if "InvalidRange" in str(e):  # the object ends before offset
+                return out[:0].copy()
+            raise err from e
+        return out if writer.written == length else out[: writer.written].copy()
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
         check_prefix(prefix)

@@ -47,6 +47,9 @@ class _Job:
 class Persister:
     """Writes this rank's shard of due steps to each tier; ``on_written`` commits them.
 
+    A step a tier already holds committed is not written again; when that checkpoint
+    is another world size's (``world_size`` given), a ``persist_refused`` event says so.
+
     ``folder_for(tier, step)`` names the folder the step goes into (decided once
     per step for all ranks); ``on_written(tier, step, entry)`` is called after the
     shard is stored (single process: commit the manifest; multi-rank: tell the
@@ -56,11 +59,12 @@ class Persister:
     def __init__(self, tiers: Sequence[PersistTier], rank: int, reader: Reader, staging: Path,
                  folder_for: Callable[[int, int], str],
                  on_written: Callable[[int, int, ShardEntry], None],
-                 on_event: Callable[..., None]) -> None:
+                 on_event: Callable[..., None], world_size: Optional[int] = None) -> None:
         self.tiers = tuple(tiers)
         self.stores = [CheckpointStore(t) for t in self.tiers]
         self.rank, self.reader, self.staging_path = rank, reader, staging
         self.folder_for, self.on_written, self.on_event = folder_for, on_written, on_event
+        self.world_size = world_size  # a committed step of another world size is never touched
         self._staging: Optional[RamRegion] = None
         self._cond = threading.Condition()
         self._pending: Optional[_Job] = None
@@ -258,13 +262,25 @@ class Persister:
                         return
                 t0 = time.perf_counter()
                 try:
-                    if store.is_committed(job.step):
+                    held = store.committed(job.step)
+                    folder = self.folder_for(tier, job.step)
+                    refused = None
+                    if held is not None and self.world_size not in (None, held.world_size):
+                        refused = f"a checkpoint of {held.world_size} ranks"
+                    elif folder in store.protected:
+                        refused = "another model's checkpoint (started fresh beside it)"
+                    if refused:
+                        self.on_event("persist_refused", step=job.step, tier=store.describe(),
+                                      reason=f"{store.describe()}/{folder} holds {refused}; "
+                                             "left untouched")
+                        break
+                    if held is not None:
                         self._landed(tier, job.step)
                         break  # already persisted (e.g. again at shutdown)
                     if self._closed:  # close() gave up on this tier: write nothing more
                         return
                     entry = store.write_shard(job.step, self.rank, data, verify=False,
-                                              folder=self.folder_for(tier, job.step), replace=True)
+                                              folder=folder, replace=True)
                     if self._closed:
                         return
                     self.on_written(tier, job.step, entry)
@@ -332,12 +348,18 @@ class Persister:
 
 def persisted_restore(stores: Sequence[CheckpointStore], world_size: int
                       ) -> tuple[Optional[int], Optional[Any], list[str]]:
-    """The newest verified checkpoint across tiers: (tier index, manifest, skipped reasons).
+    """The checkpoint to resume from across tiers: (tier index, manifest, skipped reasons).
 
-    Only the world size must match: a changed setting (snapshot interval, tiers) does
-    not block a resume, and a different model is refused by name when it is loaded.
+    The newest complete checkpoint, whatever wrote it: one of another world size is
+    resharded (:mod:`memckpt.reshard`, its reads verified chunk by chunk); one of this
+    world size is verified first (every shard) and skipped for an older one when
+    corrupt. A changed setting (snapshot interval, tiers) does not block a resume, and
+    a different model is refused by name when it is loaded.
     """
     from memckpt.persist.catalog import find_latest
+    store, newest, _ = find_latest(list(stores), verify=False)
+    if store is not None and newest.world_size != world_size:
+        return list(stores).index(store), newest, []
     store, manifest, reasons = find_latest(list(stores), world_size=world_size, verify=True)
     if store is None:
         return None, None, reasons

@@ -26,6 +26,7 @@ import numpy as np
 from memckpt import shard as fmt
 from memckpt.buffers import resolve_ram_root
 from memckpt.control import STOP
+from memckpt.data import batch_plan
 from memckpt.digest import state_digest
 from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnapshotError
 from memckpt.persist.uploader import Persister
@@ -55,6 +56,7 @@ class WorkerContext:
         cfg = spec.config
         self.spec = spec
         self.rank, self.world_size, self.config = spec.rank, spec.world_size, cfg
+        self.resized = spec.resized  # this generation runs at another world size than the last
         self.node_id = node_id
         self.generation = spec.gen
         self.device = "cpu"
@@ -86,7 +88,8 @@ class WorkerContext:
             folder_for=lambda tier, step: ray.get(coord.persist_folder.remote(tier, step)),
             on_written=lambda tier, step, entry: ray.get(
                 coord.persist_ready.remote(tier, step, rank, entry)),
-            on_event=lambda kind, **f: coord.log_event.remote(kind, dict(f, rank=rank)))
+            on_event=lambda kind, **f: coord.log_event.remote(kind, dict(f, rank=rank)),
+            world_size=self.world_size)
 
     def _committed(self, step: int, request: Optional[str]) -> None:
         """A step committed; ``request`` is "stop"/"persist" when the driver asked every
@@ -128,7 +131,7 @@ class WorkerContext:
                 "spare_slot": self.ckpt.took_offered,
                 "seconds": round(self.restore_seconds["fetch_and_load_s"], 4)})
             self.ckpt.resume_at(step)
-        if instr is not None and self.ckpt.holds(step):
+        if instr is not None and instr.reshard is None and self.ckpt.holds(step):
             # Its own slot holds the step (a process restarted on its node, or a peer's copy
             # fetched straight into the slot): no second copy. Holders placement moved are
             # sent it from there; those that have it skip it (the store compares checksums).
@@ -151,6 +154,8 @@ class WorkerContext:
         errors = []
         if instr.sources == ("persist",):
             return self._load_persisted(state, instr)
+        if instr.reshard is not None:
+            return self._load_resharded(state, instr)
         for node in instr.sources:
             try:
                 if node == self.node_id:
@@ -233,10 +238,36 @@ class WorkerContext:
         from memckpt.persist import CheckpointStore, Manifest
         store = CheckpointStore(self.config.persistence[instr.tier])
         manifest = Manifest.from_json(instr.manifest, store.describe())
-        region = store.read_shard(manifest, self.rank)  # verified
-        source = f"{store.describe()}@{manifest.step}"
-        self.restore_source = source
-        return self.ckpt.load_shard(state, fmt.open_shard(region, source), source)
+        self.restore_source = f"{store.describe()}@{manifest.step}"
+        step = self.ckpt.load_persisted(state, store, manifest)
+        return 0 if step is None else step
+
+    def _load_resharded(self, state: TrainState, instr: RestoreInstruction) -> int:
+        """A resize: read the chunks of every old rank's shard this rank's layout needs from
+        the stores holding them (RAM, over TCP; no storage read), through DCP's planner."""
+        import ray
+        import torch.distributed as dist
+        from memckpt.dcp_storage import MemckptReader
+        from memckpt.reshard import load_resharded
+        from memckpt.runtime.ram_source import ReplicaSource
+        assert instr.reshard is not None and instr.from_size is not None
+        nodes = sorted({n for ns in instr.reshard.values() for n in ns})
+        where = dict(zip(nodes, ray.get([self.spec.stores[n].address.remote() for n in nodes])))
+        source = ReplicaSource({r: [where[n] for n in ns] for r, ns in instr.reshard.items()},
+                               instr.from_size, instr.step)
+        try:
+            step = load_resharded(state, MemckptReader(source), self.rank,
+                                  self.config.load.kinds())
+        finally:
+            source.close()
+        self.restore_source = (f"ram:{instr.from_size}->{self.world_size} ranks, "
+                               f"{source.bytes_read} bytes from "
+                               + ", ".join(n[:12] for n in nodes))
+        self.restore_seconds["fetch_bytes"] = float(source.bytes_read)
+        if dist.is_initialized():
+            # every rank has read the old shards before any overwrites them with the new layout
+            dist.barrier()
+        return step
 
     def _replica_files(self, step: int) -> list[Path]:
         """The complete replica files of this rank on this node; one must hold ``step``."""
@@ -295,6 +326,11 @@ class WorkerContext:
         self._state = state
         if step % self.config.snapshot_every == 0:
             self.ckpt.step(state, step)
+
+    def batch_plan(self, global_batch: int, micro_batch: int) -> int:
+        """Gradient-accumulation steps that keep ``global_batch`` samples per optimizer step
+        at the current world size (see :func:`memckpt.data.batch_plan`)."""
+        return batch_plan(global_batch, micro_batch, self.world_size)
 
     def digest(self) -> Optional[str]:
         return state_digest(self._state) if self._state is not None else None

@@ -104,6 +104,7 @@ class Coordinator:
                         committed: Optional[int], stores: dict[str, str]) -> None:
         """Start generation ``gen`` of the worker group (driver, at start and after recovery)."""
         async with self._cond:
+            self.world_size = len(assignment)  # an elastic job changes it between generations
             self.s.update(gen=gen, assignment={str(r): n for r, n in assignment.items()},
                           holders={str(r): list(h) for r, h in holders.items()},
                           committed=committed, ready={}, workers={}, stores=stores)
@@ -299,6 +300,11 @@ class Coordinator:
         self.s.setdefault("fired_at", {})[key] = time.time()
         self._save()
         return True
+
+    async def set_elastic(self, info: dict[str, Any]) -> None:
+        """The driver: an elastic job's size, last resize and pending growth (for status)."""
+        self.s["elastic"] = dict(self.s.get("elastic") or {}, **info)
+        self._save()
 
     async def set_standby(self, ready: bool) -> None:
         """The driver: every node's warm spare is (or is no longer) ready to take over."""

@@ -26,6 +26,7 @@ from memckpt import placement
 from memckpt.config import Config
 from memckpt.control import STOP, Control
 from memckpt.errors import ConfigError, PlacementError
+from memckpt.recovery_plan import growth_size
 from memckpt.runtime.control_plane import ControlPlane, alive_node_ids, eligible_nodes
 from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE
 from memckpt.runtime.failure import Action, Decision, Observation, State, decide, next_state
@@ -57,6 +58,9 @@ class Runtime:
         self.control = Control(config.stop_file)
         self._stop: Optional[tuple[int, str, float]] = None  # (step, action, requested at)
         self._failure: dict[str, Any] = {}  # the failure being recovered from (Recovery.detected)
+        self._grow_to: Optional[int] = None  # elastic: growing to this size at a step boundary
+        self._grow_checked = 0.0
+        self._growths = 0  # resizes to more ranks (not failures: max_restarts ignores them)
         self._say, self._event = self.plane.say, self.plane.event
 
     @property
@@ -118,6 +122,10 @@ class Runtime:
         self.ray.get([s.ping.remote() for s in plane.stores.values()])
         self._event("job_started", world_size=cfg.workers.num_workers,
                     assignment=assignment, holders=holders, fingerprint=cfg.fingerprint())
+        if cfg.workers.elastic:
+            self.ray.get(self.coordinator.set_elastic.remote({
+                "world_size": cfg.workers.num_workers, "num_workers": cfg.workers.num_workers,
+                "min_workers": cfg.workers.min_workers, "grow": cfg.workers.grow}))
         committed, restore = self.recovery.auto_resume(assignment)
         self._install_signal_handlers()
         gen, g, decision = 0, None, Decision(Action.WAIT)
@@ -127,11 +135,14 @@ class Runtime:
                 if self.state is State.STARTING:
                     g = self._start_generation(gen, assignment, holders, restore, committed)
                 elif self.state is State.RUNNING:
-                    decision = self._monitor(g, restarts=gen)
+                    decision = self._monitor(g, restarts=gen - self._growths)
                 else:  # RECOVERING
                     plan, restore = self.recovery.recover(
                         g, self._failure, assignment, holders)
                     assignment, holders, committed = plan.assignment, plan.holders, plan.step
+                    if self._failure.get("grow_to"):
+                        self._grow_to, self._growths = None, self._growths + 1
+                        self.ray.get(self.coordinator.clear_stop.remote())
                     gen += 1
                 self.state = next_state(self.state, decision)
             if self.state is State.FAILED:
@@ -152,16 +163,18 @@ class Runtime:
         ray.get(self.coordinator.configure.remote(
             gen, assignment, {r: list(h) for r, h in holders.items()}, committed,
             self.plane.store_names()))
+        resized = bool(self.pool.worker_nodes) and len(assignment) != len(self.pool.worker_nodes)
         workers, how = self.pool.assign(assignment)
         info = dict(zip(workers, ray.get([w.info.remote() for w in workers.values()])))
         master = ray.get(workers[0].address.remote())
         refs = {}
         for rank, w in workers.items():
-            spec = WorkerSpec(rank, cfg.workers.num_workers, gen, cfg, tuple(holders.get(rank, ())),
+            spec = WorkerSpec(rank, len(assignment), gen, cfg, tuple(holders.get(rank, ())),
                               dict(self.plane.stores), self.coordinator, restore.get(rank),
-                              tuple(self.injector.faults))
+                              tuple(self.injector.faults), resized=resized)
             refs[w.run.remote(self.train_fn, master, spec)] = rank
-        self._event("generation_started", gen=gen, assignment=assignment, holders=holders,
+        self._event("generation_started", gen=gen, world_size=len(assignment),
+                    assignment=assignment, holders=holders,
                     workers=how, restore={r: i.step for r, i in restore.items()})
         if gen == 0:  # the first spares; after a recovery, once it is over (_progress_and_faults)
             self.pool.top_up_spares()
@@ -208,7 +221,8 @@ class Runtime:
             obs = dataclasses.replace(
                 base, pending=tuple(pending.values()), errors=tuple(sorted(errors.items())),
                 error_age_s=now - first_error_at if first_error_at else 0.0, hung=hung,
-                lost_holders=lost, stopped=self._stopped_step(g), stop_persisted=stop_step)
+                lost_holders=lost, stopped=self._stopped_step(g), stop_persisted=stop_step,
+                grow_to=self._grow_to)
             decision = decide(obs)
             if decision.probe:
                 decision = decide(dataclasses.replace(
@@ -289,6 +303,7 @@ class Runtime:
         stop_step = self._check_stop(prog["committed"])
         if stop_step is not None:
             return stop_step
+        self._check_growth(g, prog["committed"])
         self.pool.prefault_spares(prog["committed"])
         if self.recovery.check_resumed(prog["min_step"], g.gen):
             self.pool.top_up_spares()
@@ -302,6 +317,28 @@ class Runtime:
                 self._fire(fault, g)
                 self.ray.get(self.coordinator.fault_done.remote(fault.key))
         return None
+
+    def _check_growth(self, g: Generation, committed: Optional[int]) -> None:
+        """Elastic, below num_workers: once a second, look in Ray's node table for nodes
+        with room; when a larger size fits, every rank stops after the next committed step
+        and the job restarts at that size, resharded from RAM (see failure.decide)."""
+        w = self.config.workers
+        now = time.time()
+        if (not (w.elastic and w.grow) or self._grow_to or self._stop or committed is None
+                or len(g.workers) >= w.num_workers or now - self._grow_checked < 1.0):
+            return
+        self._grow_checked = now
+        cap = eligible_nodes(self.config)
+        size = growth_size(len(g.workers), w.sizes(), list(cap), cap, w.workers_per_node)
+        if size is None:
+            return
+        self._grow_to = size
+        self._say(f"nodes with room appeared: growing from {len(g.workers)} to {size} ranks "
+                  "at the next committed step")
+        self._event("growth_pending", from_world_size=len(g.workers), to_world_size=size,
+                    after_step=committed)
+        self.coordinator.set_elastic.remote({"pending_growth": size})
+        self.ray.get(self.coordinator.request_stop.remote(committed + 1, STOP))
 
     def _fire(self, fault: Fault, g: Generation) -> None:
         rank = fault.rank if fault.rank is not None else random.randrange(len(g.workers))
@@ -346,7 +383,7 @@ class Runtime:
             recoveries[-1]["recopied_ranks"] = [
                 r["rank"] for r in results if "recopied" in (r.get("restore") or {})]
         summary = {
-            "job": self.config.job_name, "world_size": self.config.workers.num_workers,
+            "job": self.config.job_name, "world_size": len(g.workers),
             "steps": len(losses), "first_step": by_step[0][0] if by_step else None,
             "losses": losses, "final_digest": digest,
             "rank_digests": [r["digest"] for r in results], "recoveries": recoveries,

@@ -42,6 +42,7 @@ class Observation:
     stopped: Optional[int] = None  # a rank returned after persisting this requested stop step
     stop_persisted: Optional[int] = None  # the driver's stop request persisted at this step
     restarts: int = 0  # recoveries so far
+    grow_to: Optional[int] = None  # elastic: the ranks stopped at a step boundary to grow to this
     max_restarts: int = 0  # failure.max_restarts
 
 
@@ -55,6 +56,7 @@ class Decision:
     step: Optional[int] = None  # STOP: the persisted step
     grace: bool = False  # STOP: let running ranks end (briefly) before stopping
     probe: bool = False  # WAIT: ask the pending ranks whether they are alive, then decide again
+    grow_to: Optional[int] = None  # RECOVER: not a failure, a resize to more ranks
 
 
 def unloadable_error(rank: int, why: str) -> MemckptError:
@@ -74,6 +76,10 @@ def is_peer_failure(err: BaseException) -> bool:
 def decide(obs: Observation) -> Decision:
     """The driver's next move; checks run in the order the monitor has always used."""
     decision = _classify(obs)
+    if decision.action is Action.STOP and obs.grow_to is not None:
+        # the ranks stopped at the step boundary the driver asked for: restart larger
+        return Decision(Action.RECOVER, f"nodes with room appeared: growing to {obs.grow_to} "
+                        "ranks", grow_to=obs.grow_to)
     if decision.action is Action.RECOVER and obs.restarts >= obs.max_restarts:
         # the failure is still reported (``what``) before the job gives up
         return dataclasses.replace(decision, action=Action.RAISE, error=RecoveryError(

@@ -40,16 +40,27 @@ class WorkerPool:
         self._spare_nodes: set[str] = set()  # the live nodes that should have a spare
 
     def assign(self, assignment: dict[int, str]) -> tuple[dict[int, Any], dict[int, str]]:
-        """A worker for each rank: its own if it lives on the rank's node, else that node's
-        spare, else a new one. Returns the workers and how each was found."""
+        """A worker for each rank: its own if it lives on the rank's node, else another
+        idle one there (after a resize renumbered the ranks), else that node's spare, else
+        a new one. Returns the workers and how each was found."""
         workers, how = {}, {}
+        idle = {r: w for r, w in self.workers.items()
+                if assignment.get(r) != self.worker_nodes.get(r)}
         for rank, node in assignment.items():
-            if rank in self.workers and self.worker_nodes[rank] == node:
+            if rank in self.workers and rank not in idle:
                 workers[rank], how[rank] = self.workers[rank], "reused"
+        for rank, node in assignment.items():
+            if rank in workers:
+                continue
+            other = next((r for r in idle if self.worker_nodes.get(r) == node), None)
+            if other is not None:
+                workers[rank], how[rank] = idle.pop(other), "reused"
             elif node in self.spares:
                 workers[rank], how[rank] = self.spares.pop(node), "spare"
             else:
                 workers[rank], how[rank] = self.new_worker(node), "new"
+        for w in idle.values():  # a shrunk job's leftovers free their node's CPUs
+            self.ray.kill(w, no_restart=True)
         self.workers, self.worker_nodes = dict(workers), dict(assignment)
         return workers, how
 

@@ -9,8 +9,8 @@ import time
 from typing import Any, Optional
 
 from memckpt.errors import RecoveryError
-from memckpt.recovery_plan import (RecoveryPlan, plan_from_persisted, plan_from_scratch,
-                                   plan_recovery, source_label)
+from memckpt.recovery_plan import (RecoveryPlan, ResizePlan, plan_from_persisted,
+                                   plan_from_scratch, plan_recovery, plan_resize, source_label)
 from memckpt.runtime.control_plane import ControlPlane, eligible_nodes
 from memckpt.runtime.failure import Decision
 from memckpt.runtime.faults import send_signal
@@ -18,6 +18,7 @@ from memckpt.runtime.pool import Generation, WorkerPool
 from memckpt.runtime.spec import RestoreInstruction
 
 GRACE_S = 3.0  # how long survivors get to notice a failure and return before being killed
+ROOM_POLL_S = 0.5  # how often a shrinking job looks for a node with room
 
 Restore = dict[int, RestoreInstruction]
 
@@ -54,9 +55,12 @@ class Recovery:
         if found is None:
             return None, {}
         tier, manifest = found
-        uri = self.config.persistence[tier].uri
-        self.plane.say(f"auto-resume: step {manifest.step} from {uri}")
-        self.plane.event("auto_resume", step=manifest.step, tier=uri)
+        uri, now = self.config.persistence[tier].uri, self.config.workers.num_workers
+        resharded = "" if manifest.world_size == now else \
+            f", resharded from {manifest.world_size} ranks to {now}"
+        self.plane.say(f"auto-resume: step {manifest.step} from {uri}{resharded}")
+        self.plane.event("auto_resume", step=manifest.step, tier=uri,
+                         from_world_size=manifest.world_size, to_world_size=now)
         return manifest.step, self.persisted_instructions(found, assignment)
 
     # -- a failure --------------------------------------------------------------------------------
@@ -68,11 +72,12 @@ class Recovery:
         self.plane.say(f"failure detected: {decision.what}")
         self.plane.event("failure_detected", what=decision.what, ranks=sorted(decision.died),
                          gen=g.gen)
-        return {"what": decision.what, "died": sorted(decision.died),
+        return {"what": decision.what, "died": sorted(decision.died), "grow_to": decision.grow_to,
                 "hung": sorted(decision.hung), "detected_at": t, "fault_at": fault_time}
 
     def recover(self, g: Generation, failure: dict[str, Any], assignment: dict[int, str],
-                holders: dict[int, tuple[str, ...]]) -> tuple[RecoveryPlan, Restore]:
+                holders: dict[int, tuple[str, ...]]
+                ) -> tuple[RecoveryPlan | ResizePlan, Restore]:
         """End generation ``g``, plan the next; returns the plan and each rank's restore."""
         t0 = time.time()
         self._end_generation(g, failure)
@@ -80,12 +85,83 @@ class Recovery:
         alive = self.plane.alive_nodes(set(assignment.values()))
         self.pool.keep_nodes(alive)
         cap = {n: c for n, c in eligible_nodes(self.config).items() if n in alive}
+        if failure.get("grow_to"):
+            plan = self.resize(g, assignment, cap, failure["what"])
+            self._record_resize(g, failure, plan, t0, t_killed, cap)
+            return plan, self.resize_instructions(plan)
+        if self.config.workers.elastic and self._room(cap) < len(assignment):
+            cap = self._wait_for_room(cap, len(assignment))
+            if self._room(cap) < len(assignment):
+                plan = self.resize(g, assignment, cap, failure["what"])
+                self._record_resize(g, failure, plan, t0, t_killed, cap)
+                return plan, self.resize_instructions(plan)
         plan, persisted = self._plan(assignment, holders, cap)
         self._record_plan(g, failure, plan, t0, t_killed, cap)
         if persisted:
             return plan, self.persisted_instructions(persisted, plan.assignment)
         return plan, {r: RestoreInstruction(plan.step, plan.sources[r], placed=r in plan.placed)
                       for r in plan.assignment if plan.sources[r]}
+
+    # -- elastic ----------------------------------------------------------------------------------
+    def _room(self, cap: dict[str, int]) -> int:
+        per = self.config.workers.workers_per_node
+        return sum(c // per for c in cap.values()) * per
+
+    def _wait_for_room(self, cap: dict[str, int], needed: int) -> dict[str, int]:
+        """Up to failure.replace_timeout_s for nodes with room for ``needed`` ranks (a
+        replacement joining); the live nodes' capacity at the end."""
+        deadline = time.time() + self.config.failure.replace_timeout_s
+        while self._room(cap) < needed and time.time() < deadline:
+            time.sleep(ROOM_POLL_S)
+            cap = eligible_nodes(self.config)
+        return cap
+
+    def resize(self, g: Generation, assignment: dict[int, str], cap: dict[str, int],
+               why: str) -> ResizePlan:
+        """The plan to go on at the largest world size the live nodes place (pure:
+        :func:`memckpt.recovery_plan.plan_resize`), read from the RAM copies."""
+        w = self.config.workers
+        self.plane.ensure_stores(list(cap))
+        inventory = self.plane.inventory(list(cap))
+        committed = self.ray.get(self.plane.coordinator.committed.remote())
+        return plan_resize(assignment, list(cap), cap, inventory, self.config.placement.replicas,
+                           w.sizes(), w.workers_per_node, why, committed)
+
+    @staticmethod
+    def resize_instructions(plan: ResizePlan) -> Restore:
+        return {r: RestoreInstruction(plan.step, (), reshard=dict(plan.sources),
+                                      from_size=plan.from_size) for r in plan.assignment}
+
+    def _record_resize(self, g: Generation, failure: dict[str, Any], plan: ResizePlan,
+                       t0: float, t_killed: float, cap: dict[str, int]) -> None:
+        ray, stores = self.ray, self.plane.stores
+        ray.get([stores[n].discard_after.remote(plan.step) for n in cap])
+        ray.get([stores[n].set_generation.remote(g.gen + 1) for n in cap])
+        lost = sorted(set(self.pool.worker_nodes.values()) - set(cap))
+        record = {
+            "what": failure["what"], "died_ranks": failure["died"], "dead_nodes": lost,
+            "resumed_step": plan.step, "resized": {"from": plan.from_size, "to": plan.to_size},
+            "why": plan.why, "moved_ranks": [], "in_place_ranks": [],
+            # old rank -> the nodes its chunks are read from (RAM, no storage read)
+            "sources": {str(r): [f"ram:{n[:12]}" for n in ns] for r, ns in plan.sources.items()},
+            "notes": list(plan.notes), "gen": g.gen + 1, "fault_at": failure["fault_at"],
+            "detected_at": failure["detected_at"],
+            "phases_s": {"detect": (failure["detected_at"] - failure["fault_at"])
+                         if failure["fault_at"] else None,
+                         "stop": t_killed - t0, "plan": time.time() - t_killed},
+        }
+        self.records.append(record)
+        self.plane.say(f"resized from {plan.from_size} to {plan.to_size} ranks ({plan.why}): "
+                       f"resume at step {plan.step} from RAM; chunks from {record['sources']}"
+                       + (f"; {'; '.join(plan.notes)}" if plan.notes else ""))
+        self.plane.event("resized", from_world_size=plan.from_size, to_world_size=plan.to_size,
+                         why=plan.why, step=plan.step, sources=record["sources"],
+                         assignment=plan.assignment, lost_nodes=lost, gen=g.gen + 1)
+        self.plane.coordinator.set_elastic.remote({
+            "world_size": plan.to_size, "pending_growth": None,
+            "last_resize": {"from": plan.from_size, "to": plan.to_size, "step": plan.step,
+                            "why": plan.why, "sources": record["sources"]}})
+        self._started = time.time()
 
     def _end_generation(self, g: Generation, failure: dict[str, Any]) -> None:
         ray = self.ray

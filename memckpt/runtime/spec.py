@@ -16,6 +16,10 @@ class RestoreInstruction:
     tier: Optional[int] = None  # with ("persist",): the tier index and its manifest (JSON)
     manifest: Optional[str] = None
     placed: bool = False  # the step is already on this rank's node and all its holders
+    # a resize: the step was written by ``from_size`` ranks; old rank -> nodes holding its
+    # shard. This rank reads the chunks it needs of each through the universal restore.
+    reshard: Optional[dict[int, tuple[str, ...]]] = None
+    from_size: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -29,3 +33,4 @@ class WorkerSpec:
     coordinator: Any
     restore: Optional[RestoreInstruction]
     faults: tuple = ()  # memckpt.runtime.faults.Fault: fired from inside the step, exactly at at_step
+    resized: bool = False  # this generation runs at another world size than the last

@@ -27,6 +27,9 @@ Protocol, per shard, on a connection that carries many requests in turn::
            server -> {"ok": true, "checksum"} | {"ok": false, "error", "message"}
     fetch: client -> {"op": "fetch", "rank", "step"}
            server -> {"ok": true, "nbytes"} + nbytes raw bytes | {"ok": false, ...}
+    range: client -> {"op": "fetch", "rank", "step", "offset", "length"}
+           server -> {"ok": true, "nbytes"} + those bytes of the held shard (fewer where
+                     it ends) | {"ok": false, ...}; a resharded restore reads this way
 """
 
 from __future__ import annotations
@@ -193,15 +196,21 @@ class ShardServer:
 
     def _one(self, conn: socket.socket, req: dict[str, Any]) -> None:
         if req.get("op") == "fetch":
-            return self._send(conn, int(req["rank"]), int(req["step"]))
+            return self._send(conn, int(req["rank"]), int(req["step"]), req.get("offset"),
+                              req.get("length"))
         return self._put(conn, req)
 
-    def _send(self, conn: socket.socket, rank: int, step: int) -> None:
-        """Serve a held shard's bytes (unverified here: the fetching worker verifies)."""
+    def _send(self, conn: socket.socket, rank: int, step: int, offset: Optional[int] = None,
+              length: Optional[int] = None) -> None:
+        """Serve a held shard's bytes, or a range of them (unverified here: the fetching
+        worker verifies)."""
         try:
             raw = self.store.serve_bytes(rank, step)
         except MemckptError as e:
             return send_msg(conn, _refusal(e))
+        if offset is not None:
+            start = max(0, int(offset))
+            raw = raw[start: start + max(0, int(length or 0))]
         send_msg(conn, {"ok": True, "nbytes": len(raw)})
         conn.sendall(memoryview(raw).cast("B"))
 
@@ -293,6 +302,18 @@ class StoreConnection:
         out = into(nbytes) if into is not None else np.empty(nbytes, dtype=np.uint8)
         fmt.fill_flagged(out, 0, nbytes, lambda view: _recv_into(self._sock, view))
         return out[:nbytes]
+
+    def fetch_range(self, rank: int, step: int, offset: int, length: int) -> np.ndarray:
+        """Bytes ``[offset, offset + length)`` of ``rank``'s held shard of ``step`` (fewer
+        where it ends), unverified: the caller checks them against the shard's chunk
+        checksums. Raises the store's error or OSError."""
+        send_msg(self._sock, {"op": "fetch", "rank": rank, "step": step, "offset": offset,
+                              "length": length})
+        head = recv_msg(self._sock)
+        _raise_from(head)
+        out = np.empty(int(head["nbytes"]), dtype=np.uint8)
+        _recv_into(self._sock, memoryview(out))
+        return out
 
     def close(self) -> None:
         try:

@@ -1,0 +1,147 @@
+"""Elastic shrink: time from a node's death to the first step at the smaller world size.
+
+Three one-rank nodes with no room to spare run a DDP job (Adam; ``--state-mb`` of
+parameters and optimizer state per rank) with ``min_workers=2``. One node is removed:
+
+* **memckpt elastic**: the job goes on with 2 ranks, each resharding the committed step
+  from the surviving nodes' RAM (the run's ``phases_s.total``: node death -> every rank's
+  first step at 2 ranks).
+* **restart + DCP load**: what a job without it does (Ray Train's elastic restart too):
+  the same failure detection, then a new 2-rank job that loads the same step from a
+  persisted DCP-resharded checkpoint on local disk (memckpt's persisted tier, read
+  through DCP's planner), timed from its start to its first step.
+
+Both run in the same invocation on the same cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from memckpt.bench.common import human_s, positive_int, standalone, write_rows
+
+KILL_AT = 4
+TARGET_SPEEDUP = 3.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-mb", type=positive_int, default=256,
+                        help="parameters + Adam state per rank, MiB (default 256)")
+    parser.add_argument("--steps", type=positive_int, default=8, help="steps (default 8)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+
+
+@dataclass
+class ShrinkJob:
+    """DDP over gloo with Adam: ``state_mb`` of parameters + two moments per rank."""
+
+    steps: int
+    state_mb: int
+
+    def __call__(self, ctx: Any) -> dict[str, Any]:
+        import torch
+        import torch.distributed as dist
+
+        import memckpt
+        torch.manual_seed(0)
+        width = 1024
+        layers = max(1, (self.state_mb << 20) // (3 * 4 * width * width))
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
+                                      for _ in range(layers)])
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        state = memckpt.TrainState(model=model, optimizer=opt)
+        start = ctx.restore(state)
+        accum = ctx.batch_plan(12, 2)
+        for step in range(start + 1, self.steps + 1):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(12, width, generator=g)
+            opt.zero_grad()
+            for k in range(accum):
+                i = (k * ctx.world_size + ctx.rank) * 2
+                (model(x[i:i + 2]).square().mean() / accum).backward()
+            if ctx.world_size > 1:
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= ctx.world_size
+            opt.step()
+            ctx.step(state, step, loss=float(step))
+        return {}
+
+
+def _config(name: str, num: int, min_workers: int, persist: Optional[str]):
+    import memckpt
+    return memckpt.Config(
+        job_name=name,
+        workers=memckpt.WorkersConfig(num_workers=num, min_workers=min_workers,
+                                      cpus_per_worker=1),
+        placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
+        persistence=(memckpt.PersistTier(persist, every=1, keep_last=50),) if persist else (),
+        failure=memckpt.FailurePolicy(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+                                      collective_timeout_s=60.0, replace_timeout_s=0.0,
+                                      warm_spares=False))
+
+
+def _first_step_after(run_dir: Path, since: float) -> float:
+    """Seconds from ``since`` to the first event of a step run after the restore."""
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    (done,) = [e for e in events if e["event"] == "recovery_finished"] or \
+        [{"time": min(e["time"] for e in events if e["event"] == "restored")}]
+    return done["time"] - since
+
+
+def measure(state_mb: int, steps: int) -> list[dict[str, Any]]:
+    import memckpt
+    from memckpt.runtime.faults import FaultInjector
+    from memckpt.runtime.local_cluster import LocalCluster
+    root = Path(tempfile.mkdtemp(prefix="memckpt-bench-elastic-"))
+    cluster = LocalCluster(nodes=3, cpus_per_node=1)
+    try:
+        job = ShrinkJob(steps, state_mb)
+        inj = FaultInjector(node_killer=cluster.remove_node).kill_node(rank=1, at_step=KILL_AT)
+        result = memckpt.run(job, _config("bench-elastic", 3, 2, None), run_dir=root / "ram",
+                             injector=inj, quiet=True)
+        (rec,) = result["recoveries"]
+        ours = rec["phases_s"]["total"]
+        detect = rec["phases_s"]["detect"] or 0.0
+        step = rec["resumed_step"]
+        cluster.add_node()
+        disk = str(root / "disk")
+        memckpt.run(ShrinkJob(step, state_mb), _config("bench-elastic-dcp", 3, 3, disk),
+                    run_dir=root / "persist", quiet=True)
+        t0 = time.time()
+        memckpt.run(ShrinkJob(step + 1, state_mb), _config("bench-elastic-dcp", 2, 2, disk),
+                    run_dir=root / "dcp", quiet=True)
+        restart = time.time() - t0
+        return [{"benchmark": "elastic", "method": "memckpt elastic (RAM reshard)",
+                 "state_mb_per_rank": state_mb, "seconds": ours, "detect_s": detect,
+                 "from_world_size": 3, "to_world_size": 2, "step": step},
+                {"benchmark": "elastic", "method": "restart + DCP load (disk)",
+                 "state_mb_per_rank": state_mb, "seconds": detect + restart,
+                 "detect_s": detect, "from_world_size": 3, "to_world_size": 2, "step": step}]
+    finally:
+        cluster.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    rows = measure(args.state_mb, args.steps)
+    ours, base = rows[0]["seconds"], rows[1]["seconds"]
+    print(f"node death -> first step at 2 ranks, {args.state_mb} MiB state per rank:")
+    for r in rows:
+        print(f"  {r['method']:<32} {human_s(r['seconds'])}")
+    speedup = base / ours if ours else float("inf")
+    print(f"speed-up {speedup:.1f}x (target >= {TARGET_SPEEDUP:.0f}x): "
+          f"{'met' if speedup >= TARGET_SPEEDUP else 'MISSED'}")
+    write_rows(args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(standalone("memckpt bench elastic", __doc__, add_arguments, main))

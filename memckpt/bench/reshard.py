@@ -1,0 +1,222 @@
+"""Resharded restore: FSDP2 state (parameters + AdamW moments) written by 4 ranks,
+restored into 2 and into 3 ranks, from memckpt's disk tier, from the RAM of a replica
+store (byte ranges over its TCP data plane), and with ``dcp.load`` of a DCP checkpoint
+of the same state saved by the same 4 ranks in the same run.
+
+Every rank is a process (gloo, CPU mesh). A row's time is the slowest rank's restore
+(memckpt: ``load_resharded``; DCP: ``get_optimizer_state_dict`` + ``dcp.load`` +
+``set_optimizer_state_dict``, what a torchtitan-style job runs). Peak memory is each
+rank's RSS high-water mark minus its RSS just before the restore (the model's local
+shards already allocated), against its new shard's bytes (parameters + 2 moments). Files were
+just written: both disk readers find them in the page cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from memckpt.bench.common import (human_bytes, human_s, machine_info, machine_line, parse_size,
+                                  write_rows)
+
+WRITERS = 4
+LAYERS = 8
+
+
+def _width(total: int) -> int:
+    """Hidden width of LAYERS square layers whose weights + 2 AdamW moments (fp32) are ~total."""
+    return max(8, int((total / (3 * 4 * LAYERS)) ** 0.5))
+
+
+def _model(width: int, world: int, meta: bool = False):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta" if meta else "cpu"):
+        net = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(LAYERS)])
+    for layer in net:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    if meta:
+        net.to_empty(device="cpu")
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _writer(rank: int, world: int, port: int, width: int, work: str, store: Any) -> None:
+    """One of the 4 writing ranks: a step of AdamW, then memckpt's shard (disk tier and a
+    replica store's RAM) and a DCP checkpoint of the same state."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    import memckpt
+    from memckpt.persist import CheckpointStore
+    from memckpt.runtime.transport import StoreConnection
+    try:
+        _init(rank, world, port)
+        torch.manual_seed(rank)
+        model, opt = _model(width, world)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        state = memckpt.TrainState(model=model, optimizer=opt, rng=False)
+        cfg = memckpt.Config(job_name="bench-reshard", ram_root=f"{work}/ram-w")
+        ckpt = memckpt.Checkpointer(cfg, rank, world, persist=False)
+        ckpt.step(state, 1)
+        ckpt.wait()
+        with ckpt.engine.reading(1) as shard:
+            CheckpointStore(f"{work}/disk").write_shard(1, rank, shard.raw, verify=False)
+            conn = StoreConnection(tuple(store))
+            conn.send(rank, 1, shard.raw, shard.header["data_xxh3"], gen=-1, chunks=shard.chunks)
+            conn.close()
+        ckpt.close(unlink=True)
+        dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=f"{work}/dcp")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        Path(work, f"error-w{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _reader(rank: int, world: int, port: int, width: int, work: str, source: str,
+            holders: Any) -> None:
+    """One restoring rank: restore from ``source`` (disk, ram, dcp), time it, peak RSS."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    import memckpt
+    from memckpt.config import CONTENT_KINDS
+    from memckpt.dcp_storage import MemckptReader
+    from memckpt.persist import CheckpointStore
+    from memckpt.persist.dcp_source import PersistedSource, newest_manifest
+    from memckpt.reshard import load_resharded
+    from memckpt.runtime.ram_source import ReplicaSource
+    try:
+        _init(rank, world, port)
+        model, opt = _model(width, world, meta=True)
+        shard_bytes = 3 * sum(p.to_local().numel() * 4 for p in model.parameters())
+        dist.barrier()
+        import psutil
+        before = psutil.Process().memory_info().rss  # now; the peak below is a high-water mark
+        t0 = time.perf_counter()
+        read = 0
+        if source == "dcp":
+            sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+            dcp.load(sd, checkpoint_id=f"{work}/dcp")
+            set_optimizer_state_dict(model, opt, sd["optim"])
+        else:
+            if source == "disk":
+                store = CheckpointStore(f"{work}/disk")
+                src: Any = PersistedSource(store, newest_manifest(store))
+            else:
+                src = ReplicaSource(holders, WRITERS, 1)
+            state = memckpt.TrainState(model=model, optimizer=opt, rng=False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                load_resharded(state, MemckptReader(src), rank, frozenset(CONTENT_KINDS))
+            read = src.bytes_read
+        seconds = time.perf_counter() - t0
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+        torch.save({"seconds": seconds, "peak_rss": peak, "rss_before": before, "read": read,
+                    "shard_bytes": shard_bytes}, f"{work}/r-{source}-{world}-{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        Path(work, f"error-r{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _spawn(fn, world: int, *args: Any) -> None:
+    import torch.multiprocessing as mp
+
+    from memckpt.netutil import free_port
+    mp.start_processes(fn, args=(world, free_port()) + args, nprocs=world, join=True,
+                       start_method="spawn")
+
+
+def run_reshard_bench(size: int, worlds: tuple[int, ...] = (2, 3),
+                      directory: Optional[str] = None) -> list[dict[str, Any]]:
+    """Rows: one per (source, new world size)."""
+    import torch
+
+    from memckpt import shard as fmt
+    from memckpt.persist import CheckpointStore, ShardEntry
+    from memckpt.runtime.replica_store import ReplicaStore
+    work = tempfile.mkdtemp(prefix="memckpt-bench-reshard-", dir=directory)
+    width = _width(size)
+    try:
+        store = ReplicaStore(f"{work}/ram", "bench-reshard", "node")
+        address = store.address("127.0.0.1")
+        _spawn(_writer, WRITERS, width, work, address)
+        disk = CheckpointStore(f"{work}/disk")
+        entries = []
+        for rank in range(WRITERS):
+            key = f"{disk.folder_for(1)}/rank-{rank:05d}.shard"
+            end = fmt.header_end(disk.backend.get_range(key, 0, fmt.PREFIX.size), key)
+            head = disk.backend.get_range(key, 0, end)
+            h, layout, cap = fmt.read_header(head, key, check_length=False)
+            entries.append(ShardEntry(rank, key, fmt.data_offset(cap) + layout.data_len, h["data_xxh3"]))
+        disk.commit(1, WRITERS, entries, "bench")
+        total = sum(e.size for e in entries)
+        holders = {r: [address] for r in range(WRITERS)}
+        rows = []
+        for world in worlds:
+            for source in ("ram", "disk", "dcp"):
+                _spawn(_reader, world, width, work, source, holders)
+                per_rank = [torch.load(f"{work}/r-{source}-{world}-{r}.pt") for r in range(world)]
+                rows.append({"benchmark": "reshard", "source": source, "from_ranks": WRITERS,
+                             "to_ranks": world, "state_bytes": total,
+                             "seconds": max(p["seconds"] for p in per_rank),
+                             "bytes_read": sum(p["read"] for p in per_rank) or None,
+                             "peak_rss": max(p["peak_rss"] for p in per_rank),
+                             "peak_growth": max(p["peak_rss"] - p["rss_before"] for p in per_rank),
+                             "new_shard_bytes": max(p["shard_bytes"] for p in per_rank),
+                             "machine": machine_info()})
+        store.clear()
+        return rows
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", type=parse_size, default=1 << 30,
+                        help="total state written by the 4 ranks, e.g. 64M (default 1G)")
+    parser.add_argument("--dir", help="where the disk tier and the DCP checkpoint go (default: temp)")
+    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    rows = run_reshard_bench(args.size, directory=args.dir)
+    print(machine_line(rows[0]["machine"], f"state {human_bytes(rows[0]['state_bytes'])} written "
+                       f"by {WRITERS} FSDP2 ranks"))
+    print("| source | ranks | restore | vs dcp.load | bytes read | peak RSS growth / rank | new shard |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    base = {r["to_ranks"]: r["seconds"] for r in rows if r["source"] == "dcp"}
+    for r in rows:
+        ratio = base[r["to_ranks"]] / r["seconds"]
+        print(f"| {r['source']} | {r['from_ranks']}->{r['to_ranks']} | {human_s(r['seconds'])} | "
+              f"{ratio:.2f}x | {human_bytes(r['bytes_read'])} | {human_bytes(r['peak_growth'])} | "
+              f"{human_bytes(r['new_shard_bytes'])} |")
+    write_rows(args.json, rows)
+    return 0
