@@ -110,12 +110,12 @@ class _Flattener:
 
 
 def _local_alias(t: torch.Tensor, name: str, dtensors: dict[str, Any]) -> torch.Tensor:
-    """``t`` detached; a DTensor becomes its local tensor, its layout recorded under ``name``."""
-    t = t.detach()
+    """``t`` detached; a DTensor becomes its local tensor, its layout recorded under ``name``
+    (detached after ``to_local``: a DTensor's own detach costs a dispatch per tensor)."""
     if dt.is_dtensor(t):
         dtensors[name] = dt.chunk_meta(t)
-        return dt.local(t)
-    return t
+        return dt.local(t).detach()
+    return t.detach()
 
 
 Wrap = Callable[[str, torch.Tensor], torch.Tensor]
@@ -247,7 +247,7 @@ class TrainState:
         for mname, m in self.models.items():
             params = {fqn for fqn, _ in m.named_parameters(remove_duplicate=False)}
             keys = []
-            for key, t in m.state_dict().items():
+            for key, t in m.state_dict(keep_vars=True).items():  # detached below, cheaper
                 name = f"model/{mname}/{key}"
                 keys.append(key)
                 t = _local_alias(t, name, dtensors)
@@ -388,9 +388,15 @@ class TrainState:
 
         def as_live(pname: str) -> Wrap:
             # a state tensor saved as a DTensor takes its parameter's mesh and placements;
-            # plain ones (step counters) stay plain
-            return lambda name, t: dt.like(name, dtensors[name], t, params[pname]) \
-                if name in dtensors else t
+            # 0-d ones (step counters) stay plain; any other plain one of a DTensor
+            # parameter is from another layout (like() says so)
+            param = params[pname]
+
+            def wrap(name: str, t: torch.Tensor) -> torch.Tensor:
+                if name in dtensors or (t.dim() and dt.is_dtensor(param)):
+                    return dt.like(name, dtensors.get(name), t, param)
+                return t
+            return wrap
 
         state = {index[p]: _unflatten(st, tensors, as_live(p), clone)
                  for p, st in saved["state"].items()}

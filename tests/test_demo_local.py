@@ -48,6 +48,8 @@ def test_local_demo_resumes_bit_identically(tmp_path, capsys):
     ["--kill-at", "x"],
     ["--steps", "1"],
     ["--tiny", "--size", "mini"],
+    ["--model", "fsdp"],                  # the FSDP2 demo is the multi-node one
+    ["--model", "megatron"],
 ])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -25,6 +25,21 @@ def test_example_job_loads():
     assert callable(job) and job.steps > 0
 
 
+def test_fsdp_example_job_and_config_load():
+    from memckpt.config import load_config
+    job = load_train_fn("examples/fsdp_job.py:train")
+    assert type(job).__name__ == "FSDPJob" and job.steps > 0
+    config = load_config("examples/fsdp_config.py")
+    assert config.workers.num_workers % job.tp == 0
+
+
+@pytest.mark.parametrize("tp", [0, -2, 1.5, True])
+def test_fsdp_job_rejects_a_bad_tp(tp):
+    from memckpt.demo.job import FSDPJob
+    with pytest.raises(ValueError, match="use a whole number >= 1"):
+        FSDPJob(tp=tp)
+
+
 @pytest.mark.parametrize("spec, fix", [
     ("no_colon", "module:function"),
     ("missing_file.py:train", "does not exist"),

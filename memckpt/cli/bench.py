@@ -20,6 +20,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                 "persistence throughput: memckpt's disk / S3 tier vs a raw write of the same bytes"),
     "recovery": ("memckpt.bench.recovery",
                  "recovery after a killed worker / node vs restart + torch.load; transfer; step time"),
+    "fsdp-stall": ("memckpt.bench.fsdp_stall",
+                   "snapshot stall of an FSDP2 job vs a raw copy of each rank's local bytes"),
     "compare": ("memckpt.bench.compare",
                 "side by side: memckpt vs torch.save, DCP async_save, Ray Train (stall, recovery, "
                 "lost work, scaling)"),

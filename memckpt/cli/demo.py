@@ -5,8 +5,8 @@ Modes:
 * ``--local``: the single-process demo (:mod:`memckpt.demo.local`): no Ray, one
   training process SIGKILLed and a new one restored from the RAM snapshot.
 * default: the multi-node Ray demo (:mod:`memckpt.demo.ray_demo`): 3 simulated
-  nodes, DDP + ZeRO, ``--fault worker|node|store|coordinator|none``, then the
-  uninterrupted reference run for comparison.
+  nodes, DDP + ZeRO (``--model fsdp``: FSDP2), ``--fault worker|node|store|coordinator|none``,
+  then the uninterrupted reference run for comparison.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 from memckpt.demo.local import DEFAULT_SIZE, DEFAULT_STEPS, default_kill_at, run_local
 
 FAULTS = ("worker", "node", "store", "coordinator", "cluster", "none")
+MODELS = ("ddp", "fsdp")  # memckpt.demo.job.GPTJob, FSDPJob
 RAY_STEPS = 30
 
 SIZES = ("tiny", "mini", "small")  # memckpt.demo.model.PRESETS, without importing torch here
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_SIZE})")
     parser.add_argument("--tiny", action="store_true", help="same as --size tiny (fast)")
     parser.add_argument("--seed", type=int, default=0, help="model, data and shuffle seed")
+    parser.add_argument("--model", choices=MODELS, default="ddp",
+                        help="multi-node demo: train the GPT with DDP + ZeRO (default) or "
+                             "sharded with FSDP2 on a CPU mesh (DTensor state)")
     parser.set_defaults(_demo_parser=parser)
 
 
@@ -78,6 +82,9 @@ def _validate(args: argparse.Namespace) -> None:
             PersistTier(args.s3)
         except ConfigError as e:
             parser.error(f"argument --s3: {e}")
+    if args.local and args.model != "ddp":
+        parser.error(f"argument --model: {args.model} runs in the multi-node demo; "
+                     "leave out --local")
     if args.tiny and args.size not in (None, "tiny"):
         parser.error(f"argument --tiny: not allowed with --size {args.size}")
 
@@ -92,7 +99,7 @@ def _run_ray(args: argparse.Namespace) -> int:
     size = "tiny" if args.tiny else (args.size or "mini")
     return run_ray_demo(fault=args.fault, steps=args.steps, kill_at=args.kill_at, size=size,
                         summary=args.summary, compare=args.compare, seed=args.seed,
-                        s3=args.s3)
+                        s3=args.s3, model=args.model)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,9 +1,10 @@
-"""The multi-node demo: 3 simulated nodes, a GPT trained with DDP + ZeRO, a fault, recovery.
+"""The multi-node demo: 3 simulated nodes, a GPT (DDP + ZeRO, or FSDP2), a fault, recovery.
 
 It starts a local Ray cluster of separate raylets (one per "node"), runs
-:class:`~memckpt.demo.job.GPTJob` with ring placement, injects the chosen fault
-mid-run, and (unless ``compare`` is off) runs the uninterrupted reference on
-the same cluster to show that losses and final parameters are bit-identical.
+:class:`~memckpt.demo.job.GPTJob` (or :class:`~memckpt.demo.job.FSDPJob`) with ring
+placement, injects the chosen fault mid-run, and (unless ``compare`` is off) runs the
+uninterrupted reference on the same cluster to show that losses and final parameters
+are bit-identical.
 """
 
 from __future__ import annotations
@@ -97,22 +98,25 @@ def _whole_cluster_drill(job, kill_at: int, run_root: Path, s3: Optional[str]) -
         return memckpt.run(job, demo_config("demo", persist=tiers), run_dir=run_root / "resumed")
 
 
+PARALLELISM = {"ddp": "DDP + ZeRO", "fsdp": "FSDP2 (every block fully_shard-ed)"}
+
+
 def run_ray_demo(fault: str = "worker", steps: int = 30, kill_at: Optional[int] = None,
                  size: str = "mini", summary: Optional[str] = None, compare: bool = True,
-                 seed: int = 0, s3: Optional[str] = None) -> int:
+                 seed: int = 0, s3: Optional[str] = None, model: str = "ddp") -> int:
     import memckpt
-    from memckpt.demo.job import GPTJob
+    from memckpt.demo.job import FSDPJob, GPTJob
     from memckpt.runtime.local_cluster import local_cluster
 
     # The job's DDP uses find_unused_parameters=True for exact resume; silence torch's
     # C++ note about it in the workers (they inherit this environment through the raylets).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     kill_at = kill_at or max(1, steps // 2)
-    job = GPTJob(steps=steps, size=size, seed=seed)
+    job = (FSDPJob if model == "fsdp" else GPTJob)(steps=steps, size=size, seed=seed)
     run_root = Path(tempfile.mkdtemp(prefix="memckpt-demo-"))
-    print(f"memckpt demo: 3-node local Ray cluster, GPT '{size}' with DDP + ZeRO over gloo, "
-          f"{steps} steps, snapshot every step, ring placement (1 replica on the next node); "
-          f"fault: {fault}" + (f" at step {kill_at}" if fault != "none" else ""), flush=True)
+    print(f"memckpt demo: 3-node local Ray cluster, GPT '{size}' with {PARALLELISM[model]} "
+          f"over gloo, {steps} steps, snapshot every step, ring placement (1 replica on the "
+          f"next node); fault: {fault}" + (f" at step {kill_at}" if fault != "none" else ""), flush=True)
     try:
         if fault == "cluster":
             result = _whole_cluster_drill(job, kill_at, run_root, s3)
