@@ -66,9 +66,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def export_main(args: argparse.Namespace) -> int:
     from memckpt.persist import export_weights
-    if not Path(args.weights_only).resolve().parent.is_dir():
-        raise ConfigError(f"--weights-only {args.weights_only!r} is invalid: its folder does "
-                          "not exist")
+    flag, out = ("--dcp", args.dcp) if args.dcp else ("--weights-only", args.weights_only)
+    if not Path(out).resolve().parent.is_dir():
+        raise ConfigError(f"{flag} {out!r} is invalid: its folder does not exist")
     store = _store(args.root)
     if "://" not in args.root and not Path(args.root).is_dir():  # ls shows it as empty
         raise ConfigError(f"ROOT {args.root!r} is invalid: no such folder; give the root of "

@@ -102,6 +102,18 @@ _AUTH_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "E
 _MISSING_CODES = {"NoSuchKey", "NotFound", "404"}
 
 
+def _stream(body: Any, writer: _Writer, size: int) -> None:
+    """Copy a GET's streaming body into ``writer`` (up to ``size`` bytes), then close it."""
+    try:
+        while writer.written < size:
+            chunk = body.read(min(CHUNK, size - writer.written))
+            if not chunk:
+                break
+            writer.write(chunk)
+    finally:
+        body.close()
+
+
 class S3Backend(StorageBackend):
     """Objects under ``s3://bucket/prefix`` (S3 or any S3-compatible endpoint).
 
@@ -293,15 +305,7 @@ class S3Backend(StorageBackend):
             out = np.empty(size, dtype=np.uint8)
             writer = _Writer(out, self.progressed)
             if size <= self.multipart_threshold:  # one request: stream the body into the array
-                body = resp["Body"]
-                try:
-                    while writer.written < size:
-                        chunk = body.read(min(CHUNK, size - writer.written))
-                        if not chunk:
-                            break
-                        writer.write(chunk)
-                finally:
-                    body.close()
+                _stream(resp["Body"], writer, size)
             else:  # large: parallel ranged GETs through the transfer manager
                 resp["Body"].close()
                 from s3transfer.subscribers import BaseSubscriber
@@ -324,20 +328,12 @@ class S3Backend(StorageBackend):
         if not length:
             return out
         full = self._full(key)
-        writer = _Writer(out)
+        writer = _Writer(out, self.progressed)
         try:
             client, _ = self._s3()
             resp = client.get_object(Bucket=self.bucket, Key=full,
                                      Range=f"bytes={offset}-{offset + length - 1}")
-            body = resp["Body"]
-            try:
-                while writer.written < length:
-                    chunk = body.read(min(CHUNK, length - writer.written))
-                    if not chunk:
-                        break
-                    writer.write(chunk)
-            finally:
-                body.close()
+            _stream(resp["Body"], writer, length)
         except Exception as e:
             err = self._error("get", key, e)
             if "InvalidRange" in str(e):  # the object ends before offset
