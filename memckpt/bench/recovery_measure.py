@@ -16,6 +16,7 @@ from typing import Any, Callable
 from memckpt.bench.foreign_load import ForeignLoad, wait_quiet
 from memckpt.bench.recovery_actors import ColdWorker, PathClient, RawReceiver, RawSender
 from memckpt.bench.recovery_job import RecoveryJob, StepTimedJob, layout, state_nbytes
+from memckpt.runtime.actors import on_node
 
 WORLD_SIZE = 2
 NODES = 3
@@ -34,11 +35,6 @@ def connect_driver(cluster: Any) -> None:
     ray.shutdown()
     ray.init(address=cluster.cluster.address, namespace="memckpt", log_to_driver=False,
              logging_level="ERROR")
-
-
-def _affinity(node_id: str):
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
 
 def _worker_nodes() -> list[str]:
@@ -202,9 +198,9 @@ class RecoveryBench:
         try:
             for src, dst in pairs:
                 sender = ray.remote(RawSender).options(
-                    num_cpus=0, scheduling_strategy=_affinity(src)).remote(nbytes)
+                    num_cpus=0, scheduling_strategy=on_node(src)).remote(nbytes)
                 receiver = ray.remote(RawReceiver).options(
-                    num_cpus=0, scheduling_strategy=_affinity(dst)).remote()
+                    num_cpus=0, scheduling_strategy=on_node(dst)).remote()
                 actors += [sender, receiver]
                 runs.append((sender, receiver, receiver.listen.remote(nbytes)))
             ray.get([s.ready.remote() for s, _, _ in runs])
@@ -233,10 +229,10 @@ class RecoveryBench:
             stores, clients = {}, {}
             for rank, node in enumerate((a, b)):
                 stores[node] = ray.remote(ReplicaStore).options(
-                    num_cpus=0, max_concurrency=16, scheduling_strategy=_affinity(node)
+                    num_cpus=0, max_concurrency=16, scheduling_strategy=on_node(node)
                 ).remote(str(self.ram_root), PATH_JOB, node)
                 clients[node] = ray.remote(PathClient).options(
-                    num_cpus=0, scheduling_strategy=_affinity(node)).remote(nbytes, rank)
+                    num_cpus=0, scheduling_strategy=on_node(node)).remote(nbytes, rank)
                 actors += [stores[node], clients[node]]
             addr = {n: ray.get(s.address.remote(), timeout=120) for n, s in stores.items()}
             ray.get([c.ready.remote() for c in clients.values()], timeout=600)
@@ -274,7 +270,7 @@ class RecoveryBench:
 
         def start(where: list[str]) -> list:
             return [cls.options(num_cpus=CPUS_PER_NODE, max_restarts=0, max_concurrency=2,
-                                scheduling_strategy=_affinity(node)).remote(CPUS_PER_NODE)
+                                scheduling_strategy=on_node(node)).remote(CPUS_PER_NODE)
                     for node in where]
 
         paths = [str(self.disk / f"rank{r}.pt") for r in range(WORLD_SIZE)]

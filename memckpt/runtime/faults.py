@@ -24,9 +24,8 @@ SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTER
 
 
 def _on_node(node_id: str):
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+    from memckpt.runtime.actors import on_node  # imported late: `import memckpt` stays light
+    return on_node(node_id)
 
 
 def _signal_task(pid: int, signum: int) -> bool:

@@ -37,7 +37,7 @@ import xxhash
 from memckpt import shard as fmt
 from memckpt.buffers import RamRegion, remove_path, resolve_ram_root
 from memckpt.runtime.transport import ShardServer
-from memckpt.errors import (ChecksumError, MemckptError, NoSnapshotError, PlacementError,
+from memckpt.errors import (MemckptError, NoSnapshotError, PlacementError,
                             StaleGenerationError)
 
 SLOTS = ("slot0.shard", "slot1.shard")
