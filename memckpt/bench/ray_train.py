@@ -72,7 +72,7 @@ def _recovery_loop(cfg: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     t_enter = time.time()
     ctx = context()
-    x, w = rjob._compute_inputs()
+    x, w = rjob.compute_inputs()
     resumed = ctx.generation > 0
     model, opt = rjob.build_state(cfg["d"], cfg["n"], fresh=not resumed, seed=ctx.rank)
     state = memckpt.TrainState(model=model, optimizer=opt)
@@ -80,7 +80,7 @@ def _recovery_loop(cfg: dict[str, Any]) -> None:
     start = ctx.restore(state)
     t2 = time.time()
     for step in range(start + 1, cfg["kill_at"] + 2):
-        float(rjob._all_reduce_mean(rjob._compute(x, w, cfg["compute_iters"]), ctx.world_size))
+        float(rjob.all_reduce_mean(rjob.compute_loss(x, w, cfg["compute_iters"]), ctx.world_size))
         if not resumed and step == cfg["kill_at"]:
             if ctx.rank == 1:
                 Path(cfg["marker"]).write_text(repr(time.time()))
