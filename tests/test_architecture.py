@@ -132,6 +132,33 @@ def test_no_private_name_imported_from_another_module():
     assert not private, "private names imported across modules:\n" + "\n".join(private)
 
 
+def _module_aliases(tree: ast.AST) -> dict[str, str]:
+    """Local names bound to memckpt modules: ``import memckpt.x as a``, ``from memckpt import x``."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update({a.asname: a.name for a in node.names if a.asname and a.name in MODULES})
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
+                        if f"{node.module}.{a.name}" in MODULES})
+    return out
+
+
+def test_no_private_name_reached_through_another_module():
+    # `from memckpt.x import y as m; m._helper()` is the same coupling as importing _helper
+    private = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        aliases = _module_aliases(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__") and aliases[node.value.id] != module):
+                private.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} uses "
+                               f"{aliases[node.value.id]}.{node.attr}")
+    assert not private, "private names used across modules:\n" + "\n".join(private)
+
+
 def test_no_module_is_too_long():
     long = []
     for module, path in MODULES.items():
