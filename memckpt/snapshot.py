@@ -187,6 +187,9 @@ class SnapshotEngine:
         array ``into(nbytes)`` returns (see :meth:`memckpt.runtime.transport.StoreConnection.fetch`).
         They are verified before the slot counts; returns the verified shard. A restore
         then needs no second copy to re-snapshot, and the bytes land in populated pages."""
+        # A previous install may still be mapping the other slot in the background: let it
+        # finish, or both threads would create the same slot file at once.
+        self._await_reserve()
         # Not gated: the step being installed is the one the job resumes at, so there is
         # no newer committed copy to protect (and the old commit will never come).
         target = self._claim_target(step, policy="wait", gated=False)
