@@ -98,11 +98,14 @@ class WorkerContext:
         if request is not None and self.persister is not None:
             tiers = range(len(self.persister.tiers))
         if tiers:
-            # Stage the copy here, while the step's slot is protected. If a healthy upload
-            # still holds the staging buffer, a requested persist waits; a scheduled one
-            # never waits for storage (the thread copies it from its slot later). An upload
-            # retrying against a failing tier is superseded, never waited on.
-            self.persister.submit(step, tiers, stage_now=True, wait=request is not None)
+            # Stage the copy here, while the step's slot is protected. Every rank must write
+            # the same steps, or no step gets a complete checkpoint (each rank superseding
+            # its own pending step at its own pace left only step 0 complete on a slow S3):
+            # so while a healthy upload still holds the staging buffer, a scheduled persist
+            # follows failure.on_fall_behind (wait: hold the next commit) like a requested
+            # one. An upload retrying against a failing tier is superseded, never waited on.
+            wait = request is not None or self.config.failure.on_fall_behind == "wait"
+            self.persister.submit(step, tiers, stage_now=True, wait=wait)
         if request == STOP:
             if self.persister is not None:
                 self.persister.drain()  # bounded: a dead tier is given up on (close_timeout_s)
