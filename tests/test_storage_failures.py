@@ -8,10 +8,11 @@ a while (:class:`FaultProxy`). The timeouts are shrunk through PersistTier's set
 
 "No stall" is measured against a twin Checkpointer without persistence, stepped
 interleaved with the one under test on the same state, so both see the same machine load:
-the slowest ``step()`` of the job must stay within 10x the twin's median (or, on a machine
-so loaded that the twin's own worst step is further out, within twice that worst step),
-and never above 50 ms. A stall on storage lasts seconds (the request timeouts); scheduling
-noise and the uploader thread's turns at the GIL, milliseconds.
+``step()`` must stay within 10x the twin's median (or, on a machine so loaded that the
+twin's own worst step is further out, within twice that worst step; never less than 50 ms),
+save at most one step in 40 up to a hard 0.25 s, and no step ever above that. A stall on
+storage lasts a request timeout or a retry backoff (0.5 s and more here, 1 s between
+retries); scheduling noise and the uploader thread's turns at the GIL, milliseconds.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def config(job: str, ram_root: str, uri: str, timeouts: dict) -> memckpt.Config:
 
 
 STALL_FLOOR_S = 0.05  # see Job.assert_no_stall
+STALL_HARD_S = 0.25  # half the shortest storage wait a stall would be (HUNG's request timeout)
 
 
 class Job:
@@ -129,9 +131,16 @@ class Job:
         # alone can pass 10x the median. A wait on storage (the bug: 2-5 s) is far above it.
         bound = max(10 * median, 2 * worst, STALL_FLOOR_S)
         slow = sorted(((t, i + 1) for i, t in enumerate(self.times) if t > bound), reverse=True)
-        assert not slow, (f"step() took {slow[0][0]:.3f} s at step {slow[0][1]} (and {len(slow) - 1} "
-                          f"more over {bound:.3f} s); without persistence: median {median:.4f} s, "
-                          f"worst {worst:.4f} s over {len(self.twin_times)} steps")
+        # One step in 40 may pass the soft bound (a 2-core box running a whole CI suite once
+        # took 70 ms for one step while the uploader started its first S3 upload), never the
+        # hard one. A wait on storage, the bug this guards against, comes at every due persist
+        # (every 2nd step), and on a hung endpoint lasts a request timeout (0.5 s).
+        allowed = len(self.times) // 40
+        assert len(slow) <= allowed and not (slow and slow[0][0] > STALL_HARD_S), (
+            f"step() took {slow[0][0]:.3f} s at step {slow[0][1]} ({len(slow)} step(s) over "
+            f"{bound:.3f} s, {allowed} allowed; none may pass {STALL_HARD_S} s); without "
+            f"persistence: median {median:.4f} s, worst {worst:.4f} s over "
+            f"{len(self.twin_times)} steps")
 
     def close(self, unlink: bool = False) -> tuple[list[str], float]:
         t0 = time.monotonic()
