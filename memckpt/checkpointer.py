@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from memckpt import shard as fmt
 from memckpt.buffers import RamRegion, remove_path, resolve_ram_root
@@ -178,13 +178,43 @@ class Checkpointer:
         another world size or layout wrote it)."""
         if self.persister is None:
             return None
-        tier, manifest, reasons = persisted_restore(self.persister.stores, self.world_size)
-        for reason in reasons:
-            self._event("checkpoint_skipped", reason=reason)
-            log.warning("memckpt: %s", reason)
-        if manifest is None:
-            return None
-        return self.load_persisted(state, self.persister.stores[tier], manifest)
+        step, protect = self.resume_persisted(state, self.persister.stores)
+        for tier, folders in protect.items():
+            self.persister.stores[tier].protected |= folders
+        return step
+
+    def resume_persisted(self, state: TrainState, stores: Sequence[Any],
+                         first: Optional[tuple[int, Any]] = None
+                         ) -> tuple[Optional[int], dict[int, set[str]]]:
+        """Load the newest persisted checkpoint in ``stores`` (the tiers' CheckpointStores)
+        into ``state``, or ``first`` = (tier, manifest) when the caller chose it already.
+
+        With ``load.on_incompatible="start_fresh"``, a checkpoint of another model is passed
+        over for the newest older one this model can load: after a fresh start beside old
+        checkpoints, a restart resumes the new model's own newest step, not step 0 again.
+        Returns (the step, or None when nothing loadable was found; the folders per tier
+        index to leave untouched: every step folder there was when a checkpoint of another
+        model turned up, since the old model's and this one's cannot be told apart by name).
+        """
+        protect: dict[int, set[str]] = {}
+        below: Optional[int] = None
+        while True:
+            if first is None:
+                tier, manifest, reasons = persisted_restore(stores, self.world_size, below)
+                for reason in reasons:
+                    self._event("checkpoint_skipped", reason=reason)
+                    log.warning("memckpt: %s", reason)
+                if tier is None:
+                    return None, protect
+            else:
+                (tier, manifest), first = first, None
+            step = self.load_persisted(state, stores[tier], manifest)
+            if step is not None:
+                return step, protect
+            if not protect:
+                protect = {i: {info.folder for info in s.list_checkpoints()}
+                           for i, s in enumerate(stores)}
+            below = manifest.step
 
     def load_persisted(self, state: TrainState, store: Any, manifest: Any) -> Optional[int]:
         """Load a persisted checkpoint (``store``: its CheckpointStore) into ``state``; returns
@@ -207,10 +237,8 @@ class Checkpointer:
                 raise
             self._event("incompatible_checkpoint", step=manifest.step, tier=store.describe(),
                         reason=e.message, action="start_fresh")
-            for s in self.persister.stores if self.persister is not None else ():
-                s.protected |= {info.folder for info in s.list_checkpoints()}
-            log.warning("memckpt: %s; load.on_incompatible='start_fresh': starting from step 0",
-                        e.message)
+            log.warning("memckpt: %s; load.on_incompatible='start_fresh': passing it over for "
+                        "an older checkpoint of this model, else step 0", e.message)
             return None
         if manifest.world_size == self.world_size and \
                 same_layout(state, reader.source.header(self.rank)):

@@ -72,6 +72,24 @@ def test_start_fresh_leaves_old_checkpoints_untouched(tmp_path):
     assert start == 6
 
 
+def test_a_restart_after_start_fresh_resumes_the_new_model_below_the_old_step(tmp_path):
+    """The new model's newest checkpoint is older than the old model's: a restart passes
+    the old ones over again and resumes the new model's own (not step 0 a second time)."""
+    job(tmp_path, 16, range(1, 9), "a")  # the old model up to step 8
+    before = tree(tmp_path / "ckpt")
+    start, _ = job(tmp_path, 32, range(1, 5), "b", on_incompatible="start_fresh")
+    assert start == 0
+    start, events = job(tmp_path, 32, range(5, 7), "c", on_incompatible="start_fresh")
+    assert start == 4  # the new model's step 4, below the old model's 8
+    assert [e["step"] for e in events if e["event"] == "incompatible_checkpoint"] == [8]
+    after = tree(tmp_path / "ckpt")
+    assert {k: after[k] for k in before} == before  # still byte for byte
+    assert any(k.startswith("step-0000000006/") for k in after)
+    # without start_fresh the old model's newest checkpoint still stops the job
+    with pytest.raises(IncompatibleCheckpointError, match="checkpoint step 8"):
+        job(tmp_path, 32, range(7, 8), "d")
+
+
 def test_on_incompatible_is_validated():
     with pytest.raises(ConfigError, match="on_incompatible"):
         memckpt.LoadSpec(on_incompatible="ignore")

@@ -118,3 +118,47 @@ def test_whole_cluster_lost_then_new_job_auto_resumes(tier, tmp_path, reference,
     assert result["first_step"] == persisted + 1
     assert result["losses"] == reference["losses"][persisted:]  # the rest redone identically
     assert result["final_digest"] == reference["final_digest"]
+
+
+def tree(root) -> dict[str, str]:
+    import hashlib
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.chaos
+def test_start_fresh_beside_another_models_newer_checkpoints(full_cluster, reference, tmp_path):
+    """A new model on a root where another model persisted up to step 12
+    (load.on_incompatible="start_fresh"): it starts at 0; a worker killed at step 5
+    recovers from RAM at the new run's own committed step, not the old model's 12; the old
+    checkpoints stay byte for byte; and a restart resumes the new model's newest persisted
+    step (6), passing the old model's newer ones over."""
+    root = tmp_path / "root"
+    memckpt.run(GPTJob(steps=12, size="mini", seed=1), config("p-old", root),
+                run_dir=tmp_path / "old", quiet=True)
+    before = tree(root)
+    assert {k.split("/")[0] for k in before} >= {f"step-{s:010d}" for s in (8, 10, 12)}
+    fresh = memckpt.LoadSpec(on_incompatible="start_fresh")
+    inj = FaultInjector().kill_worker(rank=1, at_step=5)
+    result = memckpt.run(JOB, config("p-new", root, load=fresh), run_dir=tmp_path / "new",
+                         injector=inj, quiet=True)
+    assert result["first_step"] == 1
+    assert result["losses"] == reference["losses"]
+    assert result["final_digest"] == reference["final_digest"]
+    (rec,) = result["recoveries"]
+    assert 1 <= rec["resumed_step"] <= 4  # from RAM: the old model's step 12 is not this run's
+    assert "persisted" not in rec["sources"].values()
+    evs = events(tmp_path / "new")
+    (over,) = [e for e in evs if e["event"] == "started_over"]  # said once, by the first rank
+    assert over["old_committed"] == 12 and over["step"] == 0
+    assert sorted({e["step"] for e in evs if e["event"] == "persist_refused"}) == [8, 10, 12]
+    after = tree(root)
+    assert {k: after[k] for k in before} == before  # never written, never removed
+    assert any(k.startswith(f"step-{6:010d}/") for k in after)
+
+    again = memckpt.run(JOB, config("p-new", root, load=fresh), run_dir=tmp_path / "again",
+                        quiet=True)
+    assert again["first_step"] == 7
+    assert again["losses"] == reference["losses"][6:]
+    assert again["final_digest"] == reference["final_digest"]
+    assert tree(root).items() >= before.items()

@@ -499,16 +499,19 @@ class CheckpointStore:
         ``(None, reasons)`` when nothing qualifies. Nothing is logged: the caller that
         acts on the answer reports the reasons (once).
         """
-        return _search([self], world_size, fingerprint, verify)[1:]
+        return _search([self], world_size, fingerprint, verify, None)[1:]
 
 
 def _search(stores: Sequence[CheckpointStore], world_size: Optional[int], fingerprint: Optional[str],
-            verify: bool) -> tuple[Optional[CheckpointStore], Optional[Manifest], list[str]]:
+            verify: bool, below: Optional[int]
+            ) -> tuple[Optional[CheckpointStore], Optional[Manifest], list[str]]:
     cands: list[tuple[int, int, CheckpointStore, CheckpointInfo]] = []
     reasons: list[str] = []
     many = len(stores) > 1
     for order, store in enumerate(stores):
         for info in store.discover():
+            if below is not None and (info.step is None or info.step >= below):
+                continue
             cands.append((info.step if info.step is not None else _UNKNOWN, -order, store, info))
     cands.sort(key=lambda c: (c[0], c[1]), reverse=True)
     for _, _, store, info in cands:
@@ -532,7 +535,8 @@ def _search(stores: Sequence[CheckpointStore], world_size: Optional[int], finger
 
 
 def find_latest(stores: Sequence[CheckpointStore], world_size: Optional[int] = None,
-                fingerprint: Optional[str] = None, verify: bool = True
+                fingerprint: Optional[str] = None, verify: bool = True,
+                below: Optional[int] = None
                 ) -> tuple[Optional[CheckpointStore], Optional[Manifest], list[str]]:
     """The newest valid checkpoint across tiers: ``(store, manifest, skipped_reasons)``.
 
@@ -542,6 +546,6 @@ def find_latest(stores: Sequence[CheckpointStore], world_size: Optional[int] = N
     fails. Reasons are prefixed with the tier's URI. Nothing is logged: the caller
     reports the reasons. Listing a tier is bounded by its ``discover_timeout_s`` (see
     :meth:`CheckpointStore.discover`); reading the chosen shards is bounded per request
-    by the tier's ``request_timeout_s``.
+    by the tier's ``request_timeout_s``. ``below``: only checkpoints of an older step.
     """
-    return _search(list(stores), world_size, fingerprint, verify)
+    return _search(list(stores), world_size, fingerprint, verify, below)

@@ -346,21 +346,23 @@ class Persister:
         return [s.describe() for s in self.stores]
 
 
-def persisted_restore(stores: Sequence[CheckpointStore], world_size: int
+def persisted_restore(stores: Sequence[CheckpointStore], world_size: int,
+                      below: Optional[int] = None
                       ) -> tuple[Optional[int], Optional[Any], list[str]]:
     """The checkpoint to resume from across tiers: (tier index, manifest, skipped reasons).
 
-    The newest complete checkpoint, whatever wrote it: one of another world size is
-    resharded (:mod:`memckpt.reshard`, its reads verified chunk by chunk); one of this
-    world size is verified first (every shard) and skipped for an older one when
-    corrupt. A changed setting (snapshot interval, tiers) does not block a resume, and
-    a different model is refused by name when it is loaded.
+    The newest complete checkpoint (older than step ``below`` when given), whatever wrote
+    it: one of another world size is resharded (:mod:`memckpt.reshard`, its reads verified
+    chunk by chunk); one of this world size is verified first (every shard) and skipped for
+    an older one when corrupt. A changed setting (snapshot interval, tiers) does not block
+    a resume, and a different model is refused by name when it is loaded.
     """
     from memckpt.persist.catalog import find_latest
-    store, newest, _ = find_latest(list(stores), verify=False)
+    store, newest, _ = find_latest(list(stores), verify=False, below=below)
     if store is not None and newest.world_size != world_size:
         return list(stores).index(store), newest, []
-    store, manifest, reasons = find_latest(list(stores), world_size=world_size, verify=True)
+    store, manifest, reasons = find_latest(list(stores), world_size=world_size, verify=True,
+                                           below=below)
     if store is None:
         return None, None, reasons
     return list(stores).index(store), manifest, reasons

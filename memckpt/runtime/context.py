@@ -238,11 +238,24 @@ class WorkerContext:
         return raw
 
     def _load_persisted(self, state: TrainState, instr: RestoreInstruction) -> int:
+        import ray
         from memckpt.persist import CheckpointStore, Manifest
-        store = CheckpointStore(self.config.persistence[instr.tier])
-        manifest = Manifest.from_json(instr.manifest, store.describe())
-        self.restore_source = f"{store.describe()}@{manifest.step}"
-        step = self.ckpt.load_persisted(state, store, manifest)
+        stores = [CheckpointStore(t) for t in self.config.persistence]
+        manifest = Manifest.from_json(instr.manifest, stores[instr.tier].describe())
+        step, protect = self.ckpt.resume_persisted(state, stores, (instr.tier, manifest))
+        if protect:
+            # load.on_incompatible="start_fresh" passed another model's checkpoint over: this
+            # rank's uploads and the coordinator's manifests and retention leave those
+            # folders alone, and the driver's committed step (the old model's) is void.
+            # Said before this rank snapshots its start, so before any commit of this run.
+            for tier, folders in protect.items():
+                if self.persister is not None:
+                    self.persister.stores[tier].protected |= folders
+            ray.get(self.spec.coordinator.started_over.remote(
+                self.generation, self.rank, 0 if step is None else step,
+                {tier: sorted(f) for tier, f in protect.items()}))
+        self.restore_source = (f"{stores[instr.tier].describe()}@{manifest.step}" if not protect
+                               else "fresh start" if step is None else f"persisted@{step}")
         return 0 if step is None else step
 
     def _load_resharded(self, state: TrainState, instr: RestoreInstruction) -> int:

@@ -76,6 +76,8 @@ class Coordinator:
             self.s = json.loads(saved)
             self.s["restarts_of_coordinator"] += 1
             self._reload_losses()
+            for tier, folders in self.s.get("protected", {}).items():
+                self.stores[int(tier)].protected |= set(folders)
             self.event("coordinator_restarted", committed=self.s["committed"], gen=self.s["gen"])
             self._save()
 
@@ -165,6 +167,25 @@ class Coordinator:
         self._save()
         self.event("persisted", step=step, tier=store.describe(), manifest_s=time.time() - t0)
         return True
+
+    async def started_over(self, gen: int, rank: int, step: int,
+                           protect: dict[int, list[str]]) -> None:
+        """``rank`` passed another model's persisted checkpoint over and starts at ``step``
+        (load.on_incompatible="start_fresh"): the old model's step is no longer this job's
+        committed one, and ``protect``'s folders (per tier) are never written or removed.
+        Every rank says so before it snapshots its start, so before this run commits."""
+        async with self._cond:
+            if gen != self.s["gen"]:
+                return
+            saved = self.s.setdefault("protected", {})
+            for tier, folders in protect.items():
+                self.stores[int(tier)].protected |= set(folders)
+                saved[str(tier)] = sorted(set(saved.get(str(tier), [])) | set(folders))
+            if self.s["committed"] is not None:
+                self.event("started_over", rank=rank, gen=gen, step=step,
+                           old_committed=self.s["committed"])
+                self.s["committed"] = None
+            self._save()
 
     async def persisted(self) -> dict[str, int]:
         return dict(self.s["persisted"])
