@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 from memckpt import shard as fmt
 from memckpt.buffers import RamRegion, remove_path, resolve_ram_root
 from memckpt.config import Config
-from memckpt.errors import ChecksumError, IncompatibleCheckpointError, MemckptError, StateError
+from memckpt.errors import ChecksumError, MemckptError, StateError
 from memckpt.control import STOP, Control
 from memckpt.fsutil import write_atomic
 from memckpt.persist.uploader import Persister, persisted_restore
@@ -227,19 +227,20 @@ class Checkpointer:
         """
         from memckpt.dcp_storage import MemckptReader
         from memckpt.persist.dcp_source import PersistedSource
-        from memckpt.reshard import check_compatible, load_resharded
+        from memckpt.reshard import check_compatible, load_resharded, mismatch
         source = f"{store.describe()}@{manifest.step}"
         reader = MemckptReader(PersistedSource(store, manifest))
-        try:
-            check_compatible(reader, state, f"checkpoint step {manifest.step} in {store.describe()}")
-        except IncompatibleCheckpointError as e:
-            if self.config.load.on_incompatible != "start_fresh":
-                raise
+        problem = mismatch(reader, state)
+        if problem and self.config.load.on_incompatible == "start_fresh":
             self._event("incompatible_checkpoint", step=manifest.step, tier=store.describe(),
-                        reason=e.message, action="start_fresh")
-            log.warning("memckpt: %s; load.on_incompatible='start_fresh': passing it over for "
-                        "an older checkpoint of this model, else step 0", e.message)
+                        reason=problem, action="start_fresh")
+            log.warning("memckpt: checkpoint step %d in %s holds another model (%s); "
+                        "load.on_incompatible='start_fresh': it is left untouched and passed "
+                        "over for an older checkpoint of this model, else step 0",
+                        manifest.step, store.describe(), problem)
             return None
+        # raises IncompatibleCheckpointError naming the tensor and the fix
+        check_compatible(reader, state, f"checkpoint step {manifest.step} in {store.describe()}")
         if manifest.world_size == self.world_size and \
                 same_layout(state, reader.source.header(self.rank)):
             region = store.read_shard(manifest, self.rank)  # verified

@@ -273,7 +273,12 @@ def test_placement_needs_enough_nodes(full_cluster, tmp_path):
                          placement=memckpt.PlacementConfig(replicas=1))
     with pytest.raises(PlacementError, match="needs 4 nodes"):
         memckpt.run(JOB, cfg, run_dir=tmp_path, quiet=True)
-
+    # the failed start tore down what it had started: no coordinator is left behind
+    import ray
+    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+    with pytest.raises(ValueError):
+        ray.get_actor(coordinator_name("too-big"), namespace=COORDINATOR_NAMESPACE)
+    assert '"job_failed"' in (tmp_path / "events.jsonl").read_text()
 
 
 def test_training_function_the_workers_cannot_import_is_a_clear_error(cluster, tmp_path,

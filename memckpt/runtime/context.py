@@ -81,7 +81,7 @@ class WorkerContext:
     def _make_persister(self) -> Persister:
         import ray
         coord, rank = self.spec.coordinator, self.rank
-        return Persister(
+        persister = Persister(
             self.config.persistence, rank,
             reader=self.ckpt.read,
             staging=self.ckpt.directory / "staging.bin",
@@ -90,6 +90,10 @@ class WorkerContext:
                 coord.persist_ready.remote(tier, step, rank, entry)),
             on_event=lambda kind, **f: coord.log_event.remote(kind, dict(f, rank=rank)),
             world_size=self.world_size)
+        # another model's folders this job started beside, in every generation after the first
+        for tier, folders in ray.get(coord.protected.remote()).items():
+            persister.stores[int(tier)].protected |= set(folders)
+        return persister
 
     def _committed(self, step: int, request: Optional[str]) -> None:
         """A step committed; ``request`` is "stop"/"persist" when the driver asked every

@@ -53,7 +53,8 @@ class ControlPlane:
 
     def event(self, kind: str, **fields: Any) -> None:
         self.events.append(dict(event=kind, time=time.time(), **fields))
-        self.coordinator.log_event.remote(kind, fields)
+        if self.coordinator is not None:  # None: it never started (the error says why)
+            self.coordinator.log_event.remote(kind, fields)
 
     # -- start-up -------------------------------------------------------------------------------
     def start_coordinator(self, run_dir: Path) -> None:

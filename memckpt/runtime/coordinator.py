@@ -187,6 +187,10 @@ class Coordinator:
                 self.s["committed"] = None
             self._save()
 
+    async def protected(self) -> dict[str, list[str]]:
+        """The folders per tier no rank may write (see :meth:`started_over`)."""
+        return dict(self.s.get("protected", {}))
+
     async def persisted(self) -> dict[str, int]:
         return dict(self.s["persisted"])
 

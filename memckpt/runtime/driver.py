@@ -115,22 +115,22 @@ class Runtime:
         cfg, plane = self.config, self.plane
         self.run_dir.mkdir(parents=True, exist_ok=True)
         t_start = time.time()
-        plane.start_coordinator(self.run_dir)
-        assignment, holders, capacity = self.initial_layout()
-        plane.ensure_stores(list(capacity))
-        self.ray.get([s.clear.remote() for s in plane.stores.values()])  # a fresh job
-        self.ray.get([s.ping.remote() for s in plane.stores.values()])
-        self._event("job_started", world_size=cfg.workers.num_workers,
-                    assignment=assignment, holders=holders, fingerprint=cfg.fingerprint())
-        if cfg.workers.elastic:
-            self.ray.get(self.coordinator.set_elastic.remote({
-                "world_size": cfg.workers.num_workers, "num_workers": cfg.workers.num_workers,
-                "min_workers": cfg.workers.min_workers, "grow": cfg.workers.grow}))
-        committed, restore = self.recovery.auto_resume(assignment)
-        self._install_signal_handlers()
         gen, g, decision = 0, None, Decision(Action.WAIT)
         self.state = State.STARTING
-        try:
+        try:  # from the first actor on: a failed start (too few nodes) tears down too
+            plane.start_coordinator(self.run_dir)
+            assignment, holders, capacity = self.initial_layout()
+            plane.ensure_stores(list(capacity))
+            self.ray.get([s.clear.remote() for s in plane.stores.values()])  # a fresh job
+            self.ray.get([s.ping.remote() for s in plane.stores.values()])
+            self._event("job_started", world_size=cfg.workers.num_workers,
+                        assignment=assignment, holders=holders, fingerprint=cfg.fingerprint())
+            if cfg.workers.elastic:
+                self.ray.get(self.coordinator.set_elastic.remote({
+                    "world_size": cfg.workers.num_workers, "num_workers": cfg.workers.num_workers,
+                    "min_workers": cfg.workers.min_workers, "grow": cfg.workers.grow}))
+            committed, restore = self.recovery.auto_resume(assignment)
+            self._install_signal_handlers()
             while not self.state.terminal:
                 if self.state is State.STARTING:
                     g = self._start_generation(gen, assignment, holders, restore, committed)
