@@ -1,4 +1,4 @@
-"""Shared fixtures: a shared-memory temp dir; a local multi-node Ray cluster per module."""
+"""Shared fixtures: a shared-memory temp dir; one local multi-node Ray cluster per session."""
 
 from __future__ import annotations
 
@@ -21,21 +21,40 @@ def ram_root():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """A 3-node local Ray cluster (2 CPUs a node, a 0-CPU head), one per test module."""
+@pytest.fixture(scope="session")
+def _shared_cluster():
+    """One 3-node local Ray cluster (2 CPUs a node, a 0-CPU head) for the whole session:
+    starting and stopping one per module cost about 10 s each."""
     from memckpt.runtime.local_cluster import LocalCluster
-    c = LocalCluster(nodes=3, cpus_per_node=2)
+    c = LocalCluster(nodes=3, cpus_per_node=2, connect=False)
     yield c
     c.shutdown()
+
+
+def _ready(c):
+    """``c`` with 3 worker nodes again (a test may have removed some) and this process
+    connected to it (a test may have left it for a private cluster)."""
+    import ray
+    while len(c.nodes) < 3:
+        c.add_node()
+    if not ray.is_initialized():
+        ray.init(address=c.address, namespace="memckpt", log_to_driver=True)
+    return c
+
+
+@pytest.fixture(scope="module")
+def cluster(_shared_cluster):
+    """The session's cluster, ready for this module; disconnected after it, so a module that
+    starts its own cluster (the benchmarks, the elastic drills) can connect to that one."""
+    import ray
+    yield _ready(_shared_cluster)
+    ray.shutdown()
 
 
 @pytest.fixture
 def full_cluster(cluster):
     """The module's cluster with 3 worker nodes again (a test may have removed some)."""
-    while len(cluster.nodes) < 3:
-        cluster.add_node()
-    return cluster
+    return _ready(cluster)
 
 
 STORE_JOB, STORE_NODE = "t", "nodeA"

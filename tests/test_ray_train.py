@@ -87,12 +87,14 @@ def events(run_dir: Path) -> list[dict]:
 
 
 def assert_clean(ram_root: str) -> None:
-    """No memckpt actor alive, nothing left in the job's RAM folder."""
+    """No memckpt actor of this module's jobs (``rt-*``; the cluster is the session's)
+    alive, nothing left in the job's RAM folder."""
     import ray
     deadline = time.time() + 60
     while True:
         alive = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith(("memckpt-coordinator-", "memckpt-store-", "memckpt-janitor-"))]
+                 if a["name"].startswith(tuple(f"memckpt-{kind}-rt-" for kind in
+                                               ("coordinator", "store", "janitor")))]
         left = [p for p in Path(ram_root).rglob("*") if p.is_file()]
         if not alive and not left:
             return

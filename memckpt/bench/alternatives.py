@@ -273,11 +273,12 @@ def _store_bytes(job: str) -> dict[str, int]:
     """node id -> bytes of shards (own slots + peers' replicas) its memckpt store holds."""
     import ray
 
+    from memckpt.runtime.actors import store_name
     from memckpt.runtime.driver import COORDINATOR_NAMESPACE
     out = {}
     for node in (n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")):
         try:
-            store = ray.get_actor(f"memckpt-store-{job}-{node[:16]}", namespace=COORDINATOR_NAMESPACE)
+            store = ray.get_actor(store_name(job, node), namespace=COORDINATOR_NAMESPACE)
         except ValueError:
             continue
         out[node] = int(ray.get(store.memory.remote())["held_bytes"])
