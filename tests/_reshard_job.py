@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -98,13 +99,27 @@ def _config(root: str, ram: str, **load: Any) -> memckpt.Config:
                           load=memckpt.LoadSpec(**load))
 
 
+@contextmanager
+def _rank(rank: int, world: int, port: int, layout: str, out: str) -> Iterator[None]:
+    """One rank's process: join the group (unless ``single``), run the body, leave it
+    together; a failure's traceback goes to ``out/error-<rank>.txt`` for the test to show."""
+    try:
+        if layout != "single":
+            _init(rank, world, port)
+        yield
+        if layout != "single":
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException:
+        (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
 def write_job(rank: int, world: int, port: int, layout: str, root: str, ram: str, out: str,
               steps: int, stores: Any = None) -> None:
     """Train ``steps`` steps, snapshot, store this rank's shard under ``root`` (or, with
     ``stores``, stream it to those replica stores as replication does)."""
-    try:
-        if layout != "single":
-            _init(rank, world, port)
+    with _rank(rank, world, port, layout, out):
         model, opt, _ = build(layout, seed=0)
         state = memckpt.TrainState(model=model, optimizer=opt)
         for _ in range(steps):
@@ -124,20 +139,12 @@ def write_job(rank: int, world: int, port: int, layout: str, root: str, ram: str
                 CheckpointStore(root).write_shard(steps, rank, shard.raw)
         torch.save(full_state(state), Path(out) / f"before-{rank}.pt")
         ckpt.close(unlink=True)
-        if layout != "single":
-            dist.barrier()
-            dist.destroy_process_group()
-    except BaseException:
-        (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
 
 
 def restore_job(rank: int, world: int, port: int, layout: str, root: str, ram: str, out: str,
                 more: int, load: dict[str, Any]) -> None:
     """Restore from ``root`` (auto-resume, resharding), dump the state, train ``more`` steps."""
-    try:
-        if layout != "single":
-            _init(rank, world, port)
+    with _rank(rank, world, port, layout, out):
         model, opt, _ = build(layout, seed=123)  # different initial values
         state = memckpt.TrainState(model=model, optimizer=opt)
         ckpt = memckpt.Checkpointer(_config(root, ram, **load), rank, world)
@@ -148,12 +155,6 @@ def restore_job(rank: int, world: int, port: int, layout: str, root: str, ram: s
         losses = [train_step(model, opt, rank) for _ in range(more)]
         torch.save(losses, Path(out) / f"losses-{rank}.pt")
         ckpt.close(unlink=True)
-        if layout != "single":
-            dist.barrier()
-            dist.destroy_process_group()
-    except BaseException:
-        (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
 
 
 def commit(root: str, step: int, world: int) -> None:
@@ -203,9 +204,7 @@ def dcp_job(rank: int, world: int, port: int, layout: str, root: str, out: str) 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
-    try:
-        if layout != "single":
-            _init(rank, world, port)
+    with _rank(rank, world, port, layout, out):
         model, opt, _ = build(layout, seed=123)
         sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
         with warnings.catch_warnings():
@@ -217,12 +216,6 @@ def dcp_job(rank: int, world: int, port: int, layout: str, root: str, out: str) 
         set_optimizer_state_dict(model, opt, sd["optim"])
         state = memckpt.TrainState(model=model, optimizer=opt)
         torch.save({"state": full_state(state)}, Path(out) / f"after-{rank}.pt")
-        if layout != "single":
-            dist.barrier()
-            dist.destroy_process_group()
-    except BaseException:
-        (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
 
 
 def ram_restore_job(rank: int, world: int, port: int, layout: str, holders: Any, n: int,
@@ -232,9 +225,7 @@ def ram_restore_job(rank: int, world: int, port: int, layout: str, holders: Any,
     from memckpt.dcp_storage import MemckptReader
     from memckpt.reshard import load_resharded
     from memckpt.runtime.ram_source import ReplicaSource
-    try:
-        if layout != "single":
-            _init(rank, world, port)
+    with _rank(rank, world, port, layout, out):
         model, opt, _ = build(layout, seed=123)
         state = memckpt.TrainState(model=model, optimizer=opt)
         source = ReplicaSource(holders, n, step)
@@ -244,9 +235,3 @@ def ram_restore_job(rank: int, world: int, port: int, layout: str, holders: Any,
                    Path(out) / f"after-{rank}.pt")
         losses = [train_step(model, opt, rank) for _ in range(more)]
         torch.save(losses, Path(out) / f"losses-{rank}.pt")
-        if layout != "single":
-            dist.barrier()
-            dist.destroy_process_group()
-    except BaseException:
-        (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise

@@ -21,14 +21,38 @@ def ram_root():
     shutil.rmtree(path, ignore_errors=True)
 
 
+class _Shared:
+    """One 3-node local Ray cluster (2 CPUs a node, a 0-CPU head) for the whole session:
+    starting and stopping one per module cost about 10 s each. Started on first use."""
+    cluster = None
+
+    @classmethod
+    def get(cls):
+        if cls.cluster is None:
+            from memckpt.runtime.local_cluster import LocalCluster
+            cls.cluster = LocalCluster(nodes=3, cpus_per_node=2, connect=False)
+        return cls.cluster
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.cluster is not None:
+            cls.cluster.shutdown()
+            cls.cluster = None
+
+
 @pytest.fixture(scope="session")
 def _shared_cluster():
-    """One 3-node local Ray cluster (2 CPUs a node, a 0-CPU head) for the whole session:
-    starting and stopping one per module cost about 10 s each."""
-    from memckpt.runtime.local_cluster import LocalCluster
-    c = LocalCluster(nodes=3, cpus_per_node=2, connect=False)
-    yield c
-    c.shutdown()
+    yield _Shared
+    _Shared.stop()
+
+
+@pytest.fixture(scope="module")
+def machine_to_itself(_shared_cluster):
+    """For a module whose cluster must be the only one on the machine (a Ray head whose job
+    agent listens on Ray's fixed default port): the shared one stops, and the next module
+    that needs it starts it again."""
+    _shared_cluster.stop()
+    yield
 
 
 def _ready(c):
@@ -47,7 +71,7 @@ def cluster(_shared_cluster):
     """The session's cluster, ready for this module; disconnected after it, so a module that
     starts its own cluster (the benchmarks, the elastic drills) can connect to that one."""
     import ray
-    yield _ready(_shared_cluster)
+    yield _ready(_shared_cluster.get())
     ray.shutdown()
 
 

@@ -55,7 +55,7 @@ config = memckpt.Config(
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory):
+def head(tmp_path_factory, machine_to_itself):
     d = tmp_path_factory.mktemp("head")
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     log = open(d / "cluster.log", "w")

@@ -234,17 +234,25 @@ def test_hung_endpoint_never_stalls_a_step_close_is_bounded_and_keeps_ram(hole, 
     assert not job.ckpt.directory.exists()
 
 
+def landed(ram_root: str, monkeypatch, moto_url: str, endpoint: str, bucket: str
+           ) -> tuple[Job, str]:
+    """A job persisting to a new ``bucket`` on moto at ``moto_url``, spoken to through
+    ``endpoint`` (moto itself or a proxy in front of it), once its first checkpoint landed."""
+    make_bucket(moto_url, bucket)
+    monkeypatch.setenv("MEMCKPT_S3_ENDPOINT_URL", endpoint)
+    uri = f"s3://{bucket}/run"
+    job = Job(ram_root, uri, FLAKY)
+    job.until(lambda: job.events("persisted"), 60, "a first checkpoint to land", steps=6)
+    return job, uri
+
+
 # -- an endpoint killed mid-run, back later ---------------------------------------------------------
 @pytest.mark.timeout(240)
 def test_endpoint_killed_mid_run_and_restarted(aws_test_env, ram_root, monkeypatch):  # noqa: F811
     port = _free_port()
     server = MotoProcess(port)
     try:
-        make_bucket(server.url, "bkt-killed")
-        monkeypatch.setenv("MEMCKPT_S3_ENDPOINT_URL", server.url)
-        uri = "s3://bkt-killed/run"
-        job = Job(ram_root, uri, FLAKY)
-        job.until(lambda: job.events("persisted"), 60, "a first checkpoint to land", steps=6)
+        job, uri = landed(ram_root, monkeypatch, server.url, server.url, "bkt-killed")
 
         server.stop()  # SIGKILL: connections are refused from now on
         down = job.n
@@ -286,11 +294,7 @@ def test_throttling_and_server_errors_never_stall_and_persistence_resumes(
     server = MotoProcess(_free_port())
     proxy = FaultProxy(server.url)
     try:
-        make_bucket(server.url, "bkt-throttled")
-        monkeypatch.setenv("MEMCKPT_S3_ENDPOINT_URL", proxy.url)
-        uri = "s3://bkt-throttled/run"
-        job = Job(ram_root, uri, FLAKY)
-        job.until(lambda: job.events("persisted"), 60, "a first checkpoint to land", steps=6)
+        job, uri = landed(ram_root, monkeypatch, server.url, proxy.url, "bkt-throttled")
 
         for status, code in ((503, "SlowDown"), (500, "InternalError")):
             proxy.fail_with = status
