@@ -6,8 +6,8 @@ of the same state saved by the same 4 ranks in the same run.
 Every rank is a process (gloo, CPU mesh). A row's time is the slowest rank's restore
 (memckpt: ``load_resharded``; DCP: ``get_optimizer_state_dict`` + ``dcp.load`` +
 ``set_optimizer_state_dict``, what a torchtitan-style job runs). Peak memory is each
-rank's RSS high-water mark minus its RSS just before the restore (the model's local
-shards already allocated), against its new shard's bytes (parameters + 2 moments). Files were
+rank's RSS high-water mark during the restore (VmHWM, reset just before it) minus its RSS
+just before (the model's local shards already allocated, not yet touched), against its new shard's bytes (parameters + 2 moments). Files were
 just written: both disk readers find them in the page cache.
 """
 
@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from memckpt.bench.common import (human_bytes, human_s, machine_info, machine_line, parse_size,
                                   write_rows)
+from memckpt.bench.snapshot_measure import peak_rss, reset_peak_rss, rss_bytes
 
 WRITERS = 4
 LAYERS = 8
@@ -117,8 +118,10 @@ def _reader(rank: int, world: int, port: int, width: int, work: str, source: str
         model, opt = _model(width, world, meta=True)
         shard_bytes = 3 * sum(p.to_local().numel() * 4 for p in model.parameters())
         dist.barrier()
-        import psutil
-        before = psutil.Process().memory_info().rss  # now; the peak below is a high-water mark
+        # The high-water mark from here on: ru_maxrss would also count the parent's RSS at
+        # fork (Linux keeps it across exec), which at 1 GiB hid every restore's own peak.
+        reset = reset_peak_rss()
+        before = rss_bytes()
         t0 = time.perf_counter()
         read = 0
         if source == "dcp":
@@ -137,7 +140,7 @@ def _reader(rank: int, world: int, port: int, width: int, work: str, source: str
                 load_resharded(state, MemckptReader(src), rank, frozenset(CONTENT_KINDS))
             read = src.bytes_read
         seconds = time.perf_counter() - t0
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+        peak = peak_rss() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
         torch.save({"seconds": seconds, "peak_rss": peak, "rss_before": before, "read": read,
                     "shard_bytes": shard_bytes}, f"{work}/r-{source}-{world}-{rank}.pt")
         dist.barrier()
