@@ -24,6 +24,7 @@ from memckpt.config import Config
 from memckpt.errors import ChecksumError, MemckptError, StateError
 from memckpt.control import STOP, Control
 from memckpt.fsutil import write_atomic
+from memckpt.persist.catalog import protect
 from memckpt.persist.uploader import Persister, persisted_restore
 from memckpt.populate import FAULTED_IN
 from memckpt.snapshot import SnapshotEngine
@@ -178,9 +179,8 @@ class Checkpointer:
         another world size or layout wrote it)."""
         if self.persister is None:
             return None
-        step, protect = self.resume_persisted(state, self.persister.stores)
-        for tier, folders in protect.items():
-            self.persister.stores[tier].protected |= folders
+        step, folders = self.resume_persisted(state, self.persister.stores)
+        protect(self.persister.stores, folders)
         return step
 
     def resume_persisted(self, state: TrainState, stores: Sequence[Any],
@@ -196,7 +196,7 @@ class Checkpointer:
         index to leave untouched: every step folder there was when a checkpoint of another
         model turned up, since the old model's and this one's cannot be told apart by name).
         """
-        protect: dict[int, set[str]] = {}
+        folders: dict[int, set[str]] = {}
         below: Optional[int] = None
         while True:
             if first is None:
@@ -205,14 +205,14 @@ class Checkpointer:
                     self._event("checkpoint_skipped", reason=reason)
                     log.warning("memckpt: %s", reason)
                 if tier is None:
-                    return None, protect
+                    return None, folders
             else:
                 (tier, manifest), first = first, None
             step = self.load_persisted(state, stores[tier], manifest)
             if step is not None:
-                return step, protect
-            if not protect:
-                protect = {i: {info.folder for info in s.list_checkpoints()}
+                return step, folders
+            if not folders:
+                folders = {i: {info.folder for info in s.list_checkpoints()}
                            for i, s in enumerate(stores)}
             below = manifest.step
 

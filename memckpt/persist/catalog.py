@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -532,6 +532,14 @@ def _search(stores: Sequence[CheckpointStore], world_size: Optional[int], finger
                 continue
         return store, m, reasons
     return None, None, reasons
+
+
+def protect(stores: Sequence[CheckpointStore], folders: Mapping[Any, Iterable[str]]) -> None:
+    """Leave ``folders`` (per tier index, an int or its string from JSON) untouched in
+    ``stores``: never written, never removed by retention (another model's checkpoints a
+    job started beside, ``load.on_incompatible="start_fresh"``)."""
+    for tier, names in folders.items():
+        stores[int(tier)].protected |= set(names)
 
 
 def find_latest(stores: Sequence[CheckpointStore], world_size: Optional[int] = None,

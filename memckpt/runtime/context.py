@@ -29,6 +29,7 @@ from memckpt.control import STOP
 from memckpt.data import batch_plan
 from memckpt.digest import state_digest
 from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnapshotError
+from memckpt.persist.catalog import protect
 from memckpt.persist.uploader import Persister
 from memckpt.populate import MIN_BYTES, POOL
 from memckpt.runtime.faults import SIGNALS, STEADY_WAIT_S
@@ -91,8 +92,7 @@ class WorkerContext:
             on_event=lambda kind, **f: coord.log_event.remote(kind, dict(f, rank=rank)),
             world_size=self.world_size)
         # another model's folders this job started beside, in every generation after the first
-        for tier, folders in ray.get(coord.protected.remote()).items():
-            persister.stores[int(tier)].protected |= set(folders)
+        protect(persister.stores, ray.get(coord.protected.remote()))
         return persister
 
     def _committed(self, step: int, request: Optional[str]) -> None:
@@ -246,19 +246,18 @@ class WorkerContext:
         from memckpt.persist import CheckpointStore, Manifest
         stores = [CheckpointStore(t) for t in self.config.persistence]
         manifest = Manifest.from_json(instr.manifest, stores[instr.tier].describe())
-        step, protect = self.ckpt.resume_persisted(state, stores, (instr.tier, manifest))
-        if protect:
+        step, folders = self.ckpt.resume_persisted(state, stores, (instr.tier, manifest))
+        if folders:
             # load.on_incompatible="start_fresh" passed another model's checkpoint over: this
             # rank's uploads and the coordinator's manifests and retention leave those
             # folders alone, and the driver's committed step (the old model's) is void.
             # Said before this rank snapshots its start, so before any commit of this run.
-            for tier, folders in protect.items():
-                if self.persister is not None:
-                    self.persister.stores[tier].protected |= folders
+            if self.persister is not None:
+                protect(self.persister.stores, folders)
             ray.get(self.spec.coordinator.started_over.remote(
                 self.generation, self.rank, 0 if step is None else step,
-                {tier: sorted(f) for tier, f in protect.items()}))
-        self.restore_source = (f"{stores[instr.tier].describe()}@{manifest.step}" if not protect
+                {tier: sorted(f) for tier, f in folders.items()}))
+        self.restore_source = (f"{stores[instr.tier].describe()}@{manifest.step}" if not folders
                                else "fresh start" if step is None else f"persisted@{step}")
         return 0 if step is None else step
 

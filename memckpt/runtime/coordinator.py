@@ -24,6 +24,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from memckpt.persist.catalog import protect
 from memckpt.runtime.metrics import JobMetrics
 
 COORDINATOR_NAMESPACE = "memckpt"
@@ -76,8 +77,7 @@ class Coordinator:
             self.s = json.loads(saved)
             self.s["restarts_of_coordinator"] += 1
             self._reload_losses()
-            for tier, folders in self.s.get("protected", {}).items():
-                self.stores[int(tier)].protected |= set(folders)
+            protect(self.stores, self.s.get("protected", {}))
             self.event("coordinator_restarted", committed=self.s["committed"], gen=self.s["gen"])
             self._save()
 
@@ -169,18 +169,18 @@ class Coordinator:
         return True
 
     async def started_over(self, gen: int, rank: int, step: int,
-                           protect: dict[int, list[str]]) -> None:
+                           folders: dict[int, list[str]]) -> None:
         """``rank`` passed another model's persisted checkpoint over and starts at ``step``
         (load.on_incompatible="start_fresh"): the old model's step is no longer this job's
-        committed one, and ``protect``'s folders (per tier) are never written or removed.
+        committed one, and ``folders`` (per tier) are never written or removed.
         Every rank says so before it snapshots its start, so before this run commits."""
         async with self._cond:
             if gen != self.s["gen"]:
                 return
+            protect(self.stores, folders)
             saved = self.s.setdefault("protected", {})
-            for tier, folders in protect.items():
-                self.stores[int(tier)].protected |= set(folders)
-                saved[str(tier)] = sorted(set(saved.get(str(tier), [])) | set(folders))
+            for tier, names in folders.items():
+                saved[str(tier)] = sorted(set(saved.get(str(tier), [])) | set(names))
             if self.s["committed"] is not None:
                 self.event("started_over", rank=rank, gen=gen, step=step,
                            old_committed=self.s["committed"])
