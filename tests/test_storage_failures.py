@@ -142,6 +142,16 @@ class Job:
             f"persistence: median {median:.4f} s, worst {worst:.4f} s over "
             f"{len(self.twin_times)} steps")
 
+    def assert_resumes_elsewhere(self, ram_root: str, uri: str, step: int) -> None:
+        """A process on a node whose RAM is gone (another RAM folder) auto-resumes ``step``
+        from the tier, bit-exact with this job's state at that step."""
+        with tempfile.TemporaryDirectory(dir=ram_root) as other:
+            resumed = memckpt.Checkpointer(config(self.job, other, uri, FLAKY))
+            fresh = Model(1)
+            assert resumed.restore(fresh.state) == step
+            assert_same(fresh.copy(), self.copies[step])
+            assert resumed.close(unlink=True) == []
+
     def close(self, unlink: bool = False) -> tuple[list[str], float]:
         t0 = time.monotonic()
         lines = self.ckpt.close(unlink=unlink)
@@ -277,12 +287,7 @@ def test_endpoint_killed_mid_run_and_restarted(aws_test_env, ram_root, monkeypat
         assert [i.step for i in store.list_checkpoints() if i.complete][0] == newest
 
         # auto-resume on a node whose RAM is gone finds the newest checkpoint, bit-exact
-        with tempfile.TemporaryDirectory(dir=ram_root) as other:
-            resumed = memckpt.Checkpointer(config(job.job, other, uri, FLAKY))
-            fresh = Model(1)
-            assert resumed.restore(fresh.state) == newest
-            assert_same(fresh.copy(), job.copies[newest])
-            assert resumed.close(unlink=True) == []
+        job.assert_resumes_elsewhere(ram_root, uri, newest)
     finally:
         server.stop()
 
@@ -319,12 +324,7 @@ def test_throttling_and_server_errors_never_stall_and_persistence_resumes(
         # a job starting while the endpoint throttles its first requests still finds it
         proxy.fail_next = 4
         failed = proxy.failed
-        with tempfile.TemporaryDirectory(dir=ram_root) as other:
-            resumed = memckpt.Checkpointer(config(job.job, other, uri, FLAKY))
-            fresh = Model(1)
-            assert resumed.restore(fresh.state) == newest
-            assert_same(fresh.copy(), job.copies[newest])
-            assert resumed.close(unlink=True) == []
+        job.assert_resumes_elsewhere(ram_root, uri, newest)
         assert proxy.failed == failed + 4
     finally:
         proxy.close()

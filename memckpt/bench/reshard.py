@@ -7,15 +7,15 @@ Every rank is a process (gloo, CPU mesh). A row's time is the slowest rank's res
 (memckpt: ``load_resharded``; DCP: ``get_optimizer_state_dict`` + ``dcp.load`` +
 ``set_optimizer_state_dict``, what a torchtitan-style job runs). Peak memory is each
 rank's RSS high-water mark during the restore (VmHWM, reset just before it) minus its RSS
-just before (the model's local shards already allocated, not yet touched), against its new shard's bytes (parameters + 2 moments). Files were
-just written: both disk readers find them in the page cache.
+just before (the model's local shards already allocated, not yet touched), against its new
+shard's bytes (parameters + 2 moments). Files were just written: both disk readers find
+them in the page cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import tempfile
 import time
@@ -120,7 +120,7 @@ def _reader(rank: int, world: int, port: int, width: int, work: str, source: str
         dist.barrier()
         # The high-water mark from here on: ru_maxrss would also count the parent's RSS at
         # fork (Linux keeps it across exec), which at 1 GiB hid every restore's own peak.
-        reset = reset_peak_rss()
+        reset_peak_rss()
         before = rss_bytes()
         t0 = time.perf_counter()
         read = 0
@@ -140,7 +140,7 @@ def _reader(rank: int, world: int, port: int, width: int, work: str, source: str
                 load_resharded(state, MemckptReader(src), rank, frozenset(CONTENT_KINDS))
             read = src.bytes_read
         seconds = time.perf_counter() - t0
-        peak = peak_rss() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+        peak = peak_rss()  # VmHWM (ru_maxrss where /proc is missing)
         torch.save({"seconds": seconds, "peak_rss": peak, "rss_before": before, "read": read,
                     "shard_bytes": shard_bytes}, f"{work}/r-{source}-{world}-{rank}.pt")
         dist.barrier()
