@@ -49,11 +49,16 @@ def start_coordinator(config: Config, run_dir: Path) -> Any:
                           "memckpt kill")
     internal_kv._internal_kv_del(f"memckpt/{config.job_name}/coordinator".encode())
     here = ray.get_runtime_context().get_node_id()
-    return ray.remote(Coordinator).options(
+    coordinator = ray.remote(Coordinator).options(
         name=coordinator_name(config.job_name), namespace=COORDINATOR_NAMESPACE, num_cpus=0,
         max_restarts=-1, max_task_retries=-1, scheduling_strategy=on_node(here),
     ).remote(config.job_name, str(run_dir), config.workers.num_workers, config.persistence,
              config.fingerprint())
+    # Up before anything is sent to it: teardown gives a coordinator 10 s to finish, which a
+    # process still starting on a loaded node can miss, losing the events sent before it
+    # (a start that fails at once, e.g. too few nodes, would leave no "job_failed").
+    ray.get(coordinator.committed.remote())
+    return coordinator
 
 
 def inventory(stores: Mapping[str, Any], nodes: Iterable[str],
