@@ -21,4 +21,6 @@ def test_elastic_bench_rows(tmp_path, capsys):
     for r in rows:
         assert r["seconds"] > 0 and (r["from_world_size"], r["to_world_size"]) == (3, 2)
         assert r["step"] == 3
+        # node death -> every rank loaded comes first, inside the whole figure
+        assert r["detect_s"] < r["restored_s"] < r["seconds"], r
     assert "speed-up" in capsys.readouterr().out

@@ -88,12 +88,10 @@ def _config(name: str, num: int, min_workers: int, persist: Optional[str]):
                                       warm_spares=False))
 
 
-def _first_step_after(run_dir: Path, since: float) -> float:
-    """Seconds from ``since`` to the first event of a step run after the restore."""
+def _restored_at(run_dir: Path, gen: int) -> float:
+    """When the last rank of generation ``gen`` had loaded its state (its "restored" event)."""
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
-    (done,) = [e for e in events if e["event"] == "recovery_finished"] or \
-        [{"time": min(e["time"] for e in events if e["event"] == "restored")}]
-    return done["time"] - since
+    return max(e["time"] for e in events if e["event"] == "restored" and e.get("gen") == gen)
 
 
 def measure(state_mb: int, steps: int) -> list[dict[str, Any]]:
@@ -111,6 +109,7 @@ def measure(state_mb: int, steps: int) -> list[dict[str, Any]]:
         ours = rec["phases_s"]["total"]
         detect = rec["phases_s"]["detect"] or 0.0
         step = rec["resumed_step"]
+        ours_restored = _restored_at(root / "ram", rec["gen"]) - rec["fault_at"]
         cluster.add_node()
         disk = str(root / "disk")
         memckpt.run(ShrinkJob(step, state_mb), _config("bench-elastic-dcp", 3, 3, disk),
@@ -119,12 +118,15 @@ def measure(state_mb: int, steps: int) -> list[dict[str, Any]]:
         memckpt.run(ShrinkJob(step + 1, state_mb), _config("bench-elastic-dcp", 2, 2, disk),
                     run_dir=root / "dcp", quiet=True)
         restart = time.time() - t0
+        restart_restored = detect + _restored_at(root / "dcp", 0) - t0
         return [{"benchmark": "elastic", "method": "memckpt elastic (RAM reshard)",
                  "state_mb_per_rank": state_mb, "seconds": ours, "detect_s": detect,
-                 "from_world_size": 3, "to_world_size": 2, "step": step},
+                 "restored_s": ours_restored, "from_world_size": 3, "to_world_size": 2,
+                 "step": step},
                 {"benchmark": "elastic", "method": "restart + DCP load (disk)",
                  "state_mb_per_rank": state_mb, "seconds": detect + restart,
-                 "detect_s": detect, "from_world_size": 3, "to_world_size": 2, "step": step}]
+                 "detect_s": detect, "restored_s": restart_restored, "from_world_size": 3,
+                 "to_world_size": 2, "step": step}]
     finally:
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
@@ -133,12 +135,17 @@ def measure(state_mb: int, steps: int) -> list[dict[str, Any]]:
 def main(args: argparse.Namespace) -> int:
     rows = measure(args.state_mb, args.steps)
     ours, base = rows[0]["seconds"], rows[1]["seconds"]
-    print(f"node death -> first step at 2 ranks, {args.state_mb} MiB state per rank:")
+    print(f"node death -> first step at 2 ranks, {args.state_mb} MiB state per rank "
+          "(of which: node death -> every rank's state loaded; then its first snapshot at the "
+          "new size, the first step and its commit):")
     for r in rows:
-        print(f"  {r['method']:<32} {human_s(r['seconds'])}")
+        print(f"  {r['method']:<32} {human_s(r['seconds'])}  (restored {human_s(r['restored_s'])}"
+              f", first step {human_s(r['seconds'] - r['restored_s'])})")
     speedup = base / ours if ours else float("inf")
+    restore_x = rows[1]["restored_s"] / rows[0]["restored_s"]
     print(f"speed-up {speedup:.1f}x (target >= {TARGET_SPEEDUP:.0f}x): "
-          f"{'met' if speedup >= TARGET_SPEEDUP else 'MISSED'}")
+          f"{'met' if speedup >= TARGET_SPEEDUP else 'MISSED'}; to every rank restored "
+          f"{restore_x:.1f}x")
     write_rows(args.json, rows)
     return 0
 
