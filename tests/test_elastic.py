@@ -167,6 +167,12 @@ def test_grows_back_when_a_node_is_added(nodes3, tmp_path):
     assert s >= pending["after_step"]
     assert_same(torch.load(out / f"restored-{s}-ws3.pt", weights_only=False),
                 torch.load(out / f"params-{s}-ws2.pt", weights_only=False))
+    # once the 2-rank layout committed past the shrink, the 3-rank layout's shards were
+    # freed (old rank 2's own slots: no rank 2 at 2 ranks), and the job went on exactly
+    freed = [e for e in log if e["event"] == "old_layout_freed"]
+    assert freed and freed[0]["committed"] > result["recoveries"][0]["resumed_step"]
+    assert freed[0]["freed_bytes"] > 0
+    assert any("own/rank2" in dirs for dirs in freed[0]["removed"].values()), freed[0]
 
 
 @pytest.mark.chaos

@@ -8,7 +8,7 @@ import pytest
 from memckpt import Config, FailurePolicy, PlacementConfig, WorkersConfig
 from memckpt.data import batch_plan
 from memckpt.errors import ConfigError, RecoveryError, StateError
-from memckpt.recovery_plan import growth_size, plan_resize
+from memckpt.recovery_plan import growth_size, plan_resize, served_ranks
 
 
 def test_default_is_not_elastic():
@@ -129,3 +129,15 @@ def test_ranks_stopped_for_growth_are_a_resize_not_a_finish_nor_a_restart():
     assert grow.action is Action.RECOVER and grow.grow_to == 3 and "growing to 3" in grow.what
     # a rank still running when another stopped at the boundary: the resize too
     assert decide(Observation(pending=(1,), stopped=7, grow_to=3)).action is Action.RECOVER
+
+
+def test_served_ranks_after_a_resize():
+    """Each node keeps the own slots of the ranks it runs and the replicas it holds; a
+    node the new layout does not use keeps nothing."""
+    assignment = {0: "A", 1: "C"}
+    holders = {0: ("C",), 1: ("A",)}
+    assert served_ranks(assignment, holders, ["A", "C", "D"]) == {
+        "A": ([0], [1]), "C": ([1], [0]), "D": ([], [])}
+    two_per_node = {0: "A", 1: "A", 2: "B", 3: "B"}
+    assert served_ranks(two_per_node, {0: ("B",), 1: ("B",), 2: ("A",), 3: ("A",)},
+                        ["A", "B"]) == {"A": ([0, 1], [2, 3]), "B": ([2, 3], [0, 1])}

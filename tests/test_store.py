@@ -285,6 +285,37 @@ def test_stores_of_different_nodes_and_jobs_are_separate(ram_root, store, shards
 
 # ---- memory, clear, RAM check -------------------------------------------------------------
 
+def test_keep_only_frees_the_ranks_a_new_layout_does_not_serve(ram_root, store, shards):
+    """After a resize: own slots of ranks 1 and 2 and replicas of ranks 0 and 2 were held;
+    the new layout runs rank 1 here and gives it rank 0's replicas: the rest is freed, what
+    stays is served as before."""
+    directory = own_dir(Path(ram_root), JOB, NODE)
+    state = _train_state(seed=1)
+    own = {}
+    for rank in (1, 2):
+        ckpt = memckpt.Checkpointer(memckpt.Config(ram_root=ram_root, job_name=JOB),
+                                    rank=rank, world_size=3, directory=directory)
+        own[rank] = _snapshot(ckpt, state, 3)
+        ckpt.close()
+    _send(store, 0, 3, *shards[3])
+    _send(store, 2, 3, *shards[3])
+    assert store.inventory() == {0: [3], 1: [3], 2: [3]}
+    store.read(2, 3)  # mapped by the store: a removed file's mapping goes too
+    before = store.memory()["held_bytes"]
+
+    out = store.keep_only(own=[1], replicas=[0])
+
+    assert sorted(out["removed"]) == ["own/rank2", "replicas/rank2"]
+    assert out["freed_bytes"] == before - store.memory()["held_bytes"] > 0
+    assert not (directory / "rank2").exists()
+    assert store.inventory() == {0: [3], 1: [3]}
+    assert np.array_equal(store.read(1, 3), own[1][0])
+    assert np.array_equal(store.read(0, 3), shards[3][0])
+    with pytest.raises(NoSnapshotError):
+        store.read(2, 3)
+    assert store.keep_only(own=[1], replicas=[0]) == {"removed": [], "freed_bytes": 0}
+
+
 def test_memory_reports_held_bytes(store, shards):
     assert store.memory()["held_bytes"] == 0
     _send(store, 0, 1, *shards[1])

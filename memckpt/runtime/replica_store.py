@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import psutil
@@ -381,6 +381,29 @@ class ReplicaStore:
                 invalidate(path)
                 n += 1
         return n
+
+    def keep_only(self, own: Iterable[int], replicas: Iterable[int]) -> dict[str, Any]:
+        """Free the shards of every rank this node no longer serves: the own slots of ranks
+        not in ``own`` and the replicas of ranks not in ``replicas`` (an elastic resize
+        renumbered the ranks and placed the copies afresh; called once the new layout has
+        committed a step, so no recovery reads the old layout again). Returns the folders
+        removed (``own/rank2``, ...) and the bytes freed."""
+        keep = {"own": {int(r) for r in own}, "replicas": {int(r) for r in replicas}}
+        removed, freed = [], 0
+        with self._lock:
+            for sub, ranks in keep.items():
+                for rank_dir in sorted((self.root / sub).glob("rank*")):
+                    try:
+                        if int(rank_dir.name[4:]) in ranks:
+                            continue
+                    except ValueError:
+                        continue
+                    for f in rank_dir.iterdir():
+                        freed += f.stat().st_size
+                        self._mapped.pop(f, None)
+                    remove_path(rank_dir)
+                    removed.append(f"{sub}/{rank_dir.name}")
+        return {"removed": removed, "freed_bytes": freed}
 
     def memory(self) -> dict[str, int]:
         used = sum(p.stat().st_size for p in self.root.rglob("*.shard"))
