@@ -10,6 +10,7 @@ actor is alive and the run's RAM folder is empty.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -170,12 +171,18 @@ def test_node_removed_its_rank_restores_from_the_peer_replica(full_cluster, refe
         full_cluster.remove_node(node)
 
     watcher = when_step(name, KILL_AT, remove)
-    result, loss, digest, ev = fit(config(name, ram_root), tmp_path)
+    # steps stretched (the same arithmetic): the restarted group runs long enough for the
+    # watchdog's checks (every 0.25 s) to see it commit past the restored step
+    result, loss, digest, ev = fit(config(name, ram_root), tmp_path,
+                                   job=dataclasses.replace(JOB, step_delay_s=0.3))
     watcher.join(5)
     assert result.error is None and len(removed) == 1
     assert (loss, digest) == reference
     (plan,) = [e for e in ev if e["event"] == "recovery_plan"]
     assert plan["dead_nodes"] == removed
+    # then the layout before the restart was freed on the nodes that no longer serve it
+    (freed,) = [e for e in ev if e["event"] == "old_layout_freed"]
+    assert freed["gen"] == 1 and freed["committed"] > plan["resumed_step"]
     restored = {e["rank"]: e for e in ev if e["event"] == "restored" and e["gen"] == 1}
     # rank 1's own node is gone: its shard came from the store that held its replica (on
     # rank 2's node), fetched over the network or, if it now runs there, renamed in

@@ -72,6 +72,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._killed: set[tuple[int, int]] = set()  # (gen, rank) killed as hung
+        self._prune: Optional[int] = None  # after a restart: its step (see _prune_old_layout)
 
     def __getstate__(self) -> dict[str, Any]:  # sent to the controller before it starts
         return {"base": self.base, "checkpoint_every": self.checkpoint_every,
@@ -142,6 +143,11 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         ray.get(self.coordinator.configure.remote(
             gen, assignment, {r: list(h) for r, h in holders.items()}, committed,
             {n: actors.store_name(cfg.job_name, n) for n in self.stores}))
+        # a restart: the layout before is freed once this one commits past its restored
+        # step (set only now: before configure, the coordinator's committed step is the
+        # last generation's, and the restore still reads the old copies)
+        with self._lock:
+            self._prune = None if gen == 0 else (-1 if committed is None else committed)
         faults = tuple(Fault.from_chaos(ev) for ev in cfg.chaos)
         refs = {}
         for i, w in enumerate(workers):
@@ -218,8 +224,29 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
                     self._event("hung_rank_killed", gen=gen, rank=rank, node=node, pid=pid,
                                 timeout_s=timeout)
                     send_signal(node, pid, "KILL", timeout_s=10)
+                self._prune_old_layout()
             except Exception:  # noqa: BLE001 (a restarting coordinator, a dead node: next round)
                 time.sleep(cfg.failure.heartbeat_interval_s)
+
+    def _prune_old_layout(self) -> None:
+        """After a restart moved ranks (Ray Train places the new group anew), free the
+        shards the layout before left on nodes that no longer serve them, once this
+        layout has committed past its restored step."""
+        import ray
+        with self._lock:
+            after, gen = self._prune, self.gen
+            assignment, holders = dict(self.assignment), dict(self.holders)
+        if after is None:
+            return
+        committed = ray.get(self.coordinator.committed.remote(), timeout=10)
+        if committed is None or committed <= after:
+            return
+        with self._lock:
+            if self.gen != gen:  # restarted meanwhile: the next layout's turn
+                return
+            self._prune = None
+        self._event("old_layout_freed", gen=gen, committed=committed,
+                    **actors.free_unserved(self.stores, assignment, holders))
 
     def _event(self, kind: str, **fields: Any) -> None:
         self.coordinator.log_event.remote(kind, fields)

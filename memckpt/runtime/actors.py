@@ -11,11 +11,12 @@ as long as their owner lives.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from memckpt.buffers import remove_path, resolve_ram_root
 from memckpt.config import Config
 from memckpt.errors import ConfigError
+from memckpt.recovery_plan import served_ranks
 from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, Coordinator, coordinator_name
 from memckpt.runtime.replica_store import ReplicaStore
 
@@ -74,6 +75,26 @@ def inventory(stores: Mapping[str, Any], nodes: Iterable[str],
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             out[n] = {}
     return out
+
+
+def free_unserved(stores: Mapping[str, Any], assignment: Mapping[int, str],
+                  holders: Mapping[int, Sequence[str]]) -> dict[str, Any]:
+    """Every live node's store frees the shards of ranks the layout (``assignment``,
+    ``holders``) does not give it: after a recovery moved ranks or resized the job, and
+    once that layout committed a step past it, those are never read again. Returns the
+    event fields: the bytes freed and the folders removed per node."""
+    import ray
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    keep = served_ranks(assignment, holders, [n for n in stores if n in alive])
+    refs = {n: stores[n].keep_only.remote(*keep[n]) for n in keep}
+    freed: dict[str, Any] = {}
+    for n, ref in refs.items():
+        try:
+            freed[n[:12]] = ray.get(ref, timeout=30)
+        except ray.exceptions.RayError:  # a node lost meanwhile: its RAM went with it
+            pass
+    return {"freed_bytes": sum(f["freed_bytes"] for f in freed.values()),
+            "removed": {n: f["removed"] for n, f in freed.items() if f["removed"]}}
 
 
 def release(config: Config, stores: Mapping[str, Any], coordinator: Any) -> None:

@@ -26,7 +26,8 @@ from memckpt import placement
 from memckpt.config import Config
 from memckpt.control import STOP, Control
 from memckpt.errors import ConfigError, PlacementError
-from memckpt.recovery_plan import growth_size, served_ranks
+from memckpt.recovery_plan import growth_size
+from memckpt.runtime import actors
 from memckpt.runtime.control_plane import ControlPlane, alive_node_ids, eligible_nodes
 from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE
 from memckpt.runtime.failure import Action, Decision, Observation, State, decide, next_state
@@ -61,7 +62,7 @@ class Runtime:
         self._grow_to: Optional[int] = None  # elastic: growing to this size at a step boundary
         self._grow_checked = 0.0
         self._growths = 0  # resizes to more ranks (not failures: max_restarts ignores them)
-        # after a resize: (its step, the new layout) until the new layout commits past it
+        # after a recovery: (its step, the new layout) until that layout commits past it
         self._prune: Optional[tuple[int, dict[int, str], dict[int, tuple[str, ...]]]] = None
         self._say, self._event = self.plane.say, self.plane.event
 
@@ -141,11 +142,8 @@ class Runtime:
                 else:  # RECOVERING
                     plan, restore = self.recovery.recover(
                         g, self._failure, assignment, holders)
-                    resized = len(plan.assignment) != len(assignment)
                     assignment, holders, committed = plan.assignment, plan.holders, plan.step
-                    if resized or self._prune is not None:  # (a recovery before the prune
-                        # moves ranks again: the layout to keep is the newest one)
-                        self._prune = (plan.step, dict(assignment), dict(holders))
+                    self._prune = (plan.step, dict(assignment), dict(holders))
                     if self._failure.get("grow_to"):
                         self._grow_to, self._growths = None, self._growths + 1
                         self.ray.get(self.coordinator.clear_stop.remote())
@@ -303,25 +301,15 @@ class Runtime:
         return None
 
     def _prune_old_layout(self, committed: Optional[int]) -> None:
-        """Once a resized job commits a step past the resize, free every node's shards of
-        the old layout (ranks renumbered, copies placed afresh): up to a shard per old
-        rank and copy, which no recovery reads again."""
+        """Once the layout a recovery set up commits a step past it, free every node's
+        shards of the layout before (a resize renumbers the ranks, a move leaves a rank's
+        copies where it ran): up to a shard per old rank and copy, never read again."""
         if self._prune is None or committed is None or committed <= self._prune[0]:
             return
         _, assignment, holders = self._prune
         self._prune = None
-        alive = alive_node_ids()
-        keep = served_ranks(assignment, holders, [n for n in self.plane.stores if n in alive])
-        refs = {n: self.plane.stores[n].keep_only.remote(*keep[n]) for n in keep}
-        freed: dict[str, Any] = {}
-        for n, ref in refs.items():
-            try:
-                freed[n[:12]] = self.ray.get(ref, timeout=30)
-            except self.ray.exceptions.RayError:  # a node lost meanwhile: its RAM went with it
-                pass
         self._event("old_layout_freed", committed=committed,
-                    freed_bytes=sum(f["freed_bytes"] for f in freed.values()),
-                    removed={n: f["removed"] for n, f in freed.items() if f["removed"]})
+                    **actors.free_unserved(self.plane.stores, assignment, holders))
 
     def _progress_and_faults(self, g: Generation) -> Optional[int]:
         """Once per poll: the stop file, spares, the progress line and scheduled faults.
