@@ -11,6 +11,7 @@ into a worker death (SIGKILL), which Ray Train answers with a restart.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,8 @@ from memckpt.runtime import actors
 from memckpt.runtime.driver import STARTUP_TIMEOUT_S, default_run_dir
 from memckpt.runtime.faults import Fault, send_signal
 from memckpt.runtime.worker import RestoreInstruction, WorkerSpec
+
+logger = logging.getLogger(__name__)
 
 
 class MemckptCallback(ControllerCallback, WorkerGroupCallback):
@@ -73,6 +76,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         self._stop = threading.Event()
         self._killed: set[tuple[int, int]] = set()  # (gen, rank) killed as hung
         self._prune: Optional[int] = None  # after a restart: its step (see _prune_old_layout)
+        self._warned: set[type] = set()  # watchdog errors already logged
 
     def __getstate__(self) -> dict[str, Any]:  # sent to the controller before it starts
         return {"base": self.base, "checkpoint_every": self.checkpoint_every,
@@ -225,7 +229,13 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
                                 timeout_s=timeout)
                     send_signal(node, pid, "KILL", timeout_s=10)
                 self._prune_old_layout()
-            except Exception:  # noqa: BLE001 (a restarting coordinator, a dead node: next round)
+            except Exception as e:  # noqa: BLE001 (a restarting coordinator, a dead node: next round)
+                import ray
+                if not self._stop.is_set() and not isinstance(e, ray.exceptions.RayError) \
+                        and type(e) not in self._warned:  # anything else is a bug: say it once
+                    self._warned.add(type(e))
+                    logger.warning("memckpt watchdog: %r (retrying every %s s)", e,
+                                   cfg.failure.heartbeat_interval_s)
                 time.sleep(cfg.failure.heartbeat_interval_s)
 
     def _prune_old_layout(self) -> None:
