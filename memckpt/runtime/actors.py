@@ -26,6 +26,11 @@ def on_node(node_id: str):
     return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
 
+def alive_node_ids() -> set[str]:
+    import ray
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
 def store_name(job: str, node: str) -> str:
     return f"memckpt-store-{job}-{node[:16]}"
 
@@ -84,7 +89,7 @@ def free_unserved(stores: Mapping[str, Any], assignment: Mapping[int, str],
     once that layout committed a step past it, those are never read again. Returns the
     event fields: the bytes freed and the folders removed per node."""
     import ray
-    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    alive = alive_node_ids()
     keep = served_ranks(assignment, holders, [n for n in stores if n in alive])
     refs = {n: stores[n].keep_only.remote(*keep[n]) for n in keep}
     freed: dict[str, Any] = {}
@@ -102,7 +107,7 @@ def release(config: Config, stores: Mapping[str, Any], coordinator: Any) -> None
     A dead node's RAM folder only exists on that node; where nodes share a machine (a
     simulated cluster) it is freed here, since no store is left to do it."""
     import ray
-    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    alive = alive_node_ids()
     job_root = resolve_ram_root(config.ram_root) / config.job_name
     for node in set(stores) - alive:
         remove_path(job_root / node)

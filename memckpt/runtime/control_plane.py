@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from memckpt.config import Config
 from memckpt.runtime import actors
+from memckpt.runtime.actors import alive_node_ids
 
 affinity = actors.on_node  # the pool pins its workers the same way
 
@@ -29,11 +30,6 @@ def eligible_nodes(config: Config) -> dict[str, int]:
         if cap > 0:
             out[n["NodeID"]] = cap
     return out
-
-
-def alive_node_ids() -> set[str]:
-    import ray
-    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
 
 class ControlPlane:
