@@ -279,7 +279,8 @@ def growth_size(current: int, sizes: Sequence[int], alive: Sequence[str],
 def served_ranks(assignment: Mapping[int, str], holders: Mapping[int, Sequence[str]],
                  nodes: Sequence[str]) -> dict[str, tuple[list[int], list[int]]]:
     """node -> (ranks whose own slots it keeps, ranks whose replicas it keeps) in a layout:
-    once a resized job has committed a step, a node's shards of any other rank (the old
-    layout's numbering and placement) are never read again."""
+    once the layout a recovery set up has committed a step, a node's shards of any other
+    rank (a resize's old numbering, a moved rank's copies, a former holder's) are never
+    read again."""
     return {n: (sorted(r for r, at in assignment.items() if at == n),
                 sorted(r for r, hs in holders.items() if n in hs)) for n in nodes}

@@ -75,7 +75,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._killed: set[tuple[int, int]] = set()  # (gen, rank) killed as hung
-        self._prune: Optional[int] = None  # after a restart: its step (see _prune_old_layout)
+        self._prune_after: Optional[int] = None  # after a restart: its step (_prune_old_layout)
         self._warned: set[type] = set()  # watchdog errors already logged
 
     def __getstate__(self) -> dict[str, Any]:  # sent to the controller before it starts
@@ -151,7 +151,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         # step (set only now: before configure, the coordinator's committed step is the
         # last generation's, and the restore still reads the old copies)
         with self._lock:
-            self._prune = None if gen == 0 else (-1 if committed is None else committed)
+            self._prune_after = None if gen == 0 else (-1 if committed is None else committed)
         faults = tuple(Fault.from_chaos(ev) for ev in cfg.chaos)
         refs = {}
         for i, w in enumerate(workers):
@@ -244,7 +244,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         layout has committed past its restored step."""
         import ray
         with self._lock:
-            after, gen = self._prune, self.gen
+            after, gen = self._prune_after, self.gen
             assignment, holders = dict(self.assignment), dict(self.holders)
         if after is None:
             return
@@ -254,7 +254,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         with self._lock:
             if self.gen != gen:  # restarted meanwhile: the next layout's turn
                 return
-            self._prune = None
+            self._prune_after = None
         self._event("old_layout_freed", gen=gen, committed=committed,
                     **actors.free_unserved(self.stores, assignment, holders))
 

@@ -62,8 +62,8 @@ class Runtime:
         self._grow_to: Optional[int] = None  # elastic: growing to this size at a step boundary
         self._grow_checked = 0.0
         self._growths = 0  # resizes to more ranks (not failures: max_restarts ignores them)
-        # after a recovery: (its step, the new layout) until that layout commits past it
-        self._prune: Optional[tuple[int, dict[int, str], dict[int, tuple[str, ...]]]] = None
+        # after a recovery: its step, until the layout it set up commits past it
+        self._prune_after: Optional[int] = None
         self._say, self._event = self.plane.say, self.plane.event
 
     @property
@@ -143,7 +143,7 @@ class Runtime:
                     plan, restore = self.recovery.recover(
                         g, self._failure, assignment, holders)
                     assignment, holders, committed = plan.assignment, plan.holders, plan.step
-                    self._prune = (plan.step, dict(assignment), dict(holders))
+                    self._prune_after = plan.step
                     if self._failure.get("grow_to"):
                         self._grow_to, self._growths = None, self._growths + 1
                         self.ray.get(self.coordinator.clear_stop.remote())
@@ -300,16 +300,16 @@ class Runtime:
         self._say(f"persisted step {step}; training goes on")
         return None
 
-    def _prune_old_layout(self, committed: Optional[int]) -> None:
-        """Once the layout a recovery set up commits a step past it, free every node's
-        shards of the layout before (a resize renumbers the ranks, a move leaves a rank's
-        copies where it ran): up to a shard per old rank and copy, never read again."""
-        if self._prune is None or committed is None or committed <= self._prune[0]:
+    def _prune_old_layout(self, g: Generation, committed: Optional[int]) -> None:
+        """Once ``g``, the layout a recovery set up, commits a step past it, free every
+        node's shards of the layout before (a resize renumbers the ranks, a move leaves a
+        rank's copies where it ran): up to a shard per old rank and copy, never read again."""
+        if self._prune_after is None or committed is None or committed <= self._prune_after:
             return
-        _, assignment, holders = self._prune
-        self._prune = None
+        self._prune_after = None
         self._event("old_layout_freed", committed=committed,
-                    **actors.free_unserved(self.plane.stores, assignment, holders))
+                    **actors.free_unserved(self.plane.stores, self.pool.worker_nodes,
+                                           g.holders))
 
     def _progress_and_faults(self, g: Generation) -> Optional[int]:
         """Once per poll: the stop file, spares, the progress line and scheduled faults.
@@ -319,7 +319,7 @@ class Runtime:
         if stop_step is not None:
             return stop_step
         self._check_growth(g, prog["committed"])
-        self._prune_old_layout(prog["committed"])
+        self._prune_old_layout(g, prog["committed"])
         self.pool.prefault_spares(prog["committed"])
         if self.recovery.check_resumed(prog["min_step"], g.gen):
             self.pool.top_up_spares()

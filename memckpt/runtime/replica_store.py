@@ -384,10 +384,10 @@ class ReplicaStore:
 
     def keep_only(self, own: Iterable[int], replicas: Iterable[int]) -> dict[str, Any]:
         """Free the shards of every rank this node no longer serves: the own slots of ranks
-        not in ``own`` and the replicas of ranks not in ``replicas`` (an elastic resize
-        renumbered the ranks and placed the copies afresh; called once the new layout has
-        committed a step, so no recovery reads the old layout again). Returns the folders
-        removed (``own/rank2``, ...) and the bytes freed."""
+        not in ``own`` and the replicas of ranks not in ``replicas`` (a recovery moved ranks
+        or resized the job; called once the new layout has committed a step, so no
+        recovery reads the old layout again). Returns the folders removed (``own/rank2``,
+        ...) and the bytes freed."""
         keep = {"own": {int(r) for r in own}, "replicas": {int(r) for r in replicas}}
         removed, freed = [], 0
         with self._lock:
