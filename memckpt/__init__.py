@@ -12,8 +12,8 @@ from memckpt.version import __version__
 # Imported on first use: they need torch, which the replica stores and the coordinator
 # (processes that only move bytes and keep books) never import (0.8 s and ~0.25 GiB each).
 # WorkerContext needs Ray as well.
-_LAZY = {"Checkpointer": "memckpt.checkpointer", "ResumableSampler": "memckpt.data",
-         "TrainState": "memckpt.state", "WorkerContext": "memckpt.runtime.worker"}
+_LAZY = {"Checkpointer": "memckpt.checkpointer", "ResumableSampler": "memckpt.format.data",
+         "TrainState": "memckpt.format.state", "WorkerContext": "memckpt.runtime.worker"}
 
 
 def __getattr__(name: str) -> Any:
@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
 def dcp_reader(uri_or_path, step=None):
     """A ``torch.distributed.checkpoint`` StorageReader over the newest (or ``step``'s)
     memckpt checkpoint under a local directory or ``s3://bucket/prefix``; see
-    :mod:`memckpt.dcp_storage` for the names it gives each tensor."""
+    :mod:`memckpt.format.dcp_reader` for the names it gives each tensor."""
     from memckpt.persist.dcp_source import open_reader
     return open_reader(uri_or_path, step)
 

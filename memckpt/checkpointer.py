@@ -18,17 +18,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from memckpt import shard as fmt
-from memckpt.buffers import RamRegion, remove_path, resolve_ram_root
+from memckpt.format import shard as fmt
+from memckpt.engine.buffers import RamRegion, remove_path, resolve_ram_root
 from memckpt.config import Config
 from memckpt.errors import ChecksumError, MemckptError, StateError
-from memckpt.control import STOP, Control
-from memckpt.fsutil import write_atomic
+from memckpt.engine.stop import STOP, Control
+from memckpt.util.fsutil import write_atomic
 from memckpt.persist.catalog import protect
 from memckpt.persist.uploader import Persister, persisted_restore
-from memckpt.populate import FAULTED_IN
-from memckpt.snapshot import SnapshotEngine
-from memckpt.state import TrainState, same_layout
+from memckpt.engine.populate import FAULTED_IN
+from memckpt.engine.snapshot import SnapshotEngine
+from memckpt.format.state import TrainState, same_layout
 
 log = logging.getLogger("memckpt")
 
@@ -91,7 +91,7 @@ class Checkpointer:
     def step(self, state: TrainState, step: int) -> bool:
         """Call after finishing ``step``; snapshots when due. Returns True if it did.
 
-        A stop file or signal (see :mod:`memckpt.control`) makes this step snapshot
+        A stop file or signal (see :mod:`memckpt.engine.stop`) makes this step snapshot
         and persist to every tier before returning, and sets ``should_stop`` to ask
         the training loop to end.
         """
@@ -223,11 +223,11 @@ class Checkpointer:
 
         The same world size and layout read this rank's shard whole; otherwise the
         checkpoint is resharded: only the byte ranges overlapping this rank's tensors are
-        read (see :mod:`memckpt.reshard`) and a ``resharded`` event says from what to what.
+        read (see :mod:`memckpt.format.reshard`) and a ``resharded`` event says from what to what.
         """
-        from memckpt.dcp_storage import MemckptReader
+        from memckpt.format.dcp_reader import MemckptReader
         from memckpt.persist.dcp_source import PersistedSource
-        from memckpt.reshard import check_compatible, load_resharded, mismatch
+        from memckpt.format.reshard import check_compatible, load_resharded, mismatch
         source = f"{store.describe()}@{manifest.step}"
         reader = MemckptReader(PersistedSource(store, manifest))
         problem = mismatch(reader, state)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from memckpt import placement
+from memckpt.policy import placement
 from memckpt.errors import ConfigError, PlacementError
 
 CONTENT_KINDS = ("model", "optimizer", "scheduler", "scaler", "data", "rng", "extras")

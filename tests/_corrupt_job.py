@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from memckpt import shard as fmt
+from memckpt.format import shard as fmt
 
 
 @dataclass(frozen=True)

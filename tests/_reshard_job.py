@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 import memckpt
 from memckpt.persist import CheckpointStore, ShardEntry
-from memckpt import shard as fmt
+from memckpt.format import shard as fmt
 
 DIM, OUT = 16, 4
 HIDDEN = int(os.environ.get("MEMCKPT_TEST_HIDDEN", "24"))
@@ -174,7 +174,7 @@ def commit(root: str, step: int, world: int) -> None:
 def spawn(fn, world: int, *args: Any) -> None:
     """Run ``fn(rank, world, port, *args)`` on ``world`` processes. The rendezvous port is
     free when picked but another process may take it before rank 0 listens: then again."""
-    from memckpt.netutil import free_port
+    from memckpt.util.netutil import free_port
     for attempt in range(3):
         try:
             return mp.start_processes(fn, args=(world, free_port()) + args, nprocs=world,
@@ -222,8 +222,8 @@ def ram_restore_job(rank: int, world: int, port: int, layout: str, holders: Any,
                     step: int, out: str, more: int) -> None:
     """Restore step ``step`` of an ``n``-rank job from replica stores' RAM into this layout."""
     from memckpt.config import CONTENT_KINDS
-    from memckpt.dcp_storage import MemckptReader
-    from memckpt.reshard import load_resharded
+    from memckpt.format.dcp_reader import MemckptReader
+    from memckpt.format.reshard import load_resharded
     from memckpt.runtime.ram_source import ReplicaSource
     with _rank(rank, world, port, layout, out):
         model, opt, _ = build(layout, seed=123)

@@ -19,16 +19,23 @@ PACKAGE = Path(__file__).resolve().parent.parent / "memckpt"
 # name and everything under it; "memckpt" alone catches every other top-level module.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("memckpt.cli",)),
-    ("apps", ("memckpt.bench", "memckpt.demo", "memckpt.ray_train")),
+    ("apps", ("memckpt.bench", "memckpt.demo", "memckpt.ray_train", "memckpt.integrations")),
     ("runtime", ("memckpt.runtime",)),
     ("checkpointer", ("memckpt.checkpointer",)),
     ("persist", ("memckpt.persist",)),
-    ("core", ("memckpt",)),
+    ("engine", ("memckpt.engine",)),
+    ("format", ("memckpt.format",)),
+    # the base: configuration, errors, version, pure decisions and plain helpers
+    ("base", ("memckpt.config", "memckpt.errors", "memckpt.version", "memckpt.policy",
+              "memckpt.util")),
 ]
+# the public face at the top level; every other module lives in a room (sub-package)
+TOP_LEVEL = {"memckpt", "memckpt.config", "memckpt.errors", "memckpt.version",
+             "memckpt.checkpointer"}
 FACADE = "memckpt"
 FACADE_LAYER = "runtime"
 MAX_LINES = 600
-PURE_MODULES = ("memckpt.runtime.failure",)  # import neither Ray nor torch
+PURE_ROOMS = ("memckpt.policy",)  # every module in them imports neither Ray nor torch
 
 
 def _module_name(path: Path) -> str:
@@ -168,8 +175,26 @@ def test_no_module_is_too_long():
     assert not long, f"modules over {MAX_LINES} lines (split them along a seam):\n" + "\n".join(long)
 
 
+def test_top_level_holds_only_the_public_face():
+    top = {m for m in MODULES if m.count(".") == 1 and not MODULES[m].name == "__init__.py"}
+    assert top | {FACADE} == TOP_LEVEL, f"top-level modules outside the public face: {sorted(top - TOP_LEVEL)}"
+
+
+def test_no_two_rooms_share_a_file_name():
+    # the same name is allowed only for the same role in parallel rooms
+    parallel = {"context", "local", "s3"}
+    names: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        if path.name != "__init__.py" and not module.startswith("memckpt.bench."):  # BENCH-FLAT
+            names.setdefault(path.stem, []).append(module)
+    shared = {n: ms for n, ms in names.items() if len(ms) > 1 and n not in parallel}
+    assert not shared, f"one file name in several rooms: {shared}"
+
+
 def test_pure_modules_import_neither_ray_nor_torch():
-    for module in PURE_MODULES:
+    pure = [m for m in MODULES if any(m == r or m.startswith(r + ".") for r in PURE_ROOMS)]
+    assert len(pure) >= 4, pure
+    for module in pure:
         code = (f"import sys, {module}; "
                 "heavy = sorted(m for m in ('ray', 'torch') if m in sys.modules); "
                 "sys.exit(', '.join(heavy) or None)")
@@ -184,5 +209,5 @@ def test_the_checker_sees_what_it_checks():
     assert any("memckpt.checkpointer" in graph[m] for m in graph if m.startswith("memckpt.runtime."))
     assert "memckpt.persist.uploader" in graph["memckpt.checkpointer"]
     assert _layer("memckpt.cli.main") < _layer("memckpt.demo.job") < _layer("memckpt.runtime.driver") \
-        < _layer("memckpt.checkpointer") < _layer("memckpt.persist.uploader") < _layer("memckpt.state")
+        < _layer("memckpt.checkpointer") < _layer("memckpt.persist.uploader") < _layer("memckpt.format.state")
     assert _layer("memckpt.ray_train.anything") == _layer("memckpt.bench.common")

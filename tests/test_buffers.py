@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from memckpt.buffers import MADV_POPULATE_READ, RamRegion, libc_madvise
+from memckpt.engine.buffers import MADV_POPULATE_READ, RamRegion, libc_madvise
 from memckpt.errors import MemckptError
 
 MB = 1 << 20

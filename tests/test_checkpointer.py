@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memckpt
-from memckpt import shard as fmt
+from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, StateError
 
 HELPER = Path(__file__).with_name("_resume_job.py")

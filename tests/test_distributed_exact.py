@@ -92,7 +92,7 @@ def _worker(rank: int, world_size: int, port: int, zero: bool, mode: str,
     import torch.distributed as dist
 
     import memckpt
-    from memckpt.digest import state_digest
+    from memckpt.format.digest import state_digest
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"

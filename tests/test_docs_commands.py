@@ -323,7 +323,7 @@ def test_runnable_blocks_run(page, tmp_path):
 
 def _check_ram_freed(page: Path) -> None:
     """The snippets end with ``close(unlink=True)``: their jobs' RAM folders hold no file."""
-    from memckpt.buffers import default_ram_root
+    from memckpt.engine.buffers import default_ram_root
     jobs = {j for b in blocks(page) if b.mark == RUN_MARK
             for j in re.findall(r"job_name=[\"']([\w.-]+)[\"']", b.text)}
     for job in jobs:

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from memckpt.netutil import free_port
+from memckpt.util.netutil import free_port
 
 HIDDEN = {"fsdp": 7, "tp": 8, "fsdp_tp": 8}  # 7 over 3 ranks: chunks of 3, 3, 1 (uneven)
 OUT = 2  # the last layer's 2 rows over 3 ranks: the third rank's chunk is empty
@@ -86,8 +86,8 @@ def _worker(rank: int, world: int, port: int, mode: str, device: str, ram_root: 
     import torch.distributed as dist
 
     import memckpt
-    from memckpt import dtensor as dt
-    from memckpt.digest import state_digest
+    from memckpt.format import dtensor as dt
+    from memckpt.format.digest import state_digest
     from memckpt.errors import StateError
 
     torch.set_num_threads(1)

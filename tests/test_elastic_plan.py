@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from memckpt import Config, FailurePolicy, PlacementConfig, WorkersConfig
-from memckpt.data import batch_plan
+from memckpt.format.data import batch_plan
 from memckpt.errors import ConfigError, RecoveryError, StateError
-from memckpt.recovery_plan import growth_size, plan_resize, served_ranks
+from memckpt.policy.recovery_plan import growth_size, plan_resize, served_ranks
 
 
 def test_default_is_not_elastic():
@@ -122,7 +122,7 @@ def test_growth_size():
 
 
 def test_ranks_stopped_for_growth_are_a_resize_not_a_finish_nor_a_restart():
-    from memckpt.runtime.failure import Action, Observation, decide
+    from memckpt.policy.failure import Action, Observation, decide
     stopped = Observation(pending=(), stopped=7, restarts=3, max_restarts=3)
     assert decide(stopped).action is Action.STOP
     grow = decide(Observation(pending=(), stopped=7, grow_to=3, restarts=3, max_restarts=3))

@@ -1,11 +1,11 @@
-"""The driver's failure decisions and state machine, without Ray (memckpt.runtime.failure)."""
+"""The driver's failure decisions and state machine, without Ray (memckpt.policy.failure)."""
 
 from __future__ import annotations
 
 import pytest
 
 from memckpt.errors import FallBehindError, MemckptError, RecoveryError, StateError
-from memckpt.runtime.failure import (ERROR_SETTLE_S, Action, Decision, Observation, State,
+from memckpt.policy.failure import (ERROR_SETTLE_S, Action, Decision, Observation, State,
                                      decide, is_peer_failure, next_state)
 
 SETTLED = ERROR_SETTLE_S + 0.1

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from memckpt.fsutil import replace_atomic, write_atomic
+from memckpt.util.fsutil import replace_atomic, write_atomic
 
 
 def test_write_atomic_replaces_the_whole_file(tmp_path):

@@ -22,4 +22,4 @@ def test_store_coordinator_and_persistence_run_without_torch():
 def test_the_public_names_resolve():
     for name in memckpt.__all__:
         assert getattr(memckpt, name) is not None, name
-    assert memckpt.TrainState.__module__ == "memckpt.state"
+    assert memckpt.TrainState.__module__ == "memckpt.format.state"

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 import memckpt
-from memckpt import shard as fmt
+from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError
 from memckpt.persist import (CheckpointStore, LocalBackend, Manifest, ManifestError,
                              ObjectNotFoundError, PersistError, S3Backend, UnsafeKeyError,

@@ -1,4 +1,4 @@
-"""Unit tests for memckpt.placement (pure, no Ray)."""
+"""Unit tests for memckpt.policy.placement (pure, no Ray)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from memckpt.errors import MemckptError, PlacementError
-from memckpt.placement import (
+from memckpt.policy.placement import (
     STRATEGIES,
     check_feasible,
     format_plan,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from memckpt import populate as pop
-from memckpt.buffers import MADV_POPULATE_WRITE, libc_madvise
-from memckpt.state import TrainState
+from memckpt.engine import populate as pop
+from memckpt.engine.buffers import MADV_POPULATE_WRITE, libc_madvise
+from memckpt.format.state import TrainState
 
 MB = 1 << 20
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux")

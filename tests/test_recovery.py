@@ -1,4 +1,4 @@
-"""Unit tests for memckpt.recovery_plan: pure recovery decisions (no Ray, no torch)."""
+"""Unit tests for memckpt.policy.recovery_plan: pure recovery decisions (no Ray, no torch)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from memckpt.errors import RecoveryError
-from memckpt.recovery_plan import (
+from memckpt.policy.recovery_plan import (
     RecoveryPlan,
     choose_nodes,
     lost_ranks,

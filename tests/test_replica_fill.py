@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import memckpt
-from memckpt import shard as fmt
+from memckpt.format import shard as fmt
 from memckpt.runtime.replica_store import scan
 from memckpt.runtime.transport import StoreConnection, _spans
 from conftest import STORE_JOB, _shm_base, held_replica

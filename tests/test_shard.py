@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 
 import memckpt
-from memckpt import shard as fmt
+from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, StateError
-from memckpt.snapshot import verify_slot
+from memckpt.engine.snapshot import verify_slot
 
 
 def _region_with(tensors, step=7, header=None):

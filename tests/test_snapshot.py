@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import memckpt
 from memckpt.errors import ChecksumError, NoSnapshotError, StateError
-from memckpt.snapshot import verify_slot
+from memckpt.engine.snapshot import verify_slot
 
 
 def _model() -> nn.Module:
@@ -101,7 +101,7 @@ def test_failed_copy_leaves_previous_snapshot_complete(ram_root, mode):
 def test_a_new_process_overwrites_a_torn_slot_in_place(ram_root):
     """A process killed mid-copy leaves a torn slot: the next process's first snapshot
     overwrites that file in place (its pages are in RAM) instead of allocating a new one."""
-    from memckpt import shard as fmt
+    from memckpt.format import shard as fmt
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = memckpt.TrainState(model=model, optimizer=opt)
@@ -366,7 +366,7 @@ def test_abort_wakes_a_snapshot_waiting_for_a_commit(ram_root):
     generation, abort() must fail that wait at once (the commit will never come), leave
     both held snapshots intact, and fail every later snapshot too."""
     from memckpt.errors import GenerationEnded
-    from memckpt.snapshot import SnapshotEngine
+    from memckpt.engine.snapshot import SnapshotEngine
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = memckpt.TrainState(model=model, optimizer=opt)
@@ -407,7 +407,7 @@ def test_adopted_replica_files_become_the_slots_without_a_copy(ram_root, tmp_pat
 
     import numpy as np
 
-    from memckpt.snapshot import SnapshotEngine
+    from memckpt.engine.snapshot import SnapshotEngine
     model, opt, state, ckpt = _two_snapshots(ram_root, "wait")
     held = {}
     replicas = tmp_path / "replicas" / "rank0"
@@ -440,7 +440,7 @@ def test_adopting_replaces_what_the_slots_held(ram_root, tmp_path):
     adopted files replace them, so only the adopted steps remain."""
     import shutil
 
-    from memckpt.snapshot import SnapshotEngine
+    from memckpt.engine.snapshot import SnapshotEngine
     _, _, _, ckpt = _two_snapshots(ram_root, "wait")
     newest = next(sl for sl in ckpt.engine.slots if sl.step == 2)
     replica = tmp_path / "replica.shard"

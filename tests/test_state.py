@@ -444,7 +444,7 @@ def test_flattened_sequences_keep_their_kind_and_every_tensor():
     """Lists and tuples of plain scalars are taken as they are (the RNG states, each step);
     one holding anything else is walked element by element, so its tensors and numpy
     values are still captured."""
-    from memckpt.state import _Flattener, _unflatten
+    from memckpt.format.state import _Flattener, _unflatten
     tensors: list = []
     flat = _Flattener(tensors)
     obj = {"ints": list(range(700)), "tup": (3, 2.5, "x", None, True),
@@ -535,8 +535,8 @@ def test_sampler_unshuffled_and_invalid_arguments():
 
 
 def test_restore_allocations_are_the_optimizer_state_a_restore_creates():
-    from memckpt import shard as fmt
-    from memckpt.state import restore_allocations
+    from memckpt.format import shard as fmt
+    from memckpt.format.state import restore_allocations
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(4, 64)).sum().backward()
@@ -553,9 +553,9 @@ def test_restore_allocations_are_the_optimizer_state_a_restore_creates():
 def test_a_restore_creates_its_optimizer_state_in_the_pools_tensors(tmp_path):
     """What a worker makes ahead (populate.POOL) is what the restore's optimizer holds,
     with the snapshot's exact values; a tensor of another shape is left alone."""
-    from memckpt import shard as fmt
-    from memckpt.populate import MIN_BYTES, POOL
-    from memckpt.state import restore_allocations
+    from memckpt.format import shard as fmt
+    from memckpt.engine.populate import MIN_BYTES, POOL
+    from memckpt.format.state import restore_allocations
 
     def build():
         torch.manual_seed(0)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import memckpt
-from memckpt import shard as fmt
+from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError, PlacementError
 from memckpt.runtime.replica_store import SLOTS, ReplicaStore, StaleGenerationError, node_dir, own_dir
 from conftest import STORE_JOB as JOB, STORE_NODE as NODE

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from memckpt import shard as fmt
+from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, NoSnapshotError, PlacementError, StaleGenerationError
-from memckpt.snapshot import SnapshotEngine
+from memckpt.engine.snapshot import SnapshotEngine
 from memckpt.runtime.replica_store import scan
 from memckpt.runtime.transport import StoreConnection, send_msg
 from _shards import _train_state, shards  # noqa: F401 (fixture)

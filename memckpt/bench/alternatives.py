@@ -53,7 +53,7 @@ from memckpt.bench.foreign_load import Quiet
 from memckpt.bench.recovery_actors import ColdWorker
 from memckpt.bench.recovery_measure import WORLD_SIZE
 from memckpt.bench.snapshot_measure import build_state, matmul_unit, measure_memcpy
-from memckpt.netutil import free_port
+from memckpt.util.netutil import free_port
 
 PLAIN_METHODS = ("none", "memcpy", "memckpt-local", "torch.save", "dcp-async")
 RAY_METHODS = ("memckpt-none", "memckpt", "ray-train-none", "ray-train")
@@ -155,7 +155,7 @@ def run_plain(size: int, steps: int, warmup: int, compute_n: int, directory: Pat
 
     from memckpt.checkpointer import Checkpointer
     from memckpt.config import Config
-    from memckpt.state import TrainState
+    from memckpt.format.state import TrainState
 
     _set_threads()
     model, opt = build_state(size)
@@ -344,7 +344,7 @@ def _raytrain_stall_loop(config: dict[str, Any]) -> None:
         shutil.rmtree(work, ignore_errors=True)
     w = config["warmup"]
     res.update({k: v[w:] for k, v in parts.items()})
-    from memckpt.state import TrainState
+    from memckpt.format.state import TrainState
     res["state_bytes"] = TrainState(model=model, optimizer=opt).capture(0).nbytes
     Path(config["out"]).write_text(json.dumps(res))
 

@@ -91,7 +91,7 @@ def write_rows(path: Optional[str], rows: list[dict[str, Any]], indent: int = 2)
 def disk_base() -> Path:
     """Where a benchmark's files go by default: tempfile's directory, unless that is a RAM
     filesystem (then the working directory), so a disk figure measures a disk."""
-    from memckpt.fsutil import fs_type
+    from memckpt.util.fsutil import fs_type
     base = Path(tempfile.gettempdir())
     return Path.cwd() if fs_type(base) in ("tmpfs", "ramfs") else base
 

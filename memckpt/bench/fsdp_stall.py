@@ -79,7 +79,7 @@ def _rank(rank: int, args: dict[str, Any], port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from memckpt.state import TrainState
+    from memckpt.format.state import TrainState
 
     torch.set_num_threads(1)
     cuda = args["device"] == "cuda"
@@ -145,7 +145,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Spawn the ranks and return one row per rank."""
     import torch.multiprocessing as mp
 
-    from memckpt.netutil import free_port
+    from memckpt.util.netutil import free_port
     params = {k: getattr(args, k) for k in ("size", "ranks", "repeats", "layers", "device",
                                             "ram_root")}
     with tempfile.TemporaryDirectory(prefix="memckpt-bench-fsdp-") as tmp:

@@ -74,7 +74,7 @@ from memckpt.bench.recovery_measure import (CPUS_PER_NODE, GPT_WARMUP_STEPS, NOD
                                             RecoveryBench, connect_driver)
 from memckpt.bench.recovery_report import report
 from memckpt.bench.recovery_rows import build_rows
-from memckpt.fsutil import fs_type
+from memckpt.util.fsutil import fs_type
 
 DEFAULT_REPEATS = 3
 DEFAULT_GPT_STEPS = 30

@@ -21,7 +21,7 @@ from typing import Optional
 
 from memckpt.bench.recovery_job import (all_reduce_mean, build_state, compute_inputs,
                                         compute_loss)
-from memckpt.netutil import free_port
+from memckpt.util.netutil import free_port
 
 
 # -- the alternative: restart every worker and torch.load ---------------------------------------
@@ -157,7 +157,7 @@ class PathClient:
     def __init__(self, nbytes: int, rank: int) -> None:
         import numpy as np
 
-        from memckpt import shard as fmt
+        from memckpt.format import shard as fmt
         layout = fmt.Layout((fmt.TensorEntry("data", "uint8", (nbytes,), 0, nbytes),), nbytes)
         self.rank, self.layout = rank, layout
         self.cap = fmt.header_capacity_for(layout)
@@ -171,7 +171,7 @@ class PathClient:
     def send(self, address: tuple[str, int], step: int) -> float:
         """Seal ``step`` (untimed: the snapshot does that) and replicate it; seconds from the
         first byte to the store's verified ack, over a kept connection as the Replicator."""
-        from memckpt import shard as fmt
+        from memckpt.format import shard as fmt
         from memckpt.runtime.transport import StoreConnection
         digest = fmt.seal(self.region, self.layout, self.cap, step, {})
         address = tuple(address)

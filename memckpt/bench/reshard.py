@@ -108,10 +108,10 @@ def _reader(rank: int, world: int, port: int, width: int, work: str, source: str
 
     import memckpt
     from memckpt.config import CONTENT_KINDS
-    from memckpt.dcp_storage import MemckptReader
+    from memckpt.format.dcp_reader import MemckptReader
     from memckpt.persist import CheckpointStore
     from memckpt.persist.dcp_source import PersistedSource, newest_manifest
-    from memckpt.reshard import load_resharded
+    from memckpt.format.reshard import load_resharded
     from memckpt.runtime.ram_source import ReplicaSource
     try:
         _init(rank, world, port)
@@ -153,7 +153,7 @@ def _reader(rank: int, world: int, port: int, width: int, work: str, source: str
 def _spawn(fn, world: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
-    from memckpt.netutil import free_port
+    from memckpt.util.netutil import free_port
     mp.start_processes(fn, args=(world, free_port()) + args, nprocs=world, join=True,
                        start_method="spawn")
 
@@ -163,7 +163,7 @@ def run_reshard_bench(size: int, worlds: tuple[int, ...] = (2, 3),
     """Rows: one per (source, new world size)."""
     import torch
 
-    from memckpt import shard as fmt
+    from memckpt.format import shard as fmt
     from memckpt.persist import CheckpointStore, ShardEntry
     from memckpt.runtime.replica_store import ReplicaStore
     work = tempfile.mkdtemp(prefix="memckpt-bench-reshard-", dir=directory)

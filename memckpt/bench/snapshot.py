@@ -37,7 +37,7 @@ from memckpt.bench.snapshot_measure import (DEFAULT_LAYERS, build_state, measure
                                             measure_save_buffer, measure_save_disk, peak_rss,
                                             reset_peak_rss, rss_bytes)
 from memckpt.bench.snapshot_report import report
-from memckpt.fsutil import fs_type
+from memckpt.util.fsutil import fs_type
 
 METHODS = ("memcpy", "memckpt", "memckpt-overlap", "torch.save-buffer", "torch.save-disk")
 MODES = ("sync", "overlap", "both")
@@ -87,7 +87,7 @@ def default_repeats(target_bytes: int) -> int:
 
 def _check_room(label: str, target: int, ram_root: Optional[str], directory: Path) -> None:
     import psutil
-    from memckpt.buffers import resolve_ram_root
+    from memckpt.engine.buffers import resolve_ram_root
     need = int(3.2 * target) + (1 << 30)  # live state + two slots + interpreter
     avail = psutil.virtual_memory().available
     if need > avail:
@@ -108,7 +108,7 @@ def run_size(label: str, target: int, repeats: int, mode: str, directory: Path,
              ram_root: Optional[str], wait_quiet: float = 0.0,
              layers: int = DEFAULT_LAYERS) -> list[dict[str, Any]]:
     """Measure every method for one state size in this process; returns the rows."""
-    from memckpt.state import TrainState
+    from memckpt.format.state import TrainState
     say = _Progress(label)
     _check_room(label, target, ram_root, directory)
     gc.collect()

@@ -16,7 +16,7 @@ from statistics import median
 from typing import Any, Callable, Optional
 
 from memckpt.bench.foreign_load import Quiet
-from memckpt.fsutil import fs_type
+from memckpt.util.fsutil import fs_type
 
 DEFAULT_LAYERS = 16
 WARMUP_SNAPSHOTS = 2  # the first snapshot into each of the two slots allocates it

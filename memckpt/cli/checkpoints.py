@@ -88,7 +88,7 @@ def export_main(args: argparse.Namespace) -> int:
                                   f"{store.describe()}; complete steps: {steps}")
         manifest = infos[0].manifest
     if args.dcp:
-        from memckpt.dcp_storage import MemckptReader
+        from memckpt.format.dcp_reader import MemckptReader
         from memckpt.persist.dcp_source import PersistedSource
         from memckpt.persist.export import export_dcp
         keys = export_dcp(MemckptReader(PersistedSource(store, manifest)), args.dcp)

@@ -2,7 +2,7 @@
 
 Modes:
 
-* ``--local``: the single-process demo (:mod:`memckpt.demo.local`): no Ray, one
+* ``--local``: the single-process demo (:mod:`memckpt.demo.single_process`): no Ray, one
   training process SIGKILLed and a new one restored from the RAM snapshot.
 * default: the multi-node Ray demo (:mod:`memckpt.demo.ray_demo`): 3 simulated
   nodes, DDP + ZeRO (``--model fsdp``: FSDP2), ``--fault worker|node|store|coordinator|none``,
@@ -15,7 +15,7 @@ import argparse
 import os
 from pathlib import Path
 
-from memckpt.demo.local import DEFAULT_SIZE, DEFAULT_STEPS, default_kill_at, run_local
+from memckpt.demo.single_process import DEFAULT_SIZE, DEFAULT_STEPS, default_kill_at, run_local
 
 FAULTS = ("worker", "node", "store", "coordinator", "cluster", "none")
 MODELS = ("ddp", "fsdp")  # memckpt.demo.job.GPTJob, FSDPJob

@@ -135,7 +135,7 @@ def _train(job: Any, ctx: Any, net: Any, model: Any, opt: Any, data: Any, dp_ran
     from torch.utils.data import DataLoader
 
     import memckpt
-    from memckpt.demo.local import lr_factor
+    from memckpt.demo.single_process import lr_factor
 
     distributed = dist.is_available() and dist.is_initialized()
     warmup = max(1, job.steps // 10)

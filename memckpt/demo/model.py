@@ -1,7 +1,7 @@
 """The demo's workload: a small GPT, a learnable synthetic token stream, a state digest.
 
 Everything here is plain PyTorch with no process-level assumptions, so the
-single-process demo (:mod:`memckpt.demo.local`) and the multi-node one (DDP over
+single-process demo (:mod:`memckpt.demo.single_process`) and the multi-node one (DDP over
 gloo with a sharded optimizer) share it:
 
 * :class:`GPT` - token + position embedding, ``n_layers`` pre-LN transformer

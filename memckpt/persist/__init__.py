@@ -5,7 +5,7 @@ Nothing here imports Ray. See :mod:`memckpt.persist.catalog` for the guarantees.
 
 from memckpt.persist.backend import StorageBackend, check_key
 from memckpt.persist.catalog import CheckpointInfo, CheckpointStore, find_latest
-from memckpt.persist.errors import (
+from memckpt.errors import (
                                     ManifestError,
                                     ObjectNotFoundError,
                                     PersistError,

@@ -14,9 +14,9 @@ A backend stores opaque objects under string keys relative to its root
   characters. A local backend also refuses a key whose directory resolves
   (through symlinks) outside its root. Nothing is read, written or deleted
   outside the root.
-- every OS / boto3 failure is raised as :class:`~memckpt.persist.errors.PersistError`
+- every OS / boto3 failure is raised as :class:`~memckpt.errors.PersistError`
   (``retryable`` for connection problems, timeouts, S3 5xx and throttling);
-  a missing key as :class:`~memckpt.persist.errors.ObjectNotFoundError`.
+  a missing key as :class:`~memckpt.errors.ObjectNotFoundError`.
   Messages name the URI and what to check; they never carry credentials.
 
 ``open_backend(uri)`` picks the backend: ``s3://bucket/prefix`` is S3, a plain
@@ -38,7 +38,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from memckpt.persist.errors import PersistError, UnsafeKeyError
+from memckpt.errors import PersistError, UnsafeKeyError
 
 log = logging.getLogger("memckpt.persist")
 

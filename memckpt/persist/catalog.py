@@ -47,12 +47,12 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from memckpt import shard as fmt
+from memckpt.format import shard as fmt
 from memckpt.config import PersistTier
 from memckpt.errors import ChecksumError, ConfigError
 from memckpt.persist.backend import Data, StorageBackend, as_bytes_view, partial_target
 from memckpt.persist.deadline import DeadlineExceeded, call_within
-from memckpt.persist.errors import (
+from memckpt.errors import (
     ManifestError,
     ObjectNotFoundError,
     PersistError,
@@ -460,7 +460,7 @@ class CheckpointStore:
 
     def read_shard(self, manifest: Manifest, rank: int) -> np.ndarray:
         """Rank ``rank``'s shard of ``manifest`` as a verified uint8 array (open it with
-        :func:`memckpt.shard.open_shard`). Raises :class:`ChecksumError` if it is corrupt,
+        :func:`memckpt.format.shard.open_shard`). Raises :class:`ChecksumError` if it is corrupt,
         truncated or not the shard the manifest names; :class:`PersistError` on I/O errors."""
         try:
             return self._verify_shard(manifest, rank)

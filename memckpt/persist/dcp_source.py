@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from memckpt.dcp_storage import MemckptReader, ShardSource
+from memckpt.format.dcp_reader import MemckptReader, ShardSource
 from memckpt.errors import ChecksumError, NoSnapshotError
 from memckpt.persist.catalog import CheckpointStore
 from memckpt.persist.manifest import Manifest

@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
-from memckpt import shard as shardfmt
+from memckpt.format import shard as shardfmt
 from memckpt.errors import ChecksumError, StateError
-from memckpt.fsutil import replace_atomic
+from memckpt.util.fsutil import replace_atomic
 from memckpt.persist.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
 
-    from memckpt.dcp_storage import MemckptReader
+    from memckpt.format.dcp_reader import MemckptReader
     from memckpt.persist.catalog import CheckpointStore
 
 ShardSource = Union[shardfmt.Shard, np.ndarray, bytes, bytearray, memoryview, str, os.PathLike, Manifest]
@@ -61,7 +61,7 @@ def _open(source: ShardSource, store: Optional["CheckpointStore"]) -> tuple[shar
             region = region.copy()
     else:
         raise StateError(f"export_weights cannot read a {type(source).__name__}: pass shard bytes, "
-                         "a memckpt.shard.Shard, a shard file path, or a Manifest with its store")
+                         "a memckpt.format.shard.Shard, a shard file path, or a Manifest with its store")
     return shardfmt.open_shard(region, "shard", verify=True), "shard"
 
 
@@ -102,7 +102,7 @@ def export_weights(source: ShardSource, out_path: str | os.PathLike, fmt: str = 
     """Write the model weights of ``source`` to ``out_path``; returns the exported keys.
 
     ``source``: raw shard bytes (``bytes`` / ``np.ndarray`` / ``memoryview``),
-    an opened :class:`memckpt.shard.Shard` (e.g. ``ckpt.engine.reading(step)``),
+    an opened :class:`memckpt.format.shard.Shard` (e.g. ``ckpt.engine.reading(step)``),
     the path of a shard file (``Checkpointer.save``), or a persisted
     :class:`Manifest` together with ``store`` (every rank's shards are read, and a sharded
     tensor, FSDP2 or TP, is assembled whole: see :func:`export_weights_sharded`).
@@ -113,7 +113,7 @@ def export_weights(source: ShardSource, out_path: str | os.PathLike, fmt: str = 
         if store is None:
             raise StateError("export_weights(manifest, ...) needs store=<the CheckpointStore it "
                              "came from>")
-        from memckpt.dcp_storage import MemckptReader
+        from memckpt.format.dcp_reader import MemckptReader
         from memckpt.persist.dcp_source import PersistedSource
         return export_weights_sharded(MemckptReader(PersistedSource(store, source)), out_path,
                                       fmt, model)
@@ -198,7 +198,7 @@ def _stream_safetensors(path: Path, reader: "MemckptReader", keys: dict[str, str
 
 def export_dcp(reader: "MemckptReader", out_dir: str | os.PathLike) -> list[str]:
     """Write a standard DCP checkpoint (``FileSystemWriter``) of the model and optimizer
-    state under the reader's names (:mod:`memckpt.dcp_storage`), loadable with plain
+    state under the reader's names (:mod:`memckpt.format.dcp_reader`), loadable with plain
     ``torch.distributed.checkpoint.load``. Tensors are assembled and written one at a
     time (the plan holds shapes only, on the meta device)."""
     import warnings

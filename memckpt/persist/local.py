@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from memckpt.fsutil import fsync_dir, write_atomic
+from memckpt.util.fsutil import fsync_dir, write_atomic
 from memckpt.persist.backend import (
     CHUNK,
     Data,
@@ -24,7 +24,7 @@ from memckpt.persist.backend import (
     check_prefix,
     check_range,
 )
-from memckpt.persist.errors import ObjectNotFoundError, PersistError, UnsafeKeyError
+from memckpt.errors import ObjectNotFoundError, PersistError, UnsafeKeyError
 
 _RETRYABLE_ERRNOS = {errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.EIO, errno.EBUSY,
                      getattr(errno, "ESTALE", -1), getattr(errno, "ECONNRESET", -1)}

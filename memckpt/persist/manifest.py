@@ -2,7 +2,7 @@
 
 Layout under a tier's root::
 
-    step-0000000100/rank-00000.shard     one shard file per rank (memckpt.shard format)
+    step-0000000100/rank-00000.shard     one shard file per rank (memckpt.format.shard format)
     step-0000000100/rank-00001.shard
     step-0000000100/manifest.json        written LAST: without it the folder is no checkpoint
 
@@ -29,7 +29,7 @@ from typing import Any, Mapping, Optional
 import xxhash
 
 from memckpt.persist.backend import check_key
-from memckpt.persist.errors import ManifestError, UnsafeKeyError
+from memckpt.errors import ManifestError, UnsafeKeyError
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1

@@ -29,7 +29,7 @@ from memckpt.persist.backend import (
     sanitize_url,
     scrub,
 )
-from memckpt.persist.errors import ObjectNotFoundError, PersistError, UnsafeKeyError
+from memckpt.errors import ObjectNotFoundError, PersistError, UnsafeKeyError
 
 log = logging.getLogger("memckpt.persist")
 

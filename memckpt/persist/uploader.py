@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from memckpt.buffers import RamRegion
+from memckpt.engine.buffers import RamRegion
 from memckpt.config import PersistTier
 from memckpt.errors import NoSnapshotError
 from memckpt.persist.catalog import CheckpointStore
-from memckpt.persist.errors import PersistError
+from memckpt.errors import PersistError
 from memckpt.persist.manifest import ShardEntry
-from memckpt.shard import Shard
+from memckpt.format.shard import Shard
 
 log = logging.getLogger("memckpt.persist")
 BACKOFF_MAX_S = 30.0
@@ -352,7 +352,7 @@ def persisted_restore(stores: Sequence[CheckpointStore], world_size: int,
     """The checkpoint to resume from across tiers: (tier index, manifest, skipped reasons).
 
     The newest complete checkpoint (older than step ``below`` when given), whatever wrote
-    it: one of another world size is resharded (:mod:`memckpt.reshard`, its reads verified
+    it: one of another world size is resharded (:mod:`memckpt.format.reshard`, its reads verified
     chunk by chunk); one of this world size is verified first (every shard) and skipped for
     an older one when corrupt. A changed setting (snapshot interval, tiers) does not block
     a resume, and a different model is refused by name when it is loaded.

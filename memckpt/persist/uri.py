@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from memckpt.persist.backend import StorageBackend
-from memckpt.persist.errors import PersistError
+from memckpt.errors import PersistError
 from memckpt.persist.local import LocalBackend
 from memckpt.persist.s3 import S3Backend
 

@@ -4,7 +4,7 @@
 the run: the job's coordinator and one replica store per node it starts there outlive
 every restart of the worker group. At each worker-group start it places replicas over
 the nodes Ray Train chose, decides from the stores' inventory where every rank's
-newest commonly held step is (plan: :func:`memckpt.recovery_plan.plan_in_place`) and
+newest commonly held step is (plan: :func:`memckpt.policy.recovery_plan.plan_in_place`) and
 hands each worker its spec. A watchdog thread turns a rank that stopped heart-beating
 into a worker death (SIGKILL), which Ray Train answers with a restart.
 """
@@ -23,8 +23,8 @@ from memckpt.config import Config
 from memckpt.errors import ConfigError, RecoveryError
 from memckpt.ray_train import context as worker_side
 from memckpt.ray_train.janitor import start_janitor
-from memckpt.ray_train.layout import holders_for, run_config, train_tier
-from memckpt.recovery_plan import plan_in_place, source_label
+from memckpt.policy.ray_train_layout import holders_for, run_config, train_tier
+from memckpt.policy.recovery_plan import plan_in_place, source_label
 from memckpt.runtime import actors
 from memckpt.runtime.driver import STARTUP_TIMEOUT_S, default_run_dir
 from memckpt.runtime.faults import Fault, send_signal

@@ -19,7 +19,7 @@ from typing import Optional
 
 from memckpt.errors import ConfigError, MemckptError
 from memckpt.runtime.worker import RestoreInstruction, WorkerContext, WorkerSpec
-from memckpt.state import TrainState
+from memckpt.format.state import TrainState
 
 REPORT_WAIT_S = 600.0  # a reported step's manifest is this late: the persisted tier is stuck
 

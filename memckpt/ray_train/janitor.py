@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from memckpt.buffers import remove_path, resolve_ram_root
+from memckpt.engine.buffers import remove_path, resolve_ram_root
 from memckpt.config import Config
 from memckpt.runtime.actors import on_node
 from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE

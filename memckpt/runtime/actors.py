@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from memckpt.buffers import remove_path, resolve_ram_root
+from memckpt.engine.buffers import remove_path, resolve_ram_root
 from memckpt.config import Config
 from memckpt.errors import ConfigError
-from memckpt.recovery_plan import served_ranks
+from memckpt.policy.recovery_plan import served_ranks
 from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, Coordinator, coordinator_name
 from memckpt.runtime.replica_store import ReplicaStore
 

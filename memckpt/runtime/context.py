@@ -23,22 +23,22 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from memckpt import shard as fmt
-from memckpt.buffers import resolve_ram_root
-from memckpt.control import STOP
-from memckpt.data import batch_plan
-from memckpt.digest import state_digest
+from memckpt.format import shard as fmt
+from memckpt.engine.buffers import resolve_ram_root
+from memckpt.engine.stop import STOP
+from memckpt.format.data import batch_plan
+from memckpt.format.digest import state_digest
 from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnapshotError
 from memckpt.persist.catalog import protect
 from memckpt.persist.uploader import Persister
-from memckpt.populate import MIN_BYTES, POOL
+from memckpt.engine.populate import MIN_BYTES, POOL
 from memckpt.runtime.faults import SIGNALS, STEADY_WAIT_S
 from memckpt.runtime.rank_checkpointer import RankCheckpointer
 from memckpt.runtime.replica_store import node_dir, own_dir, scan
 from memckpt.runtime.replicator import Replicator
 from memckpt.runtime.spec import RestoreInstruction, WorkerSpec
 from memckpt.runtime.transport import StoreConnection
-from memckpt.state import TrainState, restore_allocations
+from memckpt.format.state import TrainState, restore_allocations
 
 
 class StopTraining(BaseException):
@@ -266,8 +266,8 @@ class WorkerContext:
         the stores holding them (RAM, over TCP; no storage read), through DCP's planner."""
         import ray
         import torch.distributed as dist
-        from memckpt.dcp_storage import MemckptReader
-        from memckpt.reshard import load_resharded
+        from memckpt.format.dcp_reader import MemckptReader
+        from memckpt.format.reshard import load_resharded
         from memckpt.runtime.ram_source import ReplicaSource
         assert instr.reshard is not None and instr.from_size is not None
         nodes = sorted({n for ns in instr.reshard.values() for n in ns})
@@ -348,7 +348,7 @@ class WorkerContext:
 
     def batch_plan(self, global_batch: int, micro_batch: int) -> int:
         """Gradient-accumulation steps that keep ``global_batch`` samples per optimizer step
-        at the current world size (see :func:`memckpt.data.batch_plan`)."""
+        at the current world size (see :func:`memckpt.format.data.batch_plan`)."""
         return batch_plan(global_batch, micro_batch, self.world_size)
 
     def digest(self) -> Optional[str]:

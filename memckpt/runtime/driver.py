@@ -1,10 +1,10 @@
 """The driver: start stores, coordinator and workers on Ray; watch; recover; summarise.
 
 ``memckpt.run(train_fn, config)`` is the whole lifecycle, an explicit state machine
-(:class:`memckpt.runtime.failure.State`): STARTING a generation of workers -> RUNNING,
+(:class:`memckpt.policy.failure.State`): STARTING a generation of workers -> RUNNING,
 watched until every rank returns or a failure shows (an actor died, a node died, a rank
 stopped heart-beating), each observation judged by the pure
-:func:`memckpt.runtime.failure.decide` -> RECOVERING (:mod:`memckpt.runtime.recovery`: kill
+:func:`memckpt.policy.failure.decide` -> RECOVERING (:mod:`memckpt.runtime.recovery`: kill
 the generation, ask the stores what RAM copies survive, plan, roll back stores past the
 chosen step) -> STARTING the next generation, each rank restoring from its own node or a
 peer's store; until FINISHED or FAILED.
@@ -22,15 +22,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from memckpt import placement
+from memckpt.policy import placement
 from memckpt.config import Config
-from memckpt.control import STOP, Control
+from memckpt.engine.stop import STOP, Control
 from memckpt.errors import ConfigError, PlacementError
-from memckpt.recovery_plan import growth_size
+from memckpt.policy.recovery_plan import growth_size
 from memckpt.runtime import actors
 from memckpt.runtime.control_plane import ControlPlane, alive_node_ids, eligible_nodes
 from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE
-from memckpt.runtime.failure import Action, Decision, Observation, State, decide, next_state
+from memckpt.policy.failure import Action, Decision, Observation, State, decide, next_state
 from memckpt.runtime.faults import Fault, FaultInjector, kill_node, send_signal
 from memckpt.runtime.pool import Generation, WorkerPool
 from memckpt.runtime.recovery import GRACE_S, Recovery, Restore

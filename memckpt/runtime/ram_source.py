@@ -1,4 +1,4 @@
-"""The RAM copies of a running job as a :class:`~memckpt.dcp_storage.ShardSource`: the
+"""The RAM copies of a running job as a :class:`~memckpt.format.dcp_reader.ShardSource`: the
 replica stores holding a committed step serve byte ranges of each shard
 (:meth:`memckpt.runtime.transport.StoreConnection.fetch_range`), so a restore into
 another world size or layout reads only what overlaps its new chunks."""
@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from memckpt.dcp_storage import ShardSource
+from memckpt.format.dcp_reader import ShardSource
 from memckpt.errors import MemckptError, NoSnapshotError
 from memckpt.runtime.transport import StoreConnection
 

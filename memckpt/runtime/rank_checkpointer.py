@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from memckpt import shard as fmt
+from memckpt.format import shard as fmt
 from memckpt.checkpointer import Checkpointer
 from memckpt.config import Config
 

@@ -1,5 +1,5 @@
 """Acting on a failure: end the generation, ask the stores which RAM copies survive, plan the
-next generation (:mod:`memckpt.recovery_plan`, falling back to the newest persisted
+next generation (:mod:`memckpt.policy.recovery_plan`, falling back to the newest persisted
 checkpoint when RAM copies were lost), roll the stores back past the chosen step, and keep
 the record of each recovery and its phases."""
 
@@ -9,10 +9,10 @@ import time
 from typing import Any, Optional
 
 from memckpt.errors import RecoveryError
-from memckpt.recovery_plan import (RecoveryPlan, ResizePlan, plan_from_persisted,
+from memckpt.policy.recovery_plan import (RecoveryPlan, ResizePlan, plan_from_persisted,
                                    plan_from_scratch, plan_recovery, plan_resize, source_label)
 from memckpt.runtime.control_plane import ControlPlane, eligible_nodes
-from memckpt.runtime.failure import Decision
+from memckpt.policy.failure import Decision
 from memckpt.runtime.faults import send_signal
 from memckpt.runtime.pool import Generation, WorkerPool
 from memckpt.runtime.spec import RestoreInstruction
@@ -119,7 +119,7 @@ class Recovery:
     def resize(self, g: Generation, assignment: dict[int, str], cap: dict[str, int],
                why: str) -> ResizePlan:
         """The plan to go on at the largest world size the live nodes place (pure:
-        :func:`memckpt.recovery_plan.plan_resize`), read from the RAM copies."""
+        :func:`memckpt.policy.recovery_plan.plan_resize`), read from the RAM copies."""
         w = self.config.workers
         self.plane.ensure_stores(list(cap))
         inventory = self.plane.inventory(list(cap))

@@ -34,8 +34,8 @@ import numpy as np
 import psutil
 import xxhash
 
-from memckpt import shard as fmt
-from memckpt.buffers import RamRegion, remove_path, resolve_ram_root
+from memckpt.format import shard as fmt
+from memckpt.engine.buffers import RamRegion, remove_path, resolve_ram_root
 from memckpt.runtime.transport import ShardServer
 from memckpt.errors import (MemckptError, NoSnapshotError, PlacementError,
                             StaleGenerationError)

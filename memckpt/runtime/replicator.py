@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from memckpt import shard as fmt
+from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, MemckptError
 from memckpt.runtime.spec import WorkerSpec
 from memckpt.runtime.rank_checkpointer import RankCheckpointer

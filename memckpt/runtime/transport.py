@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 
-from memckpt import shard as fmt
+from memckpt.format import shard as fmt
 from memckpt.errors import (ChecksumError, MemckptError, NoSnapshotError, PlacementError,
                             StaleGenerationError)
 
@@ -293,7 +293,7 @@ class StoreConnection:
               into: Optional[Callable[[int], np.ndarray]] = None) -> np.ndarray:
         """``rank``'s shard of ``step`` as the store holds it, received into ``into(nbytes)``
         (a fresh buffer, or a snapshot slot) with its prefix flagged incomplete: pass it to
-        :func:`memckpt.shard.accept_received` to verify it before use. Raises the store's
+        :func:`memckpt.format.shard.accept_received` to verify it before use. Raises the store's
         error (:class:`NoSnapshotError` if it holds none) or OSError."""
         send_msg(self._sock, {"op": "fetch", "rank": rank, "step": step})
         head = recv_msg(self._sock)

@@ -18,16 +18,16 @@ from typing import Any, Callable, Optional
 
 import psutil
 
-from memckpt import shard as fmt
-from memckpt.buffers import resolve_ram_root
+from memckpt.format import shard as fmt
+from memckpt.engine.buffers import resolve_ram_root
 from memckpt.config import Config
-from memckpt.netutil import free_port
-from memckpt.populate import MIN_BYTES, POOL, HostReserve, SlotReserve, spare_budget
+from memckpt.util.netutil import free_port
+from memckpt.engine.populate import MIN_BYTES, POOL, HostReserve, SlotReserve, spare_budget
 from memckpt.runtime.context import StopTraining, WorkerContext
 from memckpt.runtime.replica_store import node_dir
 from memckpt.runtime.spec import RestoreInstruction, WorkerSpec
-from memckpt.snapshot import SLOT_NAMES
-from memckpt.state import restore_allocations
+from memckpt.engine.snapshot import SLOT_NAMES
+from memckpt.format.state import restore_allocations
 
 # WorkerContext, WorkerSpec, RestoreInstruction and StopTraining live in their own modules;
 # importable from here as before.

@@ -25,9 +25,9 @@ from typing import Iterable, Optional
 import psutil
 import torch
 
-from memckpt.buffers import (MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, libc_madvise,
+from memckpt.engine.buffers import (MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, libc_madvise,
                              map_memory, populate_mapping)
-from memckpt.state import LoadMemory
+from memckpt.format.state import LoadMemory
 
 MIN_BYTES = 1 << 20  # below this a system call costs more than the faults it saves
 
@@ -206,7 +206,7 @@ class SlotReserve:
     freed memory back to its host that slot is fresh memory: 0.9-1.2 s per GiB here, a
     quarter of a lost node's recovery. The spare populates the file while it idles; at
     takeover the snapshot engine renames it in as that slot
-    (:meth:`memckpt.snapshot.SnapshotEngine.offer_files`). A restore that needs no new slot
+    (:meth:`memckpt.engine.snapshot.SnapshotEngine.offer_files`). A restore that needs no new slot
     (the rank's shards are on this node) unlinks it first, and its pages serve that
     restore's allocations as a :class:`HostReserve`'s do.
 

@@ -30,10 +30,10 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from memckpt import shard as fmt
-from memckpt.buffers import RamRegion, remove_path
+from memckpt.format import shard as fmt
+from memckpt.engine.buffers import RamRegion, remove_path
 from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError
-from memckpt.state import Captured
+from memckpt.format.state import Captured
 
 log = logging.getLogger("memckpt")
 
@@ -281,7 +281,7 @@ class SnapshotEngine:
     def offer_files(self, paths: list[Path]) -> None:
         """Let the next slots this engine must create from nothing take ``paths`` instead,
         one each: populated shared-memory files on the same filesystem (a warm spare's
-        :class:`memckpt.populate.SlotReserve`), renamed in and shrunk to size, so the bytes
+        :class:`memckpt.engine.populate.SlotReserve`), renamed in and shrunk to size, so the bytes
         those slots receive land in memory the kernel already holds. A file too small for
         its slot, or still here when :meth:`drop_offered` is called, is unlinked."""
         self.drop_offered()

@@ -1,7 +1,7 @@
 """Restore a checkpoint written by N ranks in one layout into this rank of M in another.
 
 Parameters and optimizer state go through DCP's load planner over
-:class:`~memckpt.dcp_storage.MemckptReader`: this rank reads only the byte ranges of
+:class:`~memckpt.format.dcp_reader.MemckptReader`: this rank reads only the byte ranges of
 the stored chunks that overlap its own (FSDP2/TP: its DTensor shards; DDP: every
 parameter, whole; ZeRO: the state of the parameters it now owns). What is global is
 taken from rank 0's shard as it is: step, schedulers, scaler, data position (a
@@ -23,11 +23,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 import xxhash
 
-from memckpt import dtensor as dt
-from memckpt import shard as fmt
-from memckpt.dcp_storage import MemckptReader
+from memckpt.format import dtensor as dt
+from memckpt.format import shard as fmt
+from memckpt.format.dcp_reader import MemckptReader
 from memckpt.errors import IncompatibleCheckpointError, MemckptError
-from memckpt.state import TrainState
+from memckpt.format.state import TrainState
 
 
 def markers(obj: Any) -> Iterable[str]:

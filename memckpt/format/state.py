@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import numpy as np
 import torch
 
-from memckpt import dtensor as dt
-from memckpt import shard as fmt
+from memckpt.format import dtensor as dt
+from memckpt.format import shard as fmt
 from memckpt.config import CONTENT_KINDS
 from memckpt.errors import StateError
 
@@ -32,7 +32,7 @@ class Captured:
     """Named tensors (live aliases) plus the JSON metadata to rebuild the state.
 
     A DTensor is captured as its rank-local tensor; ``meta["dtensors"]`` maps its name
-    to :func:`memckpt.dtensor.chunk_meta` (global shape, offsets of the local chunk,
+    to :func:`memckpt.format.dtensor.chunk_meta` (global shape, offsets of the local chunk,
     mesh, placements). ``meta["world_size"]`` and ``meta["rank"]`` say who wrote it.
 
     ``stable`` names tensors that only ``optimizer.step()`` mutates (parameters and
@@ -113,7 +113,7 @@ class LoadMemory:
     """Where a load's bytes land. ``before_copy`` sees the live model tensors a load is
     about to overwrite; ``clone`` copies a snapshot tensor into new memory (the optimizer
     state a load creates). The defaults do nothing more than that; the restore paths pass
-    :data:`memckpt.populate.FAULTED_IN`, which faults the memory in before the copy."""
+    :data:`memckpt.engine.populate.FAULTED_IN`, which faults the memory in before the copy."""
 
     before_copy: Callable[[Iterable[torch.Tensor]], object] = lambda tensors: None
     clone: Callable[[torch.Tensor], torch.Tensor] = torch.clone
@@ -426,7 +426,7 @@ class TrainState:
 
 
 def same_layout(state: TrainState, header: Any) -> bool:
-    """True if a shard header (a :class:`memckpt.dcp_storage.ShardHeader`) holds this
+    """True if a shard header (a :class:`memckpt.format.dcp_reader.ShardHeader`) holds this
     rank's model tensors as the live state lays them out (same local shapes and, for
     DTensors, the same offsets): then the shard loads as it is, else it is resharded."""
     cap = state.capture(int(header.header.get("step", 0)))

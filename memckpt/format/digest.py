@@ -6,8 +6,8 @@ import hashlib
 
 import torch
 
-from memckpt.shard import dtype_name
-from memckpt.state import TrainState
+from memckpt.format.shard import dtype_name
+from memckpt.format.state import TrainState
 
 
 def state_digest(state: TrainState) -> str:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Optional
 
-from memckpt import placement
+from memckpt.policy import placement
 from memckpt.config import Config, PersistTier, WorkersConfig
 from memckpt.errors import ConfigError, PlacementError
-from memckpt.recovery_plan import repair_holders
+from memckpt.policy.recovery_plan import repair_holders
 
 TIER_FOLDER = "memckpt"  # under Ray Train's experiment folder
 KEEP_ALL = 10 ** 9  # Ray Train's CheckpointConfig(num_to_keep) decides what goes

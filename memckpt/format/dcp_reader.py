@@ -22,7 +22,7 @@ checkpoint.state_dict`` and torchtitan:
   several optimizers: ``optim.<optimizer name>.state...``).
 
 Scheduler, scaler, RNG, data position and extras are not exposed: memckpt's own
-restore brings them back (:mod:`memckpt.reshard`).
+restore brings them back (:mod:`memckpt.format.reshard`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from memckpt import shard as fmt
+from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, StateError
-from memckpt.state import unflatten
+from memckpt.format.state import unflatten
 
 MERGE_LIMIT = 16 << 20  # ranges of one shard read together up to this many bytes
 MERGE_GAP = fmt.CHUNK_BYTES  # ... when less than a checksum chunk apart (else it is read twice)

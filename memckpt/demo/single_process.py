@@ -17,7 +17,7 @@ must equal the reference run's step for step, and the final parameters and
 optimizer state must hash to the same digest.
 
 Children speak one JSON object per line on stdout; ``python -m
-memckpt.demo.local --child ...`` is the child side (internal).
+memckpt.demo.single_process --child ...`` is the child side (internal).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _emit(**fields: Any) -> None:
 
 
 def _child(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m memckpt.demo.local --child")
+    p = argparse.ArgumentParser(prog="python -m memckpt.demo.single_process --child")
     p.add_argument("--child", action="store_true")
     p.add_argument("--size", default=DEFAULT_SIZE)
     p.add_argument("--steps", type=int, required=True)
@@ -239,7 +239,7 @@ def _spawn(name: str, child_args: list[str], logs: Path, lockstep: bool = False)
     stderr_path = logs / f"{name}.stderr"
     with open(stderr_path, "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "memckpt.demo.local", "--child", *child_args],
+            [sys.executable, "-m", "memckpt.demo.single_process", "--child", *child_args],
             stdin=subprocess.PIPE if lockstep else subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=err, env=env, text=True, bufsize=1)
     return _Run(name, proc, stderr_path)
