@@ -103,7 +103,7 @@ class ShardSource(abc.ABC):
     def describe(self, rank: int) -> str:
         """Where rank ``rank``'s shard is, for messages."""
 
-    def check(self, rank: int, header: dict[str, Any]) -> None:
+    def check(self, rank: int, header: dict[str, Any]) -> None:  # noqa: B027 (optional hook)
         """Raise :class:`ChecksumError` if ``header`` is not the shard expected."""
 
     def _fetch(self, rank: int, offset: int, length: int) -> np.ndarray:
@@ -334,7 +334,7 @@ class MemckptReader(StorageReader):
                 buf.seek(0)
                 planner.load_bytes(item, buf)
                 continue
-            stored = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset))]
+            stored = self._chunks[(item.storage_index.fqn, tuple(item.storage_index.offset or ()))]
             first, last = _span(stored.entry.shape, item.storage_offsets, item.lengths)
             size = fmt.ITEMSIZE[stored.entry.dtype]
             ranges.append((stored.rank, stored.entry.offset + first * size,

@@ -314,7 +314,8 @@ class TrainState:
         """Put a snapshot's state back into the live objects; returns its step.
 
         ``content`` limits what is loaded (kinds from ``memckpt.config.CONTENT_KINDS``;
-        None loads everything); ``memory`` says how new memory is prepared. Missing or unexpected entries raise
+        None loads everything); ``memory`` says how new memory is prepared. Missing or unexpected
+        entries raise
         :class:`StateError` naming them; nothing is half-loaded for a model
         whose keys do not match. ``clone=False`` takes the optimizer state tensors as
         they are instead of copying them (tensors made for this load, owned by nobody else).
@@ -390,7 +391,7 @@ class TrainState:
         by_names = {frozenset(g["params"]): g for g in stored_groups}
         if len(by_names) == len(current) and all(frozenset(c) in by_names for c in current):
             stored_groups = [by_names[frozenset(c)] for c in current]
-        index = {}
+        index: dict[str, int] = {}  # parameter name -> its index in the current order
         for i, (group, cur) in enumerate(zip(stored_groups, current)):
             stored = set(group["params"])
             if stored != set(cur):
@@ -464,7 +465,7 @@ def _local_optimizer(opt: Any) -> Any:
 
 def _rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()  # the legacy tuple
     state: dict[str, Any] = {
         "python": [version, list(internal), gauss],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],

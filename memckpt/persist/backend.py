@@ -216,7 +216,7 @@ class StorageBackend(abc.ABC):
     def describe(self) -> str:
         """The root as a URI or path, for messages. Never contains credentials."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook)
         """Release threads and connections (the backend stays usable: they are re-created)."""
 
     def __repr__(self) -> str:

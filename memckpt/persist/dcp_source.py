@@ -44,7 +44,9 @@ def newest_manifest(store: CheckpointStore, step: Optional[int] = None) -> Manif
         have = ", ".join(str(i.step) for i in store.list_checkpoints() if i.complete) or "none"
         raise NoSnapshotError(f"{store.describe()} holds no {what} (complete steps: {have}): check "
                               "the path or URI and --step")
-    return infos[0].manifest
+    manifest = infos[0].manifest
+    assert manifest is not None  # filtered above
+    return manifest
 
 
 def open_reader(uri: str | os.PathLike[str], step: Optional[int] = None) -> MemckptReader:

@@ -212,6 +212,7 @@ class Persister:
                     return
                 job, self._pending, self._busy = self._pending, None, True
                 self._progress_at = time.monotonic()
+            assert job is not None  # the wait above ends on a pending job or on close
             try:
                 self._run(job)
             except BaseException as e:  # never kill the thread: report and go on
@@ -240,7 +241,7 @@ class Persister:
         return memoryview(self._staging.array)
 
     def _run(self, job: _Job) -> None:
-        data = memoryview(self._staging.array) if job.staged else None
+        data = memoryview(self._staging.array) if job.staged and self._staging else None
         for tier in job.tiers:
             store = self.stores[tier]
             with self._cond:
@@ -359,7 +360,7 @@ def persisted_restore(stores: Sequence[CheckpointStore], world_size: int,
     """
     from memckpt.persist.catalog import find_latest
     store, newest, _ = find_latest(list(stores), verify=False, below=below)
-    if store is not None and newest.world_size != world_size:
+    if store is not None and newest is not None and newest.world_size != world_size:
         return list(stores).index(store), newest, []
     store, manifest, reasons = find_latest(list(stores), world_size=world_size, verify=True,
                                            below=below)

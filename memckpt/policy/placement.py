@@ -66,7 +66,8 @@ def check_feasible(num_nodes: int, strategy: str, replicas: int, group_size: int
             f"node; add nodes"
         )
     if replicas < 1:
-        raise PlacementError(f"placement.replicas={replicas} must be >= 1: set placement.replicas to 1 or more")
+        raise PlacementError(f"placement.replicas={replicas} must be >= 1: "
+                             "set placement.replicas to 1 or more")
     if replicas > num_nodes - 1:
         raise PlacementError(
             f"placement.replicas={replicas} needs at least {replicas + 1} nodes (k replicas + the owner) "
@@ -164,7 +165,8 @@ def validate_plan(plan: Mapping[str, Sequence[str]], replicas: int,
         if owner in holders:
             raise PlacementError(f"node {owner!r} holds its own replica: a copy must sit on another node")
         if len(set(holders)) != len(holders):
-            raise PlacementError(f"node {owner!r} has a holder twice in {list(holders)}: holders must be distinct")
+            raise PlacementError(f"node {owner!r} has a holder twice in {list(holders)}: "
+                                 "holders must be distinct")
         unknown = [h for h in holders if h not in plan and h not in extra_holders]
         if unknown:
             raise PlacementError(f"node {owner!r} has holders {unknown} that are not nodes of the plan")
@@ -174,7 +176,8 @@ def validate_plan(plan: Mapping[str, Sequence[str]], replicas: int,
             )
 
 
-def rank_holders(rank_nodes: Mapping[int, str], plan: Mapping[str, Sequence[str]]) -> dict[int, tuple[str, ...]]:
+def rank_holders(rank_nodes: Mapping[int, str],
+                 plan: Mapping[str, Sequence[str]]) -> dict[int, tuple[str, ...]]:
     """For each rank (sorted), the holders of its shard: those of the node it runs on."""
     out: dict[int, tuple[str, ...]] = {}
     for rank in sorted(rank_nodes):
@@ -218,20 +221,21 @@ def repair_plan(plan: Mapping[str, Sequence[str]], alive: Sequence[str], replica
             del kept[max(i for i, h in enumerate(kept) if h is None)]
         slots[owner] = kept[:target]  # replicas lowered: keep the first survivors
     load = {a: 0 for a in alive}
-    for kept in slots.values():
-        for h in kept:
-            if h is not None:
-                load[h] += 1
+    for open_slots in slots.values():
+        for held in open_slots:
+            if held is not None:
+                load[held] += 1
     rank = {a: i for i, a in enumerate(alive)}
     out: Plan = {}
     for owner in owners:
-        kept = slots[owner]
-        for i, h in enumerate(kept):
-            if h is None:
-                pick = min((a for a in alive if a != owner and a not in kept), key=lambda a: (load[a], rank[a]))
-                kept[i] = pick
+        chosen = slots[owner]
+        for i, held in enumerate(chosen):
+            if held is None:
+                pick = min((a for a in alive if a != owner and a not in chosen),
+                           key=lambda a: (load[a], rank[a]))
+                chosen[i] = pick
                 load[pick] += 1
-        out[owner] = tuple(h for h in kept if h is not None)
+        out[owner] = tuple(h for h in chosen if h is not None)
     validate_plan(out, target)
     return out
 

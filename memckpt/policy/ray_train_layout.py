@@ -54,7 +54,7 @@ def train_tier(experiment_path: str, filesystem: str, every: int) -> PersistTier
 
 
 def holders_for(assignment: Mapping[int, str], config: Config,
-                previous: Mapping[int, tuple[str, ...]] = ()) -> dict[int, tuple[str, ...]]:
+                previous: Optional[Mapping[int, tuple[str, ...]]] = None) -> dict[int, tuple[str, ...]]:
     """Replica holders of each rank over the nodes its workers run on (in rank order),
     by the configured strategy; where the strategy does not fit this many nodes (a
     restart on fewer nodes), the previous holders kept where they can be, and the

@@ -126,6 +126,7 @@ class RayTrainContext:
 
         from memckpt.persist import CheckpointStore
         from memckpt.persist.manifest import step_folder
+        assert self._report is not None  # only called when a tier reports
         tier, root = self._report
         deadline = time.time() + REPORT_WAIT_S
         coord = self._inner.spec.coordinator
@@ -169,13 +170,13 @@ def _from_storage(tier: Optional[int]) -> Optional[RestoreInstruction]:
     spec = _spec
     assert spec is not None
     checkpoint = ray.train.get_checkpoint() if tier is not None else None
-    if checkpoint is not None:
+    if checkpoint is not None and tier is not None:
         folder = checkpoint.path.rstrip("/").rsplit("/", 1)[-1]
         manifest = CheckpointStore(spec.config.persistence[tier]).manifest_of(folder)
     else:
         stores = [CheckpointStore(t) for t in spec.config.persistence]
-        found, manifest, _ = persisted_restore(stores, spec.world_size)
-        if manifest is None:
+        found, newest, _ = persisted_restore(stores, spec.world_size)
+        if newest is None:
             return None
-        tier = found
+        tier, manifest = found, newest
     return RestoreInstruction(manifest.step, ("persist",), tier, manifest.to_json())

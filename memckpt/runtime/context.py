@@ -98,10 +98,13 @@ class WorkerContext:
     def _committed(self, step: int, request: Optional[str]) -> None:
         """A step committed; ``request`` is "stop"/"persist" when the driver asked every
         rank to persist exactly this step (stop file, SIGTERM)."""
-        tiers = self.persister.due(step) if self.persister is not None else ()
-        if request is not None and self.persister is not None:
-            tiers = range(len(self.persister.tiers))
-        if tiers:
+        if self.persister is None:
+            tiers: tuple[int, ...] = ()
+        elif request is not None:
+            tiers = tuple(range(len(self.persister.tiers)))
+        else:
+            tiers = self.persister.due(step)
+        if tiers and self.persister is not None:
             # Stage the copy here, while the step's slot is protected. Every rank must write
             # the same steps, or no step gets a complete checkpoint (each rank superseding
             # its own pending step at its own pace left only step 0 complete on a slow S3):
@@ -186,7 +189,7 @@ class WorkerContext:
                 t1 = time.perf_counter()
                 try:
                     shard = self.ckpt.install(
-                        instr.step, lambda into: self._fetch(conn, instr.step, into),
+                        instr.step, lambda into, conn=conn: self._fetch(conn, instr.step, into),
                         source)  # verified
                     # install = slot allocation + fetch (timed in _fetch) + verification
                     self.restore_seconds.update(connect_s=t1 - t0,
@@ -244,6 +247,7 @@ class WorkerContext:
     def _load_persisted(self, state: TrainState, instr: RestoreInstruction) -> int:
         import ray
         from memckpt.persist import CheckpointStore, Manifest
+        assert instr.tier is not None and instr.manifest is not None  # a persisted instruction
         stores = [CheckpointStore(t) for t in self.config.persistence]
         manifest = Manifest.from_json(instr.manifest, stores[instr.tier].describe())
         step, folders = self.ckpt.resume_persisted(state, stores, (instr.tier, manifest))

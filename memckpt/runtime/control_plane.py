@@ -74,7 +74,7 @@ class ControlPlane:
             alive_now = alive_node_ids()
             unsure = []
             for node in suspects & alive_now:
-                store = self.stores.get(node)
+                store = self.stores[node]
                 try:
                     ray.get(store.ping.remote(), timeout=1.0)
                 except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Optional
@@ -55,7 +56,7 @@ def connect(address: str = "auto") -> None:
         return
     probe(address)
     try:
-        ray.init(address=address, namespace=COORDINATOR_NAMESPACE, logging_level="ERROR",
+        ray.init(address=address, namespace=COORDINATOR_NAMESPACE, logging_level=logging.ERROR,
                  log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = "no running Ray cluster was found" if address == "auto" else \

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 # A dead raylet refuses the check at once: declared dead after ~threshold x period (0.8 s).
 # A live raylet that stalls is declared dead only after ~threshold x (period + timeout)
@@ -40,7 +40,7 @@ class LocalCluster:
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
             num_cpus=0, object_store_memory=object_store_mb << 20, include_dashboard=dashboard,
             dashboard_host="127.0.0.1", _system_config=dict(FAST_HEALTH_CHECKS)))
-        self.nodes = {}
+        self.nodes: dict[str, Any] = {}
         for _ in range(nodes):
             self.add_node()
         self.cluster.wait_for_nodes()

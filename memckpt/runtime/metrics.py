@@ -49,6 +49,7 @@ class JobMetrics:
         classes = {"counter": rm.Counter, "gauge": rm.Gauge}
         self._m: dict[str, Any] = {}
         for name, (kind, desc, tags) in METRICS.items():
+            m: Any
             if kind == "histogram":
                 m = rm.Histogram(name, desc, boundaries=STALL_BUCKETS_S, tag_keys=("job",) + tags)
             else:

@@ -46,7 +46,7 @@ class WorkerPool:
         workers, how = {}, {}
         idle = {r: w for r, w in self.workers.items()
                 if assignment.get(r) != self.worker_nodes.get(r)}
-        for rank, node in assignment.items():
+        for rank in assignment:
             if rank in self.workers and rank not in idle:
                 workers[rank], how[rank] = self.workers[rank], "reused"
         for rank, node in assignment.items():

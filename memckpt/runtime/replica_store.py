@@ -133,7 +133,7 @@ class ReplicaStore:
         self._open: dict[tuple[int, int], RamRegion] = {}  # (rank, step) being received
         self.generation = -1  # writes from older generations of workers are refused
         self._server: Optional[ShardServer] = None
-        self._mapped: dict[Path, tuple[int, RamRegion]] = {}  # shard file -> (inode, mapping)
+        self._mapped: dict[Path, tuple[Optional[int], RamRegion]] = {}  # shard file -> (inode, mapping)
         self._fill_backoff: dict[int, int] = {}  # rank -> puts left that skip the fill wait
         self._filled: dict[tuple[int, int], tuple[fmt.Chunks, set[int]]] = {}  # checked chunks
 
@@ -161,7 +161,7 @@ class ReplicaStore:
         if step in steps:
             return paths[steps.index(step)]
         # Overwrite an empty/incomplete slot first, else the older one.
-        order = sorted(range(len(paths)), key=lambda i: -1 if steps[i] is None else steps[i])
+        order = sorted(range(len(paths)), key=lambda i: -1 if (s := steps[i]) is None else s)
         return paths[order[0]]
 
     def begin(self, rank: int, step: int, nbytes: int, checksum: str, gen: int = -1) -> bool:

@@ -260,7 +260,7 @@ class StoreConnection:
     ack; ``fetch`` pulls a held shard out."""
 
     def __init__(self, address: tuple[str, int], timeout_s: float = 120.0) -> None:
-        self.address = tuple(address)
+        self.address = (str(address[0]), int(address[1]))
         self._sock = socket.create_connection(self.address, timeout=timeout_s)
         _tune(self._sock)
 

@@ -35,7 +35,7 @@ __all__ = ["RestoreInstruction", "StopTraining", "Worker", "WorkerContext", "Wor
            "release_frames", "settle_imports", "warm_torch"]
 
 
-def release_frames(exc: BaseException) -> None:
+def release_frames(exc: Optional[BaseException]) -> None:
     """Drop the local variables of the finished frames an exception's traceback holds (and
     those of the exceptions it chains): a generation ended by recovery unwinds through the
     training function, whose model and optimizer would otherwise stay alive as long as the
