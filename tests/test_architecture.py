@@ -3,7 +3,7 @@
 Layers, highest first; a module may import its own layer or any layer below it, never one
 above. Function-level (lazy) imports count like top-level ones. ``memckpt/__init__.py``,
 the public facade, may import anything; as an import *target* it counts as the runtime
-layer (it re-exports ``run`` and ``FaultInjector``), so nothing below runtime imports it.
+layer (it re-exports ``run``), so nothing below runtime imports it.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def config(name: str, min_workers: int = 2, persist: str | None = None,
                                       cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
         persistence=(memckpt.PersistTier(persist, every=1, keep_last=50),) if persist else (),
-        failure=memckpt.FailurePolicy(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
                                       max_restarts=3, collective_timeout_s=30.0,
                                       replace_timeout_s=1.0, warm_spares=False))
 

@@ -47,7 +47,7 @@ config = memckpt.Config(
     job_name={name!r},
     workers=memckpt.WorkersConfig(num_workers=3, cpus_per_worker=1),
     placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
-    failure=memckpt.FailurePolicy(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+    failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
                                   max_restarts={max_restarts}, collective_timeout_s=30.0),
     chaos={chaos},
 )

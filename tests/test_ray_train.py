@@ -45,7 +45,7 @@ def config(name: str, ram_root: str, **kw) -> memckpt.Config:
         job_name=name, ram_root=ram_root,
         workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
-        failure=memckpt.FailurePolicy(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
                                       collective_timeout_s=60.0), **kw)
 
 

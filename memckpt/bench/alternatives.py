@@ -298,7 +298,7 @@ def memckpt_stall(size: int, steps: int, warmup: int, compute_n: int, *, snapsho
         workers=memckpt.WorkersConfig(num_workers=workers, workers_per_node=1, cpus_per_worker=cpus_per_worker),
         placement=memckpt.PlacementConfig("ring", replicas),
         snapshot_every=1 if snapshots else total + 1, ram_root=ram_root,
-        failure=memckpt.FailurePolicy(max_restarts=0, warm_spares=False))
+        failure=memckpt.FailureConfig(max_restarts=0, warm_spares=False))
     try:
         summary = memckpt.run(StallJob(size, steps, warmup, compute_n, full_ranks, threads), cfg,
                               run_dir=run_dir / name, quiet=True)

@@ -83,7 +83,7 @@ def _config(name: str, num: int, min_workers: int, persist: Optional[str]):
                                       cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
         persistence=(memckpt.PersistTier(persist, every=1, keep_last=50),) if persist else (),
-        failure=memckpt.FailurePolicy(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
                                       collective_timeout_s=60.0, replace_timeout_s=0.0,
                                       warm_spares=False))
 

@@ -112,7 +112,7 @@ def _config(name: str, ram_root: Optional[str]):
     import memckpt
     return memckpt.Config(job_name=name, ram_root=ram_root,
                           placement=memckpt.PlacementConfig("ring", 1),
-                          failure=memckpt.FailurePolicy(heartbeat_interval_s=0.5,
+                          failure=memckpt.FailureConfig(heartbeat_interval_s=0.5,
                                                         heartbeat_timeout_s=10.0))
 
 

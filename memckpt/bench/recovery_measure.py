@@ -91,7 +91,7 @@ class RecoveryBench:
                                           cpus_per_worker=kw.pop("cpus_per_worker", CPUS_PER_NODE)),
             placement=kw.pop("placement", memckpt.PlacementConfig("ring", 1)),
             ram_root=str(self.ram_root),
-            failure=memckpt.FailurePolicy(max_restarts=1, collective_timeout_s=120.0,
+            failure=memckpt.FailureConfig(max_restarts=1, collective_timeout_s=120.0,
                                           warm_spares=kw.pop("warm_spares", True)),
             **kw)
 
