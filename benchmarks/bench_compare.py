@@ -13,7 +13,7 @@ from pathlib import Path
 # Run from a checkout without installing: the package sits next to this directory.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memckpt.bench.compare import _cli  # noqa: E402
+from memckpt.bench.compare.command import _cli  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(_cli())

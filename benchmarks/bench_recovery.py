@@ -5,7 +5,7 @@
                                         [--dir DIR] [--gpt-steps N] [--kill-at STEP]
 
 Starts its own local Ray cluster (3 simulated nodes x 2 CPUs on this machine) and
-shuts it down at the end; see memckpt/bench/recovery.py for what is measured.
+shuts it down at the end; see memckpt/bench/recovery/ for what is measured.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 # Run from a checkout without installing: the package sits next to this directory.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memckpt.bench.recovery import _cli  # noqa: E402
+from memckpt.bench.recovery.command import _cli  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(_cli())

@@ -10,7 +10,10 @@ import json
 import pytest
 
 from memckpt import cli
-from memckpt.bench import compare, compare_report, compare_rows, plot
+from memckpt.bench.compare import command as compare
+from memckpt.bench.compare import report as compare_report
+from memckpt.bench.compare import rows as compare_rows
+from memckpt.bench.compare import plot
 
 # Ray Train with its controller polling every 0.1 s (not Ray's default 2 s) carries the poll
 STALL = {"none", "memcpy", "raw-disk-write", "memckpt-local", "memckpt-none", "memckpt",

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from memckpt.bench import recovery, recovery_measure, recovery_report
+from memckpt.bench.recovery import command as recovery
+from memckpt.bench.recovery import measure as recovery_measure
+from memckpt.bench.recovery import report as recovery_report
 
 EXPECTED = {
     ("recovery", "memckpt-worker"), ("recovery", "memckpt-node"),

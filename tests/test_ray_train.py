@@ -228,7 +228,7 @@ def test_whole_cluster_lost_a_new_run_resumes_from_ray_trains_checkpoint(cluster
     cfg = config("rt-cluster", ram_root, chaos=(memckpt.ChaosEvent(10, "worker", 0, "KILL"),))
     import ray.train
 
-    from memckpt.bench.alternatives import raytrain_poll
+    from memckpt.bench.compare.alternatives import raytrain_poll
     with pytest.raises(ray.train.TrainingFailedError), raytrain_poll(0.1):
         # the controller polls every 0.1 s: the report of step 4 (made at step 8) is
         # registered before the failure at step 10 (with Ray's 2 s poll it may not be)

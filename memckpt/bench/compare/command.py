@@ -52,10 +52,10 @@ from typing import Any, Callable, Optional
 # and what is derived from them in compare_rows, the report in compare_report, the PNG in plot.
 from memckpt.bench.common import (disk_dir, machine_info, parse_sizes, positive_int, ram_dir,
                                   standalone, usable_dir, write_rows)
-from memckpt.bench.compare_measure import (SELECTABLE, measure_recovery, measure_scaling,
+from memckpt.bench.compare.measure import (SELECTABLE, measure_recovery, measure_scaling,
                                            measure_stall)
-from memckpt.bench.compare_report import report
-from memckpt.bench.compare_rows import PARTS, derive
+from memckpt.bench.compare.report import report
+from memckpt.bench.compare.rows import PARTS, derive
 from memckpt.bench.foreign_load import Quiet
 from memckpt.bench.snapshot_measure import calibrate_compute
 from memckpt.errors import ConfigError
@@ -178,7 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cli(argv: Optional[list[str]] = None) -> int:
-    """``python -m memckpt.bench.compare``, ``benchmarks/bench_compare.py``."""
+    """``python -m memckpt.bench.compare.command``, ``benchmarks/bench_compare.py``."""
     return standalone("memckpt bench compare", __doc__, add_arguments, main, argv)
 
 
@@ -218,7 +218,7 @@ def main(args: argparse.Namespace) -> int:
             return 1
     write_rows(args.json, rows, indent=1)
     if args.plot:
-        from memckpt.bench.plot import plot_compare
+        from memckpt.bench.compare.plot import plot_compare
         plot_compare(rows, args.plot)
     print(report(rows))
     return 0

@@ -8,7 +8,7 @@ import math
 from typing import Any, Optional
 
 from memckpt.bench.common import med
-from memckpt.bench.recovery_rows import BASELINE_NODE
+from memckpt.bench.recovery.rows import BASELINE_NODE
 
 PARTS = ("stall", "lost_work", "recovery", "scaling")
 OVERHEAD_BUDGET = 0.05  # the interval a method can afford: cost <= 5% of the step time

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from memckpt.bench.common import GIB, finish_report, human_bytes, human_s, machine_line
-from memckpt.bench.compare_rows import (BASELINE_NODE, OVERHEAD_BUDGET, PARTS, base_method,
+from memckpt.bench.compare.rows import (BASELINE_NODE, OVERHEAD_BUDGET, PARTS, base_method,
                                         is_baseline)
 
 # the targets

@@ -4,7 +4,8 @@
 params + AdamW state per rank, a fixed compute (matmuls) and an all-reduce of the loss per
 step. ``StepTimedJob`` wraps another job (memckpt.demo.job.GPTJob) to time its steps. The
 helpers that build the state and run the compute are shared with the restart-every-worker
-alternative (:mod:`memckpt.bench.recovery_actors`) and :mod:`memckpt.bench.alternatives`.
+alternative (:mod:`memckpt.bench.recovery.bench_actors`) and
+:mod:`memckpt.bench.compare.alternatives`.
 Both jobs are pickled by reference, so they stay at module top level.
 """
 

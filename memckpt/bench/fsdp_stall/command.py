@@ -195,7 +195,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _cli(argv: Optional[list[str]] = None) -> int:
-    """``python -m memckpt.bench.fsdp_stall``."""
+    """``python -m memckpt.bench.fsdp_stall.command``."""
     return standalone("memckpt bench fsdp-stall", __doc__, add_arguments, main, argv)
 
 

@@ -48,10 +48,10 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable, Iterator, Optional
 
-from memckpt.bench import recovery_job as rjob
+from memckpt.bench.recovery import workload as rjob
 from memckpt.bench.foreign_load import Quiet
-from memckpt.bench.recovery_actors import ColdWorker
-from memckpt.bench.recovery_measure import WORLD_SIZE
+from memckpt.bench.recovery.bench_actors import ColdWorker
+from memckpt.bench.recovery.measure import WORLD_SIZE
 from memckpt.bench.snapshot_measure import build_state, matmul_unit, measure_memcpy
 from memckpt.util.netutil import free_port
 
@@ -213,7 +213,7 @@ def run_plain(size: int, steps: int, warmup: int, compute_n: int, directory: Pat
             res["persist_s"] = dcp.persist_s[warmup:]
             record(method, res)
         elif method == "raw-disk-write":
-            from memckpt.bench.persist import write_fsync
+            from memckpt.bench.persist.command import write_fsync
             buf = torch.empty(state_bytes, dtype=torch.uint8).fill_(1).numpy()
             path = directory / f"compare-raw-{os.getpid()}.bin"
             times = []
@@ -390,7 +390,7 @@ def raytrain_stall(size: int, steps: int, warmup: int, compute_n: int, *, checkp
 
 # -- recovery alternatives ----------------------------------------------------------------------
 class DCPWorker(ColdWorker):
-    """:class:`memckpt.bench.recovery_actors.ColdWorker` with DCP instead of torch.save /
+    """:class:`memckpt.bench.recovery.bench_actors.ColdWorker` with DCP instead of torch.save /
     torch.load: ``dcp.save`` of get_state_dict(model, optimizer) into a per-rank checkpoint
     directory, and on restart ``dcp.load`` + ``set_state_dict`` (no collectives: each rank
     owns its state)."""
@@ -444,7 +444,7 @@ class DCPWorker(ColdWorker):
 
 
 def dcp_recovery(bench: Any, rep: int) -> dict[str, Any]:
-    """:meth:`RecoveryBench.restart_baseline <memckpt.bench.recovery_measure.RecoveryBench.
+    """:meth:`RecoveryBench.restart_baseline <memckpt.bench.recovery.measure.RecoveryBench.
     restart_baseline>` with DCPWorker actors (the flow, kill and timing stay its own)."""
     return bench.restart_baseline(rep, worker=DCPWorker)
 
@@ -545,7 +545,7 @@ def raytrain_recovery(d: int, n: int, kill_at: int, compute_iters: int, storage:
 
 # -- subprocess entry: the plain methods at one size --------------------------------------------
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m memckpt.bench.alternatives")
+    p = argparse.ArgumentParser(prog="python -m memckpt.bench.compare.alternatives")
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--warmup", type=int, required=True)

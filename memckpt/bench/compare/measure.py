@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from memckpt.bench.common import GIB, ram_dir, rows_from_child
-from memckpt.bench.compare_rows import (BASELINE_NODE, RECOVERY_METHODS, raytrain_suffix,
+from memckpt.bench.compare.rows import (BASELINE_NODE, RECOVERY_METHODS, raytrain_suffix,
                                         recovery_rows, scaling_rows, stall_rows)
-from memckpt.bench.recovery_measure import connect_driver
+from memckpt.bench.recovery.measure import connect_driver
 
 PLAIN = ("none", "memcpy", "raw-disk-write", "memckpt-local", "torch.save", "dcp-async")
 SELECTABLE = PLAIN[1:] + ("memckpt", "ray-train")  # --methods (the baselines come along)
@@ -24,7 +24,7 @@ def _plain_in_subprocess(size: int, steps: int, warmup: int, compute_n: int, dir
                          ram_root: str, methods: tuple[str, ...] = PLAIN) -> dict[str, Any]:
     """The plain-process methods at one size in a fresh process (memory returned afterwards)."""
     return rows_from_child(
-        "memckpt.bench.alternatives",
+        "memckpt.bench.compare.alternatives",
         ["--size", str(size), "--steps", str(steps), "--warmup", str(warmup), "--compute-n",
          str(compute_n), "--dir", str(directory), "--ram-root", ram_root, "--methods",
          ",".join(methods)], "--out", f"the plain methods at {size} bytes")
@@ -39,7 +39,7 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
                   directory: Path, ram_root: str, raytrain_poll_s: Optional[float],
                   log: Callable[[str], None],
                   only: tuple[str, ...] = SELECTABLE) -> list[dict[str, Any]]:
-    from memckpt.bench import alternatives as alt
+    from memckpt.bench.compare import alternatives as alt
     from memckpt.runtime.local_cluster import LocalCluster
     raw: dict[str, dict[str, Any]] = {}
     plain = tuple(m for m in PLAIN if m == "none" or m in only)
@@ -104,10 +104,10 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
 def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path,
                      raytrain_poll_s: Optional[float], compute_iters: int, kill_at: int,
                      log: Callable[[str], None]) -> list[dict[str, Any]]:
-    from memckpt.bench import alternatives as alt
-    from memckpt.bench import recovery_measure as rec
-    from memckpt.bench.recovery_actors import ColdWorker
-    from memckpt.bench.recovery_job import DEFAULT_LAYERS
+    from memckpt.bench.compare import alternatives as alt
+    from memckpt.bench.recovery import measure as rec
+    from memckpt.bench.recovery.bench_actors import ColdWorker
+    from memckpt.bench.recovery.workload import DEFAULT_LAYERS
     from memckpt.runtime.local_cluster import LocalCluster
     biggest = max(s for _, s in sizes)
     store_mb = max(256, int(1.25 * biggest / 2**20) + 128)
@@ -168,7 +168,7 @@ def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path
 
 def measure_scaling(size: int, label: str, node_counts: list[int], steps: int, warmup: int,
                     compute_n: int, ram_root: str, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    from memckpt.bench import alternatives as alt
+    from memckpt.bench.compare import alternatives as alt
     from memckpt.runtime.local_cluster import LocalCluster
     log(f"scaling: starting a local {max(node_counts)}-node cluster")
     cluster = LocalCluster(nodes=max(node_counts), cpus_per_node=2, object_store_mb=512)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from memckpt.bench.common import GIB, finish_report, human_bytes, human_s, machine_line
-from memckpt.bench.recovery_measure import BUSY_THRESHOLD
-from memckpt.bench.recovery_rows import BASELINE, BASELINE_NODE
+from memckpt.bench.recovery.measure import BUSY_THRESHOLD
+from memckpt.bench.recovery.rows import BASELINE, BASELINE_NODE
 
 # Targets (defined at 1 GB of state per rank).
 # Targets of issue 3 (defined at 1 GB of state per rank).

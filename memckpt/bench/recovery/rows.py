@@ -1,5 +1,5 @@
 """The rows of ``memckpt bench recovery``: medians of the samples
-:mod:`memckpt.bench.recovery_measure` took, each against what it is compared with."""
+:mod:`memckpt.bench.recovery.measure` took, each against what it is compared with."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from statistics import median
 from typing import Any, Optional
 
 from memckpt.bench.common import med
-from memckpt.bench.recovery_measure import PATH_ROUNDS, PATH_STEADY_FROM, RecoveryBench
+from memckpt.bench.recovery.measure import PATH_ROUNDS, PATH_STEADY_FROM, RecoveryBench
 
 # The alternative, after the two failures memckpt recovers from (a killed worker, a lost node).
 # The alternative, after the two failures memckpt recovers from (a killed worker, a lost node).

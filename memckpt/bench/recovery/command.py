@@ -67,13 +67,13 @@ from memckpt.bench.common import (GIB, disk_dir, positive_int, ram_dir, standalo
                                   usable_dir, write_rows)
 from memckpt.bench.common import machine_info as _base_machine_info
 from memckpt.bench.foreign_load import QUIET_THRESHOLD
-from memckpt.bench.recovery_actors import ColdWorker
-from memckpt.bench.recovery_job import (DEFAULT_COMPUTE_ITERS, DEFAULT_KILL_AT, DEFAULT_LAYERS,
+from memckpt.bench.recovery.bench_actors import ColdWorker
+from memckpt.bench.recovery.workload import (DEFAULT_COMPUTE_ITERS, DEFAULT_KILL_AT, DEFAULT_LAYERS,
                                         DEFAULT_STATE_MB, DEFAULT_STEPS_AFTER)
-from memckpt.bench.recovery_measure import (CPUS_PER_NODE, GPT_WARMUP_STEPS, NODES,
+from memckpt.bench.recovery.measure import (CPUS_PER_NODE, GPT_WARMUP_STEPS, NODES,
                                             RecoveryBench, connect_driver)
-from memckpt.bench.recovery_report import report
-from memckpt.bench.recovery_rows import build_rows
+from memckpt.bench.recovery.report import report
+from memckpt.bench.recovery.rows import build_rows
 from memckpt.util.fsutil import fs_type
 
 DEFAULT_REPEATS = 3
@@ -222,7 +222,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cli(argv: Optional[list[str]] = None) -> int:
-    """``python -m memckpt.bench.recovery``, ``benchmarks/bench_recovery.py``."""
+    """``python -m memckpt.bench.recovery.command``, ``benchmarks/bench_recovery.py``."""
     return standalone("memckpt bench recovery", __doc__, add_arguments, main, argv)
 
 

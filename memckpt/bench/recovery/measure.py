@@ -2,7 +2,7 @@
 local multi-node Ray cluster: memckpt's recovery after a killed worker or a lost node, the
 restart + torch.load alternative after the same failures, raw TCP transfers and memckpt's
 own transfer paths between two nodes, and the step time of a training job. Each returns a
-sample (a dict); :mod:`memckpt.bench.recovery_rows` turns the samples into rows."""
+sample (a dict); :mod:`memckpt.bench.recovery.rows` turns the samples into rows."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from statistics import median
 from typing import Any, Callable
 
 from memckpt.bench.foreign_load import ForeignLoad, wait_quiet
-from memckpt.bench.recovery_actors import ColdWorker, PathClient, RawReceiver, RawSender
-from memckpt.bench.recovery_job import RecoveryJob, StepTimedJob, layout, state_nbytes
+from memckpt.bench.recovery.bench_actors import ColdWorker, PathClient, RawReceiver, RawSender
+from memckpt.bench.recovery.workload import RecoveryJob, StepTimedJob, layout, state_nbytes
 from memckpt.runtime.actors import on_node
 
 WORLD_SIZE = 2
@@ -258,7 +258,7 @@ class RecoveryBench:
     def restart_baseline(self, rep: int, worker: type = ColdWorker,
                          node_loss: bool = False) -> dict[str, Any]:
         """``worker``: the actor class of a rank, ColdWorker or one with its interface (the
-        DCP alternative in memckpt.bench.alternatives). ``node_loss``: the failure memckpt's
+        DCP alternative in memckpt.bench.compare.alternatives). ``node_loss``: the failure memckpt's
         node rows recover from, for this alternative too: at the fault step rank 1's whole
         node is removed, Ray must declare it dead (its health checks) before rank 1's death
         is seen, and rank 1 restarts on the third node. Its torch.save file is read from this

@@ -29,8 +29,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Optional
 
-from memckpt.bench import recovery_job as rjob
-from memckpt.bench.alternatives import (StallJob, raytrain_poll, raytrain_recovery,
+from memckpt.bench.recovery import workload as rjob
+from memckpt.bench.compare.alternatives import (StallJob, raytrain_poll, raytrain_recovery,
                                         raytrain_stall)
 from memckpt.bench.common import (human_bytes, human_s, machine_info, machine_line, parse_sizes,
                                   write_rows)
