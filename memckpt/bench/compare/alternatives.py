@@ -265,24 +265,9 @@ class StallJob:
         res["state_bytes"] = state.capture(0).nbytes
         res["replicate_s"] = float(ctx.replicator.last_seconds)
         if ctx.rank == 0:
-            res["store_bytes"] = _store_bytes(ctx.config.job_name)
+            from memckpt.runtime.actors import held_bytes
+            res["store_bytes"] = held_bytes(ctx.config.job_name)  # node id -> bytes held
         return res
-
-
-def _store_bytes(job: str) -> dict[str, int]:
-    """node id -> bytes of shards (own slots + peers' replicas) its memckpt store holds."""
-    import ray
-
-    from memckpt.runtime.actors import store_name
-    from memckpt.runtime.driver import COORDINATOR_NAMESPACE
-    out = {}
-    for node in (n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")):
-        try:
-            store = ray.get_actor(store_name(job, node), namespace=COORDINATOR_NAMESPACE)
-        except ValueError:
-            continue
-        out[node] = int(ray.get(store.memory.remote())["held_bytes"])
-    return out
 
 
 def memckpt_stall(size: int, steps: int, warmup: int, compute_n: int, *, snapshots: bool,

@@ -103,7 +103,7 @@ def _s3_rows(uri: str, raw, repeats: int) -> list[dict[str, Any]]:
     from memckpt.persist import CheckpointStore, S3Backend
     store = CheckpointStore(uri, keep_last=1)
     backend = S3Backend(uri)
-    client, _ = backend._s3()
+    client = backend.client
     bucket, _, prefix = uri[5:].partition("/")
     def memckpt_s3() -> None:
         store.commit(1, 1, [store.write_shard(1, 0, raw, verify=False, replace=True)], "bench")
