@@ -351,7 +351,7 @@ class RecoveryBench:
         extra: dict[str, Any] = {}
         if mode == "local":
             extra["placement"] = memckpt.PlacementConfig("ring", 0)
-        elif mode == "persist":  # issue #4's question: the cost of a disk tier every 10 steps
+        elif mode == "persist":  # what a disk tier every 10 steps costs the step
             extra["persistence"] = (memckpt.PersistTier(str(self.disk / name), every=10,
                                                         keep_last=1),)
         cfg = self.config(name, cpus_per_worker=1, warm_spares=False,
