@@ -1,0 +1,57 @@
+"""The typed rows of ``memckpt bench recovery`` (memckpt.bench.recovery.rows): no Ray, no
+measurement; samples shaped as RecoveryBench.measure returns them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+
+import pytest
+
+from memckpt.bench.recovery.rows import BASELINE, SHAPES, Row, Samples, build_rows
+
+
+class _Bench:
+    state_bytes = 4 << 20
+
+
+def _recovery(total: float, peer: bool = False) -> dict:
+    s = {"total_s": total, "phases_s": {"detect": 0.1, "total": total},
+         "resume_split_s": {"fetch": 0.2}, "resumed_step": 3, "workers": [1, 2],
+         "sources": [{"1": "local"}], "spare_slot_ranks": [[]], "foreign_cpu": 0.1,
+         "replication": [(1000, 0.01)]}
+    if peer:
+        s["peer_fetch"] = {"bytes": 1000, "seconds": 0.02}
+    return s
+
+
+def test_every_shape_names_fields_of_row():
+    names = {f.name for f in fields(Row)}
+    for shape, keys in SHAPES.items():
+        assert set(keys) <= names, (shape, set(keys) - names)
+        assert keys[:3] == ("benchmark", "method", "state_bytes"), shape
+
+
+def test_an_unknown_shape_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match="use one of recovery, baseline"):
+        Row("recoveryy", "recovery", "m", 1, 1.0, "")
+
+
+def test_rows_report_their_shape_keys_in_order_and_compare_with_the_same_failure():
+    got = Samples(worker=[_recovery(1.0), _recovery(3.0)], node=[_recovery(2.0, peer=True)],
+                  base=[{"total_s": 10.0, "phases_s": {"torch_load": 5.0}, "restart_s": 4.0,
+                         "file_bytes": 999, "foreign_cpu": None}],
+                  raw=[{"total_s": 0.01, "bytes": 1000, "foreign_cpu": 0.0}])
+    rows = [r.to_dict() for r in build_rows(_Bench(), got, "tiny")]
+    by = {r["method"]: r for r in rows}
+    assert [r["method"] for r in rows] == ["memckpt-worker", "memckpt-node", BASELINE,
+                                           "memckpt-peer-fetch", "memckpt-replication",
+                                           "raw-tcp"]
+    assert list(by["memckpt-worker"]) == list(SHAPES["recovery"])
+    assert list(by["raw-tcp"]) == list(SHAPES["raw"])
+    assert by["memckpt-worker"]["median_s"] == 2.0  # the median of 1 and 3
+    assert by["memckpt-worker"]["speedup_vs_restart"] == 5.0
+    # no lost-node alternative measured: the node row is held against the killed worker's
+    assert by["memckpt-node"]["baseline"] == BASELINE
+    assert by["memckpt-peer-fetch"]["ratio_to_raw"] == pytest.approx(0.5)
+    json.dumps(rows)  # what --json writes
