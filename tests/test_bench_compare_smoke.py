@@ -73,8 +73,9 @@ def test_stall_and_lost_work(tmp_path, capsys):
 @pytest.mark.ray
 @pytest.mark.timeout(180)
 def test_scaling(tmp_path):
-    rows = compare.run_compare(("scaling",), compare.parse_sizes("4M"), steps=2, step_s=0.02,
-                               directory=str(tmp_path), nodes=(3,), log=lambda _m: None)
+    rows = compare.run_compare(compare.CompareSettings(
+        ("scaling",), tuple(compare.parse_sizes("4M")), steps=2, step_s=0.02,
+        directory=str(tmp_path), nodes=(3,)), log=lambda _m: None)
     _common(rows)
     scaling = {(r["method"], r["nodes"]) for r in rows if r["benchmark"] == "scaling"}
     assert {m for m, _ in scaling} == SCALING
@@ -88,9 +89,9 @@ def test_scaling(tmp_path):
 @pytest.mark.ray
 @pytest.mark.timeout(180)
 def test_recovery(tmp_path):
-    rows = compare.run_compare(("recovery",), compare.parse_sizes("4M"), directory=str(tmp_path),
-                               recovery_compute_iters=2, kill_at=3, raytrain_poll_s=0.1,
-                               log=lambda _m: None)
+    rows = compare.run_compare(compare.CompareSettings(
+        ("recovery",), tuple(compare.parse_sizes("4M")), directory=str(tmp_path),
+        recovery_compute_iters=2, kill_at=3, raytrain_poll_s=0.1), log=lambda _m: None)
     _common(rows)
     rec = {r["method"]: r for r in rows if r["benchmark"] == "recovery"}
     assert set(rec) == set(compare_rows.RECOVERY_METHODS)

@@ -55,3 +55,16 @@ def test_rows_report_their_shape_keys_in_order_and_compare_with_the_same_failure
     assert by["memckpt-node"]["baseline"] == BASELINE
     assert by["memckpt-peer-fetch"]["ratio_to_raw"] == pytest.approx(0.5)
     json.dumps(rows)  # what --json writes
+
+
+def test_compare_settings_fill_sizes_and_refuse_bad_values_naming_the_field():
+    from memckpt.bench.compare.command import CompareSettings
+    from memckpt.errors import ConfigError
+    s = CompareSettings(sizes=(("4M", 4 << 20), ("8M", 8 << 20)))
+    assert s.recovery_sizes == (("8M", 8 << 20),) and s.scaling_size == ("4M", 4 << 20)
+    assert CompareSettings().sizes == (("100M", 100 << 20), ("1G", 1 << 30))
+    for bad, field_name in ((dict(parts=("stal",)), "parts"), (dict(steps=0), "steps"),
+                            (dict(nodes=(1, 2)), "nodes"), (dict(kill_at=1), "kill_at"),
+                            (dict(methods=()), "methods")):
+        with pytest.raises(ConfigError, match=f"CompareSettings.{field_name}="):
+            CompareSettings(**bad)
