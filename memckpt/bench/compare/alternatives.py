@@ -213,7 +213,7 @@ def run_plain(size: int, steps: int, warmup: int, compute_n: int, directory: Pat
             res["persist_s"] = dcp.persist_s[warmup:]
             record(method, res)
         elif method == "raw-disk-write":
-            from memckpt.bench.persist.command import write_fsync
+            from memckpt.bench.persist.measure import write_fsync
             buf = torch.empty(state_bytes, dtype=torch.uint8).fill_(1).numpy()
             path = directory / f"compare-raw-{os.getpid()}.bin"
             times = []
