@@ -68,3 +68,18 @@ def test_compare_settings_fill_sizes_and_refuse_bad_values_naming_the_field():
                             (dict(methods=()), "methods")):
         with pytest.raises(ConfigError, match=f"CompareSettings.{field_name}="):
             CompareSettings(**bad)
+
+
+def test_ray_train_lost_work_holds_both_sides_to_the_fastest_compute():
+    from memckpt.bench.ray_train.rows import KEYS
+    from memckpt.bench.ray_train.rows import Row as RtRow
+    from memckpt.bench.ray_train.rows import lost_work
+    stall = [RtRow("stall", "memckpt", "2M", 100, 0.001, compute_s=0.2, samples=[0.001]),
+             RtRow("stall", "ray-train-report", "2M", 100, 0.1, compute_s=0.25, samples=[0.1])]
+    ours, theirs = lost_work(stall)
+    # 5 % of the 0.2 s step affords a snapshot every step for memckpt, every 10 for the other
+    assert (ours.interval_steps, theirs.interval_steps) == (1, 10)
+    assert theirs.median == pytest.approx(10 / 2 * (0.2 + 0.1 / 10))
+    assert list(theirs.to_dict()) == list(KEYS["lost_work"])
+    with pytest.raises(ValueError, match="use one of stall, recovery, lost_work"):
+        RtRow("stal", "m", "2M", 1, 1.0)
