@@ -72,10 +72,10 @@ def test_stall_and_lost_work(tmp_path, capsys):
 
 @pytest.mark.ray
 @pytest.mark.timeout(180)
-def test_scaling(tmp_path):
+def test_scaling(tmp_path, full_cluster):
     rows = compare.run_compare(compare.CompareSettings(
         ("scaling",), tuple(compare.parse_sizes("4M")), steps=2, step_s=0.02,
-        directory=str(tmp_path), nodes=(3,)), log=lambda _m: None)
+        directory=str(tmp_path), nodes=(3,)), log=lambda _m: None, cluster=full_cluster)
     _common(rows)
     scaling = {(r["method"], r["nodes"]) for r in rows if r["benchmark"] == "scaling"}
     assert {m for m, _ in scaling} == SCALING
@@ -88,10 +88,11 @@ def test_scaling(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.timeout(180)
-def test_recovery(tmp_path):
+def test_recovery(tmp_path, full_cluster):
     rows = compare.run_compare(compare.CompareSettings(
         ("recovery",), tuple(compare.parse_sizes("4M")), directory=str(tmp_path),
-        recovery_compute_iters=2, kill_at=3, raytrain_poll_s=0.1), log=lambda _m: None)
+        recovery_compute_iters=2, kill_at=3, raytrain_poll_s=0.1), log=lambda _m: None,
+        cluster=full_cluster)
     _common(rows)
     rec = {r["method"]: r for r in rows if r["benchmark"] == "recovery"}
     assert set(rec) == set(compare_rows.RECOVERY_METHODS)

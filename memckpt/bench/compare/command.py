@@ -115,8 +115,11 @@ class CompareSettings:
         object.__setattr__(self, "scaling_size", self.scaling_size or sizes[0])
 
 
-def run_compare(s: CompareSettings = CompareSettings(),
-                log: Callable[[str], None] = _log) -> list[dict[str, Any]]:
+def run_compare(s: CompareSettings = CompareSettings(), log: Callable[[str], None] = _log,
+                cluster: Any = None) -> list[dict[str, Any]]:
+    """Measure ``s.parts``; return the rows. ``cluster``: a LocalCluster the recovery and
+    scaling parts use (left running; 3 nodes x 2 CPUs, at least ``max(s.nodes)`` nodes),
+    else each starts its own."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     disk = disk_dir(s.directory, "memckpt-compare-")
     ram = Path(s.ram_root) if s.ram_root else ram_dir("memckpt-compare-")
@@ -134,11 +137,13 @@ def run_compare(s: CompareSettings = CompareSettings(),
                                   s.raytrain_poll_s, log, s.methods)
         if "recovery" in s.parts:
             rows += measure_recovery(list(s.recovery_sizes), s.recovery_repeats, disk,
-                                     s.raytrain_poll_s, s.recovery_compute_iters, s.kill_at, log)
+                                     s.raytrain_poll_s, s.recovery_compute_iters, s.kill_at, log,
+                                     cluster)
         if "scaling" in s.parts:
             assert s.scaling_size is not None  # filled in by CompareSettings
             rows += measure_scaling(s.scaling_size[1], s.scaling_size[0], list(s.nodes),
-                                    s.scaling_steps or s.steps, s.warmup, compute_n, str(ram), log)
+                                    s.scaling_steps or s.steps, s.warmup, compute_n, str(ram), log,
+                                    cluster)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
         if not s.ram_root:

@@ -103,7 +103,9 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
 
 def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path,
                      raytrain_poll_s: Optional[float], compute_iters: int, kill_at: int,
-                     log: Callable[[str], None]) -> list[dict[str, Any]]:
+                     log: Callable[[str], None], cluster: Any = None) -> list[dict[str, Any]]:
+    """``cluster``: a LocalCluster of ``rec.NODES`` nodes x ``rec.CPUS_PER_NODE`` CPUs to use
+    (left running), else one is started here and shut down after."""
     from memckpt.bench.compare import alternatives as alt
     from memckpt.bench.recovery import measure as rec
     from memckpt.bench.recovery.bench_actors import ColdWorker
@@ -111,9 +113,13 @@ def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path
     from memckpt.runtime.local_cluster import LocalCluster
     biggest = max(s for _, s in sizes)
     store_mb = max(256, int(1.25 * biggest / 2**20) + 128)
-    log(f"recovery: starting a local {rec.NODES}-node cluster (object store {store_mb} MiB per node)")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    cluster = LocalCluster(nodes=rec.NODES, cpus_per_node=rec.CPUS_PER_NODE, object_store_mb=store_mb)
+    own = cluster is None
+    if own:
+        log(f"recovery: starting a local {rec.NODES}-node cluster (object store {store_mb} MiB "
+            "per node)")
+        cluster = LocalCluster(nodes=rec.NODES, cpus_per_node=rec.CPUS_PER_NODE,
+                               object_store_mb=store_mb)
     disk = Path(tempfile.mkdtemp(prefix="memckpt-compare-recovery-", dir=directory))
     ram_root = ram_dir("memckpt-compare-recovery-")
     run_root = Path(tempfile.mkdtemp(prefix="memckpt-compare-recovery-runs-"))
@@ -159,7 +165,8 @@ def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path
                 log(f"ray-train-restore: total {s['total_s']:.2f} s ({s['phases_s']})")
             rows += recovery_rows(label, b.state_bytes, samples, raw, raytrain_poll_s)
     finally:
-        cluster.shutdown()
+        if own:
+            cluster.shutdown()
         shutil.rmtree(disk, ignore_errors=True)
         shutil.rmtree(ram_root, ignore_errors=True)
         shutil.rmtree(run_root, ignore_errors=True)
@@ -167,11 +174,16 @@ def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path
 
 
 def measure_scaling(size: int, label: str, node_counts: list[int], steps: int, warmup: int,
-                    compute_n: int, ram_root: str, log: Callable[[str], None]) -> list[dict[str, Any]]:
+                    compute_n: int, ram_root: str, log: Callable[[str], None],
+                    cluster: Any = None) -> list[dict[str, Any]]:
+    """``cluster``: a LocalCluster of at least ``max(node_counts)`` nodes x 2 CPUs to use (left
+    running), else one is started here and shut down after."""
     from memckpt.bench.compare import alternatives as alt
     from memckpt.runtime.local_cluster import LocalCluster
-    log(f"scaling: starting a local {max(node_counts)}-node cluster")
-    cluster = LocalCluster(nodes=max(node_counts), cpus_per_node=2, object_store_mb=512)
+    own = cluster is None
+    if own:
+        log(f"scaling: starting a local {max(node_counts)}-node cluster")
+        cluster = LocalCluster(nodes=max(node_counts), cpus_per_node=2, object_store_mb=512)
     run_dir = Path(tempfile.mkdtemp(prefix="memckpt-compare-runs-"))
     rows: list[dict[str, Any]] = []
     try:
@@ -193,7 +205,8 @@ def measure_scaling(size: int, label: str, node_counts: list[int], steps: int, w
                 if k == 0:
                     base = rows[-1]["step_s"]
     finally:
-        cluster.shutdown()
+        if own:
+            cluster.shutdown()
         shutil.rmtree(run_dir, ignore_errors=True)
     return rows
 
