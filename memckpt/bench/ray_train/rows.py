@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import ClassVar, Mapping, Optional
+
+from memckpt.bench.common import KindedRow
 
 PARTS = ("stall", "recovery", "lost_work")
 OVERHEAD = 0.05  # the step overhead a checkpoint interval may cost
@@ -22,7 +24,7 @@ KEYS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
-class Row:
+class Row(KindedRow):
     benchmark: str  # one of PARTS: it names the keys the row reports (KEYS)
     method: str
     size: str  # the size as given (--sizes)
@@ -34,14 +36,8 @@ class Row:
     phases_s: Optional[dict[str, float]] = None  # recovery: restart, build, restore, ...
     sources: Optional[list[str]] = None  # recovery: where each rank restored from
     interval_steps: Optional[int] = None  # lost_work: the affordable snapshot interval
-
-    def __post_init__(self) -> None:
-        if self.benchmark not in KEYS:
-            raise ValueError(f"Row(benchmark={self.benchmark!r}): use one of {', '.join(KEYS)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The row as ``--json`` writes it and the report reads it."""
-        return {k: getattr(self, k) for k in KEYS[self.benchmark]}
+    KIND: ClassVar[str] = "benchmark"
+    KEYS: ClassVar[Mapping[str, tuple[str, ...]]] = KEYS
 
 
 def lost_work(stall: list[Row]) -> list[Row]:

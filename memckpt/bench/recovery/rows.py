@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Any, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
-from memckpt.bench.common import med
+from memckpt.bench.common import KindedRow, med
 from memckpt.bench.recovery.measure import PATH_ROUNDS, PATH_STEADY_FROM, RecoveryBench
 
 # The alternative, after the two failures memckpt recovers from (a killed worker, a lost node).
@@ -61,7 +61,7 @@ SHAPES: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
-class Row:
+class Row(KindedRow):
     """One result row; ``shape`` (one of :data:`SHAPES`) says which fields it reports."""
 
     shape: str
@@ -99,14 +99,8 @@ class Row:
     # of the (identical, DDP) parameters on the holder's own node
     replica_sent_bytes: Optional[float] = None
     replica_filled_bytes: Optional[float] = None
-
-    def __post_init__(self) -> None:
-        if self.shape not in SHAPES:
-            raise ValueError(f"Row(shape={self.shape!r}): use one of {', '.join(SHAPES)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The row as the JSON output and the report read it: its shape's keys, in order."""
-        return {k: getattr(self, k) for k in SHAPES[self.shape]}
+    KIND: ClassVar[str] = "shape"
+    KEYS: ClassVar[Mapping[str, tuple[str, ...]]] = SHAPES
 
 
 def _max_foreign(samples: list[Sample]) -> Optional[float]:
