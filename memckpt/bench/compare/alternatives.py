@@ -270,14 +270,13 @@ class StallJob:
         return res
 
 
-def memckpt_stall(size: int, steps: int, warmup: int, compute_n: int, *, snapshots: bool,
-                  workers: int, replicas: int, ram_root: str, run_dir: Path, name: str,
-                  cpus_per_worker: float, full_ranks: int = 1,
-                  threads: int = TORCH_THREADS) -> dict[str, Any]:
-    """One memckpt.run of :class:`StallJob` on ``workers`` ranks (one per node); the step
-    figures are rank 0's (a full rank), every rank's in ``per_rank``."""
+def memckpt_stall(job: StallJob, *, snapshots: bool, workers: int, replicas: int,
+                  ram_root: str, run_dir: Path, name: str,
+                  cpus_per_worker: float) -> dict[str, Any]:
+    """One memckpt.run of ``job`` on ``workers`` ranks (one per node); the step figures are
+    rank 0's (a full rank), every rank's in ``per_rank``."""
     import memckpt
-    total = warmup + steps
+    total = job.warmup + job.steps
     cfg = memckpt.Config(
         job_name=name,
         workers=memckpt.WorkersConfig(num_workers=workers, workers_per_node=1, cpus_per_worker=cpus_per_worker),
@@ -285,8 +284,7 @@ def memckpt_stall(size: int, steps: int, warmup: int, compute_n: int, *, snapsho
         snapshot_every=1 if snapshots else total + 1, ram_root=ram_root,
         failure=memckpt.FailureConfig(max_restarts=0, warm_spares=False))
     try:
-        summary = memckpt.run(StallJob(size, steps, warmup, compute_n, full_ranks, threads), cfg,
-                              run_dir=run_dir / name, quiet=True)
+        summary = memckpt.run(job, cfg, run_dir=run_dir / name, quiet=True)
     finally:
         shutil.rmtree(Path(ram_root) / name, ignore_errors=True)
     results = sorted(summary["results"], key=lambda r: r["rank"])

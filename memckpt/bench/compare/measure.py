@@ -68,8 +68,9 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
                     name = f"cmp-stall-{label.lower()}-{'on' if snap else 'off'}-{os.getpid()}"
                     log(f"stall {label}: memckpt.run, snapshots {'on' if snap else 'off'}")
                     gc.collect()
-                    r = alt.memckpt_stall(size, steps, warmup, compute_n, snapshots=snap, workers=2,
-                                          replicas=1, ram_root=ram_root, run_dir=run_dir, name=name,
+                    r = alt.memckpt_stall(alt.StallJob(size, steps, warmup, compute_n),
+                                          snapshots=snap, workers=2, replicas=1,
+                                          ram_root=ram_root, run_dir=run_dir, name=name,
                                           cpus_per_worker=alt.TORCH_THREADS)
                     methods["memckpt" if snap else "memckpt-none"] = r
                     raw[label]["state_bytes"] = raw[label]["state_bytes"] or r["state_bytes"]
@@ -198,9 +199,10 @@ def measure_scaling(size: int, label: str, node_counts: list[int], steps: int, w
                     continue
                 name = f"cmp-scale-{nodes}-{k}-{os.getpid()}"
                 log(f"scaling: {nodes} nodes, k={k}" if k else f"scaling: {nodes} nodes, no snapshots")
-                r = alt.memckpt_stall(size, steps, warmup, compute_n, snapshots=k > 0, workers=nodes,
-                                      replicas=max(1, k), ram_root=ram_root, run_dir=run_dir,
-                                      name=name, cpus_per_worker=2, full_ranks=nodes, threads=1)
+                job = alt.StallJob(size, steps, warmup, compute_n, full_ranks=nodes, threads=1)
+                r = alt.memckpt_stall(job, snapshots=k > 0, workers=nodes, replicas=max(1, k),
+                                      ram_root=ram_root, run_dir=run_dir, name=name,
+                                      cpus_per_worker=2)
                 rows += scaling_rows(label, nodes, k, r, base)
                 if k == 0:
                     base = rows[-1]["step_s"]
