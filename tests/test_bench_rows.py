@@ -83,3 +83,18 @@ def test_ray_train_lost_work_holds_both_sides_to_the_fastest_compute():
     assert list(theirs.to_dict()) == list(KEYS["lost_work"])
     with pytest.raises(ValueError, match="use one of stall, recovery, lost_work"):
         RtRow("stal", "m", "2M", 1, 1.0)
+
+
+def test_compare_rows_leave_out_what_a_method_did_not_measure():
+    from memckpt.bench.compare.rows import SHAPES, stall_rows
+    raw = {"state_bytes": 100, "harness": {"memckpt": "memckpt.run"}, "methods": {
+        m: {"step_s": [0.2, 0.3], "blocking_s": [0.01, 0.03], "compute_s": [0.1, 0.1], **extra}
+        for m, extra in (("none", {}), ("memckpt", {"replicate_s": 0.05}),
+                         ("dcp-async", {"persist_s": [0.5]}))}}
+    rows = {r["method"]: r for r in stall_rows("2M", raw, 2, None)}
+    assert list(rows) == ["none", "memckpt", "dcp-async"]  # in STALL_METHODS' order
+    assert list(rows["none"]) == [k for k in SHAPES["stall"] if k not in (
+        "persist_s", "write_s", "report_s", "replicate_s", "store_bytes", "raytrain_poll_s")]
+    assert rows["memckpt"]["replicate_s"] == 0.05 and rows["memckpt"]["harness"] == "memckpt.run"
+    assert rows["dcp-async"]["persist_s"] == 0.5 and "replicate_s" not in rows["dcp-async"]
+    assert rows["memckpt"]["blocking_s"] == pytest.approx(0.02)

@@ -34,6 +34,7 @@ class KindedRow:
 
     KIND: ClassVar[str]
     KEYS: ClassVar[Mapping[str, tuple[str, ...]]]
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset()  # keys left out while their value is None
 
     def __post_init__(self) -> None:
         kind = getattr(self, self.KIND)
@@ -43,7 +44,8 @@ class KindedRow:
 
     def to_dict(self) -> dict[str, Any]:
         """The row as ``--json`` writes it and the report reads it: its kind's keys, in order."""
-        return {k: getattr(self, k) for k in self.KEYS[getattr(self, self.KIND)]}
+        return {k: getattr(self, k) for k in self.KEYS[getattr(self, self.KIND)]
+                if k not in self.OPTIONAL or getattr(self, k) is not None}
 
 
 def positive_int(text: str) -> int:
