@@ -263,7 +263,7 @@ class StallJob:
         res = step_loop(compute, lambda s: ctx.step(state, s), self.steps, self.warmup)
         res["rank"] = ctx.rank
         res["state_bytes"] = state.capture(0).nbytes
-        res["replicate_s"] = float(ctx.replicator.last_seconds)
+        res["replicate_s"] = float(ctx.stats()["replicate_s"])
         if ctx.rank == 0:
             from memckpt.runtime.actors import held_bytes
             res["store_bytes"] = held_bytes(ctx.config.job_name)  # node id -> bytes held
