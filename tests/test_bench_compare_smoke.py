@@ -87,7 +87,7 @@ def test_scaling(tmp_path, full_cluster):
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)  # six recoveries; on a loaded 2-core machine 180 s ran out (main too)
 def test_recovery(tmp_path, full_cluster):
     rows = compare.run_compare(compare.CompareSettings(
         ("recovery",), tuple(compare.parse_sizes("4M")), directory=str(tmp_path),
