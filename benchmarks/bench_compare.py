@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Side-by-side benchmark: the same code as ``memckpt bench compare``.
+"""Side-by-side benchmark: ``memckpt bench compare`` from a checkout.
 
     python benchmarks/bench_compare.py [--parts stall,lost_work,recovery,scaling]
         [--sizes 100M,1G] [--recovery-sizes 1G] [--json PATH] [--plot PNG]
@@ -13,7 +13,7 @@ from pathlib import Path
 # Run from a checkout without installing: the package sits next to this directory.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memckpt.bench.compare import _cli  # noqa: E402
+from memckpt.cli.main import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(_cli())
+    sys.exit(main(["bench", "compare", *sys.argv[1:]]))

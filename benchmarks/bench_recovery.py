@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""Recovery benchmark: the same code as ``memckpt bench recovery``.
+"""Recovery benchmark: ``memckpt bench recovery`` from a checkout.
 
     python benchmarks/bench_recovery.py [--state-mb 1024] [--repeats 3] [--json PATH]
                                         [--dir DIR] [--gpt-steps N] [--kill-at STEP]
 
 Starts its own local Ray cluster (3 simulated nodes x 2 CPUs on this machine) and
-shuts it down at the end; see memckpt/bench/recovery.py for what is measured.
+shuts it down at the end; see memckpt/bench/recovery/ for what is measured.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 # Run from a checkout without installing: the package sits next to this directory.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memckpt.bench.recovery import _cli  # noqa: E402
+from memckpt.cli.main import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(_cli())
+    sys.exit(main(["bench", "recovery", *sys.argv[1:]]))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Snapshot stall benchmark: the same code as ``memckpt bench snapshot``.
+"""Snapshot stall benchmark: ``memckpt bench snapshot`` from a checkout.
 
     python benchmarks/bench_snapshot.py [--sizes 100M,1G,4G] [--repeats N] [--json PATH]
                                         [--mode sync|overlap|both] [--dir DIR]
@@ -13,7 +13,7 @@ from pathlib import Path
 # Run from a checkout without installing: the package sits next to this directory.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memckpt.bench.snapshot import _cli  # noqa: E402
+from memckpt.cli.main import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(_cli())
+    sys.exit(main(["bench", "snapshot", *sys.argv[1:]]))

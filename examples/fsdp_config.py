@@ -12,6 +12,6 @@ config = memckpt.Config(
     workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
     placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
     snapshot_every=1,
-    failure=memckpt.FailurePolicy(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0,
+    failure=memckpt.FailureConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0,
                                   max_restarts=3, on_fall_behind="wait"),
 )

@@ -11,9 +11,11 @@ DTensors; memckpt snapshots each rank's local chunk every step (no gather) and
 restores it in place after a failure. ``tp=2`` adds tensor parallelism on each
 block's MLP (Colwise/Rowwise) on a 2-D mesh of ``world_size // 2`` x 2.
 
-The job lives in ``memckpt/demo/job.py`` (:class:`memckpt.demo.job.FSDPJob`, with
-:func:`memckpt.demo.job.shard_gpt` doing the sharding) so ``memckpt demo --model
-fsdp`` works from a plain install.
+The job is the demo job in ``memckpt/demo/job.py`` (``FSDPJob``, with ``shard_gpt``
+doing the sharding) so ``memckpt demo --model fsdp`` works from a plain install.
+``memckpt.demo`` is the demo's own code, not memckpt's API (it may change between
+versions): to write your own job, copy it; a training function needs only
+``ctx.restore(state)`` and ``ctx.step(state, step, loss=...)``.
 """
 
 from memckpt.demo.job import FSDPJob

@@ -7,7 +7,10 @@ On a Ray cluster (``RAY_ADDRESS`` set, or ``ray job submit --working-dir . -- py
 examples/ray_train_job.py``) it runs there; without one, a local Ray instance is started.
 Kill a worker process while it trains (``kill -9 <pid of a RayTrainWorker>``): Ray Train
 restarts the worker group and every rank resumes at the last committed step from RAM.
-The training function is ``memckpt/demo/job.py``; the memckpt lines are marked below.
+The training function is the demo job, ``memckpt/demo/job.py``; the memckpt lines are
+marked below. ``memckpt.demo`` is the demo's own code, not memckpt's API (it may change between
+versions): to write your own job, copy it; a training function needs only
+``ctx.restore(state)`` and ``ctx.step(state, step, loss=...)``.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def main() -> None:
     config = memckpt.Config(
         job_name="gpt-ray-train",
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
-        failure=memckpt.FailurePolicy(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0))
+        failure=memckpt.FailureConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": GPTJob(steps=a.steps, size="mini", seed=0)},

@@ -1,12 +1,12 @@
 """memckpt: fault-tolerant in-memory replica checkpointing for PyTorch training on Ray."""
 
-from importlib import import_module
-from typing import Any
+from importlib import import_module as _import_module
+from typing import Any as _Any
 
-from memckpt.config import (ChaosEvent, Config, FailurePolicy, LoadSpec, PersistTier,
+from memckpt import config as _config
+from memckpt.config import (ChaosEvent, Config, FailureConfig, LoadSpec, PersistTier,
                             PlacementConfig, WorkersConfig, load_config)
 from memckpt.errors import MemckptError
-from memckpt.runtime.faults import FaultInjector
 from memckpt.version import __version__
 
 # Imported on first use: they need torch, which the replica stores and the coordinator
@@ -16,9 +16,11 @@ _LAZY = {"Checkpointer": "memckpt.checkpointer", "ResumableSampler": "memckpt.fo
          "TrainState": "memckpt.format.state", "WorkerContext": "memckpt.runtime.worker"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
+    if name in _config.RENAMED:
+        return _config.renamed(name)
     if name in _LAZY:
-        value = getattr(import_module(_LAZY[name]), name)
+        value = getattr(_import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'memckpt' has no attribute {name!r}")
@@ -38,7 +40,7 @@ def run(train_fn, config, **kwargs):
     return _run(train_fn, config, **kwargs)
 
 __all__ = [
-    "Checkpointer", "ChaosEvent", "Config", "FailurePolicy", "FaultInjector", "LoadSpec", "MemckptError",
+    "Checkpointer", "ChaosEvent", "Config", "FailureConfig", "LoadSpec", "MemckptError",
     "PersistTier", "PlacementConfig", "ResumableSampler", "TrainState", "WorkerContext",
     "WorkersConfig", "dcp_reader",
     "load_config", "run", "__version__",

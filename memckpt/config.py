@@ -14,6 +14,7 @@ import json
 import math
 import re
 import runpy
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -187,8 +188,9 @@ class PersistTier:
 
 
 @dataclass(frozen=True)
-class FailurePolicy:
-    """How failures are detected and how hard the runtime tries to recover."""
+class FailureConfig:
+    """How failures are detected and how hard the runtime tries to recover (Ray Train's name
+    for the same settings; ``FailurePolicy`` is its deprecated alias)."""
 
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 5.0  # a worker silent this long is declared hung
@@ -277,7 +279,7 @@ class Config:
     snapshot_mode: str = "sync"  # sync: the step waits for the local copy; overlap: not even that
     ram_root: Optional[str] = None  # where snapshot buffers live; None: /dev/shm/memckpt
     persistence: tuple[PersistTier, ...] = ()
-    failure: FailurePolicy = field(default_factory=FailurePolicy)
+    failure: FailureConfig = field(default_factory=FailureConfig)
     load: LoadSpec = field(default_factory=LoadSpec)
     chaos: tuple[ChaosEvent, ...] = ()
     # InternEvo's stop file: a positive step N in it means persist at step N and stop
@@ -288,7 +290,7 @@ class Config:
         if not isinstance(self.job_name, str) or not _JOB_NAME.match(self.job_name):
             _fail("job_name", self.job_name, "use 1-64 letters, digits, '.', '_' or '-'")
         for name, kind in (("workers", WorkersConfig), ("placement", PlacementConfig),
-                           ("failure", FailurePolicy), ("load", LoadSpec)):
+                           ("failure", FailureConfig), ("load", LoadSpec)):
             if not isinstance(getattr(self, name), kind):
                 _fail(name, getattr(self, name), f"pass a memckpt.{kind.__name__}(...)")
         _positive_int("snapshot_every", self.snapshot_every)
@@ -373,3 +375,23 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{p} must define `config = memckpt.Config(...)`; "
                           f"found config={type(cfg).__name__}")
     return cfg
+
+
+# Old names kept for one version: old -> new.
+RENAMED = {"FailurePolicy": "FailureConfig"}
+
+
+def renamed(name: str, stacklevel: int = 3) -> Any:
+    """The class an old name in :data:`RENAMED` now goes by, with a FutureWarning that names
+    the new one (shown to users by default, unlike a DeprecationWarning)."""
+    new = RENAMED[name]
+    warnings.warn(f"memckpt.{name} is renamed memckpt.{new} (Ray Train's name for a config of "
+                  f"failure settings); use {new}: the old name goes in the next version",
+                  FutureWarning, stacklevel=stacklevel)
+    return globals()[new]
+
+
+def __getattr__(name: str) -> Any:
+    if name in RENAMED:
+        return renamed(name)
+    raise AttributeError(f"module 'memckpt.config' has no attribute {name!r}")

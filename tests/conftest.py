@@ -1,12 +1,34 @@
-"""Shared fixtures: a shared-memory temp dir; one local multi-node Ray cluster per session."""
+"""Shared fixtures: a shared-memory temp dir; one local multi-node Ray cluster per session;
+``wait_for``, the one way a test waits for something to happen."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+import time
+from typing import Callable, TypeVar, Union
 
 import pytest
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: Union[str, Callable[[], str]],
+             interval: float = 0.05) -> T:
+    """Call ``predicate`` until it returns something true and return that; after ``timeout``
+    seconds fail the test: "timed out after T s waiting for <what>". ``what`` may be a
+    function, called only then, to show the state the wait ended in. ``predicate`` may raise
+    (an ``assert`` that the thing being waited on is still alive) to fail at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            detail = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {detail}")
+        time.sleep(interval)
 
 
 def _shm_base() -> str | None:

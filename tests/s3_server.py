@@ -22,12 +22,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator, Optional
 
 import pytest
+
+from conftest import wait_for
 
 BUCKET = "memckpt-test"
 _DUMMY_ENV = {
@@ -65,14 +66,14 @@ def start_moto():
 
 
 def _wait_up(port: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def listening() -> bool:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
+                return True
         except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"moto's S3 server did not listen on port {port}")
+            return False
+
+    wait_for(listening, timeout, f"moto's S3 server to listen on port {port}")
 
 
 def make_bucket(endpoint_url: str, bucket: str) -> None:

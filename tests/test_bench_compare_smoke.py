@@ -10,7 +10,10 @@ import json
 import pytest
 
 from memckpt import cli
-from memckpt.bench import compare, compare_report, compare_rows, plot
+from memckpt.bench.compare import command as compare
+from memckpt.bench.compare import report as compare_report
+from memckpt.bench.compare import rows as compare_rows
+from memckpt.bench.compare import plot
 
 # Ray Train with its controller polling every 0.1 s (not Ray's default 2 s) carries the poll
 STALL = {"none", "memcpy", "raw-disk-write", "memckpt-local", "memckpt-none", "memckpt",
@@ -69,9 +72,10 @@ def test_stall_and_lost_work(tmp_path, capsys):
 
 @pytest.mark.ray
 @pytest.mark.timeout(180)
-def test_scaling(tmp_path):
-    rows = compare.run_compare(("scaling",), compare.parse_sizes("4M"), steps=2, step_s=0.02,
-                               directory=str(tmp_path), nodes=(3,), log=lambda _m: None)
+def test_scaling(tmp_path, full_cluster):
+    rows = compare.run_compare(compare.CompareSettings(
+        ("scaling",), tuple(compare.parse_sizes("4M")), steps=2, step_s=0.02,
+        directory=str(tmp_path), nodes=(3,)), log=lambda _m: None, cluster=full_cluster)
     _common(rows)
     scaling = {(r["method"], r["nodes"]) for r in rows if r["benchmark"] == "scaling"}
     assert {m for m, _ in scaling} == SCALING
@@ -83,11 +87,12 @@ def test_scaling(tmp_path):
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(180)
-def test_recovery(tmp_path):
-    rows = compare.run_compare(("recovery",), compare.parse_sizes("4M"), directory=str(tmp_path),
-                               recovery_compute_iters=2, kill_at=3, raytrain_poll_s=0.1,
-                               log=lambda _m: None)
+@pytest.mark.timeout(300)  # six recoveries; on a loaded 2-core machine 180 s ran out (main too)
+def test_recovery(tmp_path, full_cluster):
+    rows = compare.run_compare(compare.CompareSettings(
+        ("recovery",), tuple(compare.parse_sizes("4M")), directory=str(tmp_path),
+        recovery_compute_iters=2, kill_at=3, raytrain_poll_s=0.1), log=lambda _m: None,
+        cluster=full_cluster)
     _common(rows)
     rec = {r["method"]: r for r in rows if r["benchmark"] == "recovery"}
     assert set(rec) == set(compare_rows.RECOVERY_METHODS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memckpt.bench.persist import run_persist_bench
+from memckpt.bench.persist.measure import run_persist_bench
 from s3_server import aws_test_env, s3_endpoint, s3_uri  # noqa: F401 (fixtures)
 
 

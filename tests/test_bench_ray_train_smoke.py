@@ -13,7 +13,8 @@ from memckpt import cli
 
 @pytest.mark.ray
 @pytest.mark.timeout(900)
-def test_ray_train_bench_at_a_tiny_size(tmp_path, capsys):
+def test_ray_train_bench_at_a_tiny_size(tmp_path, capsys, full_cluster):
+    """On the session's cluster (connected: the benchmark starts none of its own)."""
     out = tmp_path / "rows.json"
     rc = cli.main(["bench", "ray-train", "--sizes", "2M", "--steps", "2", "--warmup", "1",
                    "--compute-n", "64", "--kill-at", "3", "--dir", str(tmp_path / "work"),

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from memckpt.bench import recovery, recovery_measure, recovery_report
+from memckpt.bench.recovery import command as recovery
+from memckpt.bench.recovery import measure as recovery_measure
+from memckpt.bench.recovery import report as recovery_report
 
 EXPECTED = {
     ("recovery", "memckpt-worker"), ("recovery", "memckpt-node"),
@@ -25,10 +27,11 @@ EXPECTED = {
 
 @pytest.mark.ray
 @pytest.mark.timeout(600)  # a loaded 2-core machine can take minutes
-def test_recovery_bench_rows(tmp_path):
+def test_recovery_bench_rows(tmp_path, full_cluster):
+    """On the session's cluster (the benchmark's own shape: 3 nodes x 2 CPUs)."""
     rows = recovery.run_recovery_bench(4, 1, directory=str(tmp_path / "disk"), kill_at=3,
                                        steps_after=2, compute_iters=2, gpt_size="tiny",
-                                       gpt_steps=7, log=lambda _msg: None)
+                                       gpt_steps=7, cluster=full_cluster, log=lambda _msg: None)
     by = {(r["benchmark"], r["method"]): r for r in rows}
     assert set(by) == EXPECTED
     for r in rows:

@@ -3,7 +3,7 @@ readers, from disk, RAM and dcp.load) and reports what it measured."""
 
 from __future__ import annotations
 
-from memckpt.bench.reshard import run_reshard_bench
+from memckpt.bench.reshard.measure import run_reshard_bench
 
 
 def test_reshard_bench_rows(tmp_path):

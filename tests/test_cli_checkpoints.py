@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import memckpt
 from memckpt.cli import main
 from memckpt.persist import CheckpointStore
 from memckpt.persist.manifest import step_folder
+from conftest import wait_for
 from s3_server import BUCKET, aws_test_env, s3_endpoint  # noqa: F401
 
 SHARD0 = "rank-00000.shard"
@@ -64,10 +64,9 @@ def train_and_persist(root: str, ram_root: str, steps: int = 4, keep_last: int =
         with torch.no_grad():
             model.scale.add_(0.5)
         ckpt.step(memckpt.TrainState(model, opt), step)
-        deadline = time.monotonic() + 30
-        while not any(e["event"] == "persisted" and e["step"] == step for e in list(ckpt.events)):
-            assert time.monotonic() < deadline, f"step {step} was not persisted"
-            time.sleep(0.01)
+        wait_for(lambda: any(e["event"] == "persisted" and e["step"] == step
+                             for e in list(ckpt.events)), 30, f"step {step} to be persisted",
+                 interval=0.01)
         with torch.no_grad():
             seen[step] = (model(INPUT).clone(),
                           {k: v.clone() for k, v in model.state_dict().items()})

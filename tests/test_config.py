@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from memckpt.config import (ChaosEvent, Config, FailurePolicy, LoadSpec, PersistTier,
+from memckpt.config import (ChaosEvent, Config, FailureConfig, LoadSpec, PersistTier,
                             PlacementConfig, WorkersConfig, load_config)
 from memckpt.errors import ConfigError, MemckptError
 
@@ -69,18 +69,18 @@ INVALID = [
      "persistence.uri", "'  '", "local directory"),
     ("duplicate_tiers", lambda: Config(persistence=(PersistTier("/tmp/a"), PersistTier("/tmp/a"))),
      "persistence", "'/tmp/a'", "its own uri"),
-    ("negative_interval", lambda: FailurePolicy(heartbeat_interval_s=-1.0),
+    ("negative_interval", lambda: FailureConfig(heartbeat_interval_s=-1.0),
      "failure.heartbeat_interval_s", "-1.0", "> 0"),
-    ("negative_timeout", lambda: FailurePolicy(heartbeat_timeout_s=-5),
+    ("negative_timeout", lambda: FailureConfig(heartbeat_timeout_s=-5),
      "failure.heartbeat_timeout_s", "-5", "> 0"),
-    ("nan_timeout", lambda: FailurePolicy(heartbeat_timeout_s=float("nan")),
+    ("nan_timeout", lambda: FailureConfig(heartbeat_timeout_s=float("nan")),
      "failure.heartbeat_timeout_s", "nan", "finite"),
-    ("timeout_not_above_twice_interval", lambda: FailurePolicy(heartbeat_interval_s=1.0,
+    ("timeout_not_above_twice_interval", lambda: FailureConfig(heartbeat_interval_s=1.0,
                                                                heartbeat_timeout_s=2.0),
      "failure.heartbeat_timeout_s", "2.0", "twice failure.heartbeat_interval_s=1.0"),
-    ("negative_restarts", lambda: FailurePolicy(max_restarts=-1),
+    ("negative_restarts", lambda: FailureConfig(max_restarts=-1),
      "failure.max_restarts", "-1", ">= 0"),
-    ("fall_behind_policy", lambda: FailurePolicy(on_fall_behind="drop"),
+    ("fall_behind_policy", lambda: FailureConfig(on_fall_behind="drop"),
      "failure.on_fall_behind", "'drop'", "wait, skip"),
     ("load_content_kind", lambda: LoadSpec(content=("model", "weights")),
      "load.content", "'weights'", "all, model, optimizer"),
@@ -101,7 +101,7 @@ INVALID = [
      "workers.workers_per_node", "2", "divide workers.num_workers=3"),
     ("num_workers_zero", lambda: WorkersConfig(num_workers=0),
      "workers.num_workers", "0", ">= 1"),
-    ("warm_spares", lambda: FailurePolicy(warm_spares=1),
+    ("warm_spares", lambda: FailureConfig(warm_spares=1),
      "failure.warm_spares", "1", "True or False"),
     ("backend", lambda: WorkersConfig(backend="mpi"),
      "workers.backend", "'mpi'", "auto, gloo, nccl"),
@@ -130,7 +130,7 @@ def test_valid_configs_construct_and_normalise():
         placement=PlacementConfig(strategy="group", replicas=1, group_size=2),
         persistence=[PersistTier("s3://my-bucket.data/ckpt/run1", every=50),
                      PersistTier("/tmp/memckpt-local", keep_last=3)],
-        failure=FailurePolicy(heartbeat_interval_s=1, heartbeat_timeout_s=2.5),
+        failure=FailureConfig(heartbeat_interval_s=1, heartbeat_timeout_s=2.5),
         load=LoadSpec(content="model"),
         chaos=ChaosEvent(step=10, rank=7),
     )

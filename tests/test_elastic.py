@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch
 import memckpt
 from memckpt.errors import RecoveryError
 from memckpt.runtime.faults import FaultInjector
+from conftest import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -52,7 +52,7 @@ def config(name: str, min_workers: int = 2, persist: str | None = None,
                                       cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
         persistence=(memckpt.PersistTier(persist, every=1, keep_last=50),) if persist else (),
-        failure=memckpt.FailurePolicy(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
                                       max_restarts=3, collective_timeout_s=30.0,
                                       replace_timeout_s=1.0, warm_spares=False))
 
@@ -147,12 +147,13 @@ def test_grows_back_when_a_node_is_added(nodes3, tmp_path):
     runner.start()
     # Ray adds nodes from the main thread only: the job runs in another; once it has
     # shrunk, a node with room joins
-    deadline = time.time() + 300
-    while runner.is_alive() and time.time() < deadline and not any(
-            e["event"] == "resized" for e in events_so_far(tmp_path / "run")):
-        time.sleep(0.2)
-    nodes3.add_node()
-    runner.join(600)
+    try:
+        wait_for(lambda: not runner.is_alive() or any(
+            e["event"] == "resized" for e in events_so_far(tmp_path / "run")), 300,
+            "the job to shrink to 2 ranks", interval=0.2)
+    finally:
+        nodes3.add_node()
+        runner.join(600)
     if "error" in done:
         raise done["error"]
     result = done["result"]

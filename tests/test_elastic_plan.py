@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from memckpt import Config, FailurePolicy, PlacementConfig, WorkersConfig
+from memckpt import Config, FailureConfig, PlacementConfig, WorkersConfig
 from memckpt.format.data import batch_plan
 from memckpt.errors import ConfigError, RecoveryError, StateError
 from memckpt.policy.recovery_plan import growth_size, plan_resize, served_ranks
@@ -38,9 +38,9 @@ def test_invalid_worker_sizes_name_the_fix(kwargs, names):
 
 
 def test_replace_timeout_validated():
-    assert FailurePolicy(replace_timeout_s=0).replace_timeout_s == 0
+    assert FailureConfig(replace_timeout_s=0).replace_timeout_s == 0
     with pytest.raises(ConfigError, match="failure.replace_timeout_s"):
-        FailurePolicy(replace_timeout_s=-1)
+        FailureConfig(replace_timeout_s=-1)
 
 
 def test_layouts_that_cannot_run_at_a_smaller_size():

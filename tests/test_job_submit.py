@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_for
+
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.timeout(900)]
 
 JOB_PY = """from memckpt.demo.job import GPTJob
@@ -47,7 +49,7 @@ config = memckpt.Config(
     job_name={name!r},
     workers=memckpt.WorkersConfig(num_workers=3, cpus_per_worker=1),
     placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
-    failure=memckpt.FailurePolicy(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+    failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
                                   max_restarts={max_restarts}, collective_timeout_s=30.0),
     chaos={chaos},
 )
@@ -63,22 +65,25 @@ def head(tmp_path_factory, machine_to_itself):
                              "--ready-file", str(d / "ready.json")], env=env, stdout=log,
                             stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 120
-        while not (d / "ready.json").exists():
+        def up() -> bool:
             assert proc.poll() is None, (d / "cluster.log").read_text()[-3000:]
-            assert time.time() < deadline, "local cluster did not come up"
-            time.sleep(0.2)
+            return (d / "ready.json").exists()
+
+        wait_for(up, 120, "the local cluster to come up", interval=0.2)
         info = json.loads((d / "ready.json").read_text())
         info["env"] = env
-        deadline = time.time() + 300  # on a loaded machine the job agent can take minutes
-        while True:  # the head's job agent comes up after the cluster: wait for a trivial job
-            ping = subprocess.run(["ray", "job", "submit", "--address", info["dashboard_url"],
-                                   "--", "python", "-c", "print('ready')"], env=env,
-                                  capture_output=True, text=True, timeout=120)
-            if ping.returncode == 0:
-                break
-            assert time.time() < deadline, ping.stdout[-2000:] + ping.stderr[-2000:]
-            time.sleep(2)
+        pings: list[subprocess.CompletedProcess] = []
+
+        def agent_up() -> bool:  # the head's job agent comes up after the cluster
+            pings.append(subprocess.run(["ray", "job", "submit", "--address",
+                                         info["dashboard_url"], "--", "python", "-c",
+                                         "print('ready')"], env=env, capture_output=True,
+                                        text=True, timeout=120))
+            return pings[-1].returncode == 0
+
+        # on a loaded machine the job agent can take minutes: wait for a trivial job
+        wait_for(agent_up, 300, lambda: "a trivial job to run: "
+                 + pings[-1].stdout[-2000:] + pings[-1].stderr[-2000:], interval=2)
         yield info
     finally:  # also when start-up failed: never leak a cluster holding the dashboard port
         proc.send_signal(signal.SIGTERM)
@@ -148,15 +153,18 @@ def test_status_and_kill_from_another_terminal(head, tmp_path):
     assert res.returncode == 0, res.stderr
     job_id = re.search(r"raysubmit_[A-Za-z0-9]+", res.stdout + res.stderr).group(0)
     memckpt = [sys.executable, "-m", "memckpt.cli"]
-    deadline = time.time() + 180
-    while True:  # wait until the job is training
+    started = time.monotonic()
+    statuses: list[subprocess.CompletedProcess] = []
+
+    def training() -> bool:
         st = subprocess.run(memckpt + ["status", "--job", "drill-cli", "--address",
                                        head["address"], "--json"],
                             env=head["env"], capture_output=True, text=True, timeout=60)
-        if st.returncode == 0 and json.loads(st.stdout)["committed"] not in (None, 0):
-            break
-        assert time.time() < deadline, st.stdout + st.stderr
-        time.sleep(1)
+        statuses.append(st)
+        return st.returncode == 0 and json.loads(st.stdout)["committed"] not in (None, 0)
+
+    wait_for(training, 180, lambda: "the job to train: " + statuses[-1].stdout
+             + statuses[-1].stderr, interval=1)
     try:
         human = subprocess.run(memckpt + ["status", "--job", "drill-cli", "--address",
                                           head["address"]], env=head["env"], capture_output=True,
@@ -168,9 +176,8 @@ def test_status_and_kill_from_another_terminal(head, tmp_path):
         assert kill.returncode == 0 and "SIGKILL to rank 2" in kill.stdout, kill.stderr
     finally:  # the job held its step 6 for this drill: let it go on
         release.write_text("go")
-    while job_status(head, job_id) in ("RUNNING", "PENDING"):
-        assert time.time() < deadline + 300
-        time.sleep(2)
+    wait_for(lambda: job_status(head, job_id) not in ("RUNNING", "PENDING"),
+             480 - (time.monotonic() - started), f"job {job_id} to end", interval=2)
     assert job_status(head, job_id) == "SUCCEEDED"
     summary = json.loads((tmp_path / "cli.json").read_text())
     assert [r["died_ranks"] for r in summary["recoveries"]] == [[2]]

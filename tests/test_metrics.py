@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 from collections import defaultdict
 
@@ -13,6 +12,7 @@ import memckpt
 from memckpt.demo.job import GPTJob
 from memckpt.runtime.metrics import failure_target
 from memckpt.runtime.driver import progress_line
+from conftest import wait_for
 
 JOB = GPTJob(steps=12, size="tiny", seed=3)
 KILL_AT = 6
@@ -75,7 +75,7 @@ def test_metrics_reach_prometheus(cluster, tmp_path):
         job_name=job,
         workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
-        failure=memckpt.FailurePolicy(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0),
+        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0),
         chaos=(memckpt.ChaosEvent(step=KILL_AT, target="worker", rank=1),))
     result = memckpt.run(JOB, config, run_dir=tmp_path, quiet=True)
     assert len(result["recoveries"]) == 1
@@ -87,12 +87,14 @@ def test_metrics_reach_prometheus(cluster, tmp_path):
                 and all(total(s, "ray_memckpt_replicated_bytes_total", rank=r) > 0 for r in "012")
                 and total(s, "ray_memckpt_snapshot_stall_seconds_count") >= 3 * JOB.steps)
 
-    deadline = time.time() + 45
-    samples = scrape(job)
-    while not complete(samples) and time.time() < deadline:
-        time.sleep(0.5)
-        samples = scrape(job)
-    assert complete(samples), f"memckpt metrics of job {job!r} after 45 s: {dict(samples)}"
+    seen: list[dict] = []
+
+    def complete_samples() -> dict | None:
+        seen.append(scrape(job))
+        return seen[-1] if complete(seen[-1]) else None
+
+    samples = wait_for(complete_samples, 45,
+                       lambda: f"memckpt metrics of job {job!r}: {dict(seen[-1])}", interval=0.5)
 
     assert total(samples, "ray_memckpt_failures_total", target="worker") == 1
     for rank in "012":

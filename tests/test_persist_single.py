@@ -28,6 +28,7 @@ import memckpt
 from memckpt.persist import CheckpointStore
 from memckpt.persist.manifest import step_folder
 from _persist_job import Workload, make_config
+from conftest import wait_for
 from s3_server import BUCKET, MotoProcess, _free_port, aws_test_env, make_bucket, s3_endpoint  # noqa: F401
 
 HELPER = Path(__file__).with_name("_persist_job.py")
@@ -36,17 +37,6 @@ SHARD0 = "rank-00000.shard"
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def wait_for(pred, timeout: float, what: str, interval: float = 0.01):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
 def persisted_events(ckpt, step: int) -> list[dict]:
     return [e for e in list(ckpt.events) if e["event"] == "persisted" and e["step"] == step]
 
@@ -55,7 +45,7 @@ def wait_persisted(ckpt, step: int, tiers: int = 1, timeout: float = 30.0) -> No
     """Until ``step`` is committed (manifest written, retention applied) to ``tiers`` tiers."""
     failed = lambda: [e for e in list(ckpt.events) if e["event"] == "persist_failed"]  # noqa: E731
     wait_for(lambda: len(persisted_events(ckpt, step)) >= tiers or failed(), timeout,
-             f"step {step} to be persisted")
+             f"step {step} to be persisted", interval=0.01)
     assert not failed(), failed()
 
 
@@ -236,7 +226,7 @@ def test_sigkilled_process_resumes_from_persisted_step(backend, tmp_path, ram_ro
     first = procs("train", *common, "--upto", "10", "--pause-after", "7")
     first.wait_line("PAUSED", 60)
     store = CheckpointStore(root)
-    wait_for(lambda: store.is_committed(6), 30, "step 6's manifest")
+    wait_for(lambda: store.is_committed(6), 30, "step 6's manifest", interval=0.01)
     first.p.send_signal(signal.SIGKILL)
     assert first.finish(10) == -signal.SIGKILL
     shutil.rmtree(Path(ram_root) / "killed")  # the machine died: its RAM is gone too
@@ -336,18 +326,17 @@ def test_kill_mid_write_leaves_the_partial_checkpoint_invisible(tmp_path, ram_ro
     p = procs("big", *common, "--upto", "30")
     p.wait_line("PERSISTED 1", 90)
     pid = p.p.pid
-    killed_in = None
-    deadline = time.monotonic() + 60
-    while killed_in is None:  # catch a step's shard between its first byte and its rename
-        assert time.monotonic() < deadline, "never caught a shard write in progress"
+
+    def freeze_mid_write() -> Path | None:
+        """SIGKILL the helper if a shard is between its first byte and its rename: that file."""
         assert p.p.poll() is None, p.stderr[-2000:]
         partial = list(root.glob(f"step-*/.{SHARD0}.tmp-*"))
         if not partial:
-            time.sleep(0.001)
-            continue
+            return None
         os.kill(pid, signal.SIGSTOP)
+        killed_in = None
         try:
-            wait_for(lambda: _all_threads_stopped(pid), 10, "the helper to stop")
+            wait_for(lambda: _all_threads_stopped(pid), 10, "the helper to stop", interval=0.01)
             still = [f for f in partial if f.exists() and not (f.parent / "manifest.json").exists()]
             if still:  # frozen mid-write: the rename has not happened
                 os.kill(pid, signal.SIGKILL)
@@ -355,6 +344,9 @@ def test_kill_mid_write_leaves_the_partial_checkpoint_invisible(tmp_path, ram_ro
         finally:
             if killed_in is None:
                 os.kill(pid, signal.SIGCONT)
+        return killed_in
+
+    killed_in = wait_for(freeze_mid_write, 60, "a shard write in progress", interval=0.001)
     assert p.finish(10) == -signal.SIGKILL
     shutil.rmtree(Path(ram_root) / "big")  # the RAM copies are gone with the machine
 
@@ -499,7 +491,8 @@ def test_s3_endpoint_down_mid_run_then_back(aws_test_env, ram_root, monkeypatch)
             assert done.wait(max_s), f"ckpt.step({step}) blocked > {max_s} s: storage stalled training"
             took = time.perf_counter() - t0
             wait_for(lambda: ckpt.engine.steps() and ckpt.engine.steps()[0] == step, max_s - took,
-                     f"step {step}'s RAM snapshot to be sealed (the RAM tier must keep going)")
+                     f"step {step}'s RAM snapshot to be sealed (the RAM tier must keep going)",
+                     interval=0.01)
 
         for _ in range(3):
             train_step()
@@ -510,11 +503,13 @@ def test_s3_endpoint_down_mid_run_then_back(aws_test_env, ram_root, monkeypatch)
         down_from = step
         # Storage never holds a step (tests/test_storage_failures.py measures it); the
         # generous max_s here only keeps this test about persistence coming back.
-        deadline = time.monotonic() + 15
-        while not [e for e in list(ckpt.events) if e["event"] == "persist_retry"]:
-            assert time.monotonic() < deadline, "no persist_retry event while S3 was down"
+        def retried() -> bool:
+            if [e for e in list(ckpt.events) if e["event"] == "persist_retry"]:
+                return True
             train_step(max_s=10.0)
-            time.sleep(0.05)
+            return False
+
+        wait_for(retried, 15, "a persist_retry event while S3 was down")
         for _ in range(5):
             train_step()
             time.sleep(0.05)
@@ -528,12 +523,13 @@ def test_s3_endpoint_down_mid_run_then_back(aws_test_env, ram_root, monkeypatch)
         server = MotoProcess(port)  # back on the same port, empty: the bucket is recreated
         make_bucket(server.url, bucket)
         back_from = step
-        deadline = time.monotonic() + 20
-        while not [e for e in list(ckpt.events) if e["event"] == "persisted"
-                   and e["step"] > back_from]:
-            assert time.monotonic() < deadline, "persistence did not resume after S3 came back"
+        def resumed() -> bool:
+            if [e for e in list(ckpt.events) if e["event"] == "persisted" and e["step"] > back_from]:
+                return True
             train_step()
-            time.sleep(0.05)
+            return False
+
+        wait_for(resumed, 20, "persistence to resume after S3 came back")
         newest = complete_steps(store)[0]
         assert newest > back_from
         ckpt.close(unlink=True)

@@ -88,3 +88,44 @@ def test_worker_context_is_public_and_lazy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout.strip()
     assert out == "", f"import memckpt loaded {out}"
+
+
+def _public_attributes() -> set[str]:
+    """The names ``memckpt`` offers: its non-module attributes without a leading underscore,
+    the ones it imports on first use (``__getattr__``) included."""
+    lazy = {n for n in memckpt.__all__ if n not in vars(memckpt)}
+    return {n for n, v in vars(memckpt).items()
+            if not n.startswith("_") and not isinstance(v, ModuleType)} | lazy
+
+
+def test_every_exported_name_is_documented_and_nothing_else_is_exported():
+    documented = {d.split(".")[1] for _, d in _uses()}
+    assert sorted(set(memckpt.__all__) - documented) == [], \
+        "name these in README.md or docs/ as memckpt.NAME, or take them out of memckpt.__all__"
+    exported = _public_attributes() - {"__version__"}
+    assert sorted(exported - set(memckpt.__all__)) == [], \
+        "memckpt offers names outside __all__: import them as _name, or add them to __all__"
+    for name in memckpt.__all__:
+        assert getattr(memckpt, name) is not None, name
+
+
+def test_fault_injector_lives_with_the_drills_only():
+    from memckpt.runtime.faults import FaultInjector
+    assert "FaultInjector" not in memckpt.__all__
+    assert not hasattr(memckpt, "FaultInjector")
+    assert FaultInjector().kill_worker(rank=1, at_step=3).faults[0].target == "worker"
+
+
+def test_failure_policy_is_a_deprecated_alias_of_failure_config():
+    """The old name still builds the config (this version only) and warns, naming the new one,
+    whether it is reached as memckpt.FailurePolicy or imported from memckpt.config."""
+    assert "FailurePolicy" not in memckpt.__all__
+    with pytest.warns(FutureWarning, match="use FailureConfig"):
+        old = memckpt.FailurePolicy
+    assert old is memckpt.FailureConfig
+    with pytest.warns(FutureWarning, match="memckpt.FailurePolicy is renamed memckpt.FailureConfig"):
+        from memckpt.config import FailurePolicy
+    cfg = memckpt.Config(failure=FailurePolicy(max_restarts=1))
+    assert cfg.failure == memckpt.FailureConfig(max_restarts=1)
+    with pytest.warns(FutureWarning):  # every use warns, not only the first
+        memckpt.FailurePolicy

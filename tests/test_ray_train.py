@@ -15,13 +15,13 @@ import json
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 import memckpt
 from memckpt.demo.job import GPTJob
+from conftest import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -45,7 +45,7 @@ def config(name: str, ram_root: str, **kw) -> memckpt.Config:
         job_name=name, ram_root=ram_root,
         workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
-        failure=memckpt.FailurePolicy(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
                                       collective_timeout_s=60.0), **kw)
 
 
@@ -91,17 +91,18 @@ def assert_clean(ram_root: str) -> None:
     """No memckpt actor of this module's jobs (``rt-*``; the cluster is the session's)
     alive, nothing left in the job's RAM folder."""
     import ray
-    deadline = time.time() + 60
-    while True:
-        alive = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith(tuple(f"memckpt-{kind}-rt-" for kind in
-                                               ("coordinator", "store", "janitor")))]
-        left = [p for p in Path(ram_root).rglob("*") if p.is_file()]
-        if not alive and not left:
-            return
-        if time.time() > deadline:
-            raise AssertionError(f"leaked: actors {alive}, files {left}")
-        time.sleep(0.5)
+
+    def alive() -> list:
+        return [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(tuple(f"memckpt-{kind}-rt-" for kind in
+                                              ("coordinator", "store", "janitor")))]
+
+    def left() -> list[Path]:
+        return [p for p in Path(ram_root).rglob("*") if p.is_file()]
+
+    wait_for(lambda: not alive() and not left(), 60,
+             lambda: f"the jobs' actors and RAM files to go; leaked: actors {alive()}, "
+             f"files {left()}", interval=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -138,21 +139,24 @@ def coordinator(name: str):
     return ray.get_actor(coordinator_name(name), namespace=COORDINATOR_NAMESPACE)
 
 
+def status_at(name: str, step: int) -> dict | None:
+    """The run's coordinator status once it has seen ``step`` reached; None before (or before
+    the coordinator has started)."""
+    import ray
+    try:
+        coord = coordinator(name)
+        if ray.get(coord.progress.remote())["max_step"] >= step:
+            return ray.get(coord.status.remote())
+    except (ValueError, ray.exceptions.RayError):
+        pass  # not started yet
+    return None
+
+
 def when_step(name: str, step: int, action) -> threading.Thread:
     """In the background: once the run's coordinator sees ``step`` reached, ``action(status)``."""
-    import ray
 
     def watch() -> None:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                coord = coordinator(name)
-                if ray.get(coord.progress.remote())["max_step"] >= step:
-                    action(ray.get(coord.status.remote()))
-                    return
-            except (ValueError, ray.exceptions.RayError):
-                pass  # not started yet
-            time.sleep(0.05)
+        action(wait_for(lambda: status_at(name, step), 300, f"{name} to reach step {step}"))
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()
@@ -224,7 +228,7 @@ def test_whole_cluster_lost_a_new_run_resumes_from_ray_trains_checkpoint(cluster
     cfg = config("rt-cluster", ram_root, chaos=(memckpt.ChaosEvent(10, "worker", 0, "KILL"),))
     import ray.train
 
-    from memckpt.bench.alternatives import raytrain_poll
+    from memckpt.bench.compare.alternatives import raytrain_poll
     with pytest.raises(ray.train.TrainingFailedError), raytrain_poll(0.1):
         # the controller polls every 0.1 s: the report of step 4 (made at step 8) is
         # registered before the failure at step 10 (with Ray's 2 s poll it may not be)
@@ -277,22 +281,14 @@ def test_a_killed_driver_leaves_no_actor_and_no_ram_behind(full_cluster, tmp_pat
     and the detached janitor frees the job's RAM folder on every node, then ends."""
     import signal
     import subprocess
-    import ray
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     env = dict(os.environ, RAY_ADDRESS=full_cluster.address)
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), ram_root], env=env)
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:  # training is under way, snapshots are in RAM
-            try:
-                if ray.get(coordinator("rt-driver-killed").progress.remote())["max_step"] >= 3:
-                    break
-            except (ValueError, ray.exceptions.RayError):
-                pass
-            time.sleep(0.2)
-        else:
-            raise AssertionError("the job never reached step 3")
+        # training is under way, snapshots are in RAM
+        wait_for(lambda: status_at("rt-driver-killed", 3), 240, "the job to reach step 3",
+                 interval=0.2)
         assert [p for p in Path(ram_root).rglob("*.shard")]
     finally:
         proc.send_signal(signal.SIGKILL)

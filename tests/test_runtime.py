@@ -32,7 +32,7 @@ def config(name: str, **failure) -> memckpt.Config:
         job_name=name,
         workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
-        failure=memckpt.FailurePolicy(**policy))
+        failure=memckpt.FailureConfig(**policy))
 
 
 @pytest.fixture(scope="module")

@@ -272,7 +272,7 @@ def _two_snapshots(ram_root, policy):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = memckpt.TrainState(model=model, optimizer=opt)
     ckpt = memckpt.Checkpointer(memckpt.Config(
-        ram_root=ram_root, failure=memckpt.FailurePolicy(on_fall_behind=policy)))
+        ram_root=ram_root, failure=memckpt.FailureConfig(on_fall_behind=policy)))
     for s in (1, 2):
         _train(model, opt, s)
         assert ckpt.step(state, s)

@@ -31,6 +31,7 @@ import torch.nn as nn
 import memckpt
 from memckpt.errors import ConfigError
 from memckpt.persist import CheckpointStore, PersistError
+from conftest import wait_for
 from s3_server import (BlackHole, FaultProxy, MotoProcess, _free_port, aws_test_env,  # noqa: F401
                        make_bucket)
 
@@ -109,14 +110,18 @@ class Job:
 
     def until(self, done: Callable[[], object], timeout: float, what: str, steps: int = 0) -> None:
         """Train until ``done()`` and at least ``steps`` more steps; fail after ``timeout`` s."""
-        deadline, target = time.monotonic() + timeout, self.n + steps
-        while not (done() and self.n >= target):
-            assert time.monotonic() < deadline, (
-                f"timed out after {timeout} s waiting for {what}: {self.n} steps, step() took "
-                f"up to {max(self.times, default=0):.3f} s (median "
-                f"{statistics.median(self.times or [0]):.4f} s; without persistence "
-                f"{statistics.median(self.twin_times or [0]):.4f} s)")
+        target = self.n + steps
+
+        def trained() -> bool:
+            if done() and self.n >= target:
+                return True
             self.step()
+            return False
+
+        wait_for(trained, timeout, lambda: (
+            f"{what}: {self.n} steps, step() took up to {max(self.times, default=0):.3f} s "
+            f"(median {statistics.median(self.times or [0]):.4f} s; without persistence "
+            f"{statistics.median(self.twin_times or [0]):.4f} s)"), interval=0)
 
     def events(self, kind: str, after: int = -1) -> list[dict]:
         """The job's events of ``kind`` (those about a step: of a step after ``after``)."""

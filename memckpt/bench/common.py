@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 from statistics import median
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 from memckpt.errors import ConfigError
 
@@ -28,6 +28,26 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 # -- command line -------------------------------------------------------------------------------
+class KindedRow:
+    """Base of a frozen dataclass row with several kinds: the value of its field named ``KIND``
+    picks the keys (``KEYS[kind]``) the row reports, in the order the JSON output has them."""
+
+    KIND: ClassVar[str]
+    KEYS: ClassVar[Mapping[str, tuple[str, ...]]]
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset()  # keys left out while their value is None
+
+    def __post_init__(self) -> None:
+        kind = getattr(self, self.KIND)
+        if kind not in self.KEYS:
+            raise ValueError(f"{type(self).__name__}({self.KIND}={kind!r}): use one of "
+                             f"{', '.join(self.KEYS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row as ``--json`` writes it and the report reads it: its kind's keys, in order."""
+        return {k: getattr(self, k) for k in self.KEYS[getattr(self, self.KIND)]
+                if k not in self.OPTIONAL or getattr(self, k) is not None}
+
+
 def positive_int(text: str) -> int:
     """argparse type: a whole number >= 1."""
     try:

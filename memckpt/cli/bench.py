@@ -16,22 +16,22 @@ from typing import Callable
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "snapshot": ("memckpt.bench.snapshot",
                  "per-step stall of a snapshot: memckpt (sync, overlap) vs memcpy vs torch.save"),
-    "persist": ("memckpt.bench.persist",
+    "persist": ("memckpt.bench.persist.command",
                 "persistence throughput: memckpt's disk / S3 tier vs a raw write of the same bytes"),
-    "recovery": ("memckpt.bench.recovery",
+    "recovery": ("memckpt.bench.recovery.command",
                  "recovery after a killed worker / node vs restart + torch.load; transfer; step time"),
-    "fsdp-stall": ("memckpt.bench.fsdp_stall",
+    "fsdp-stall": ("memckpt.bench.fsdp_stall.command",
                    "snapshot stall of an FSDP2 job vs a raw copy of each rank's local bytes"),
-    "compare": ("memckpt.bench.compare",
+    "compare": ("memckpt.bench.compare.command",
                 "side by side: memckpt vs torch.save, DCP async_save, Ray Train (stall, recovery, "
                 "lost work, scaling)"),
-    "ray-train": ("memckpt.bench.ray_train",
+    "ray-train": ("memckpt.bench.ray_train.command",
                   "inside Ray Train: memckpt's snapshot vs ray.train.report(checkpoint=...); "
                   "recovery after a killed worker"),
-    "elastic": ("memckpt.bench.elastic",
+    "elastic": ("memckpt.bench.elastic.command",
                 "elastic shrink: node death -> first step at fewer ranks, RAM reshard vs restart "
                 "+ DCP load"),
-    "reshard": ("memckpt.bench.reshard",
+    "reshard": ("memckpt.bench.reshard.command",
                 "restore FSDP2 state of 4 ranks into 2 and 3 (disk, RAM) vs dcp.load of the same"),
 }
 

@@ -75,7 +75,7 @@ def demo_config(job_name: str, nodes: int = 3, replicas: int = 1, persist: tuple
                                       min_workers=min_workers),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=replicas),
         snapshot_every=1,
-        failure=memckpt.FailurePolicy(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0,
+        failure=memckpt.FailureConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=5.0,
                                       max_restarts=3, collective_timeout_s=60.0,
                                       replace_timeout_s=2.0,
                                       warm_spares=min_workers is None),

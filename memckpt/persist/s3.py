@@ -177,6 +177,12 @@ class S3Backend(StorageBackend):
                or os.environ.get("AWS_ENDPOINT_URL"))
         return sanitize_url(url) or "AWS S3"
 
+    @property
+    def client(self) -> Any:
+        """The boto3 client this backend sends its requests through (endpoint, retries and
+        timeouts as configured): for a raw write to compare with the tier's own."""
+        return self._s3()[0]
+
     def _s3(self) -> tuple[Any, Any]:
         with self._lock:
             if self._client is None:

@@ -15,7 +15,7 @@ import dataclasses
 import os
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from memckpt.errors import ConfigError, MemckptError
 from memckpt.runtime.worker import RestoreInstruction, WorkerContext, WorkerSpec
@@ -80,6 +80,10 @@ class RayTrainContext:
     @property
     def restore_source(self) -> Optional[str]:
         return getattr(self._inner, "restore_source", None)
+
+    def stats(self) -> dict[str, Any]:
+        """See :meth:`memckpt.runtime.context.WorkerContext.stats`."""
+        return self._inner.stats()
 
     def _heartbeat(self) -> None:
         """Beats for as long as the process lives: a rank done with its loop waits for Ray

@@ -35,6 +35,20 @@ def store_name(job: str, node: str) -> str:
     return f"memckpt-store-{job}-{node[:16]}"
 
 
+
+def held_bytes(job: str) -> dict[str, int]:
+    """node id -> bytes of shards (own slots and peers' replicas) ``job``'s replica store on
+    that node holds now; live nodes with a store only."""
+    import ray
+    out = {}
+    for node in (n["NodeID"] for n in ray.nodes() if n["Alive"]):
+        try:
+            store = ray.get_actor(store_name(job, node), namespace=COORDINATOR_NAMESPACE)
+        except ValueError:  # no store of this job there (a head without workers)
+            continue
+        out[node] = int(ray.get(store.memory.remote())["held_bytes"])
+    return out
+
 def start_store(config: Config, node: str) -> Any:
     """The replica store of ``node`` (pinned there, no CPU reserved)."""
     import ray

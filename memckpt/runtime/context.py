@@ -19,7 +19,7 @@ import concurrent.futures as cf
 import os
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -357,6 +357,18 @@ class WorkerContext:
 
     def digest(self) -> Optional[str]:
         return state_digest(self._state) if self._state is not None else None
+
+    def stats(self) -> dict[str, Any]:
+        """What this rank's snapshots and replication have cost so far: snapshots taken and
+        the seconds the step waited on them; the engine's waits for a free slot, its slot
+        allocations, and whether it took over a spare's prepared slot; the last replication's
+        seconds, and the replica bytes sent to holders and filled by holders on their own."""
+        snap, engine, repl = self.ckpt.stats, self.ckpt.engine.stats, self.replicator
+        return {"snapshots": snap.snapshots, "waited_s": snap.waited_s,
+                "slot_waited_s": engine.waited_s, "slot_allocations": engine.allocations,
+                "spare_slot_taken": engine.offered_taken > 0,
+                "replicate_s": repl.last_seconds, "sent_bytes": repl.bytes_sent,
+                "filled_bytes": repl.bytes_filled}
 
     def finish(self, timeout_s: float = 600.0) -> None:
         """The function returned: commit the last snapshot everywhere and persist it if due."""

@@ -2,7 +2,7 @@
 local multi-node Ray cluster: memckpt's recovery after a killed worker or a lost node, the
 restart + torch.load alternative after the same failures, raw TCP transfers and memckpt's
 own transfer paths between two nodes, and the step time of a training job. Each returns a
-sample (a dict); :mod:`memckpt.bench.recovery_rows` turns the samples into rows."""
+sample (a dict); :mod:`memckpt.bench.recovery.rows` turns the samples into rows."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from statistics import median
 from typing import Any, Callable
 
 from memckpt.bench.foreign_load import ForeignLoad, wait_quiet
-from memckpt.bench.recovery_actors import ColdWorker, PathClient, RawReceiver, RawSender
-from memckpt.bench.recovery_job import RecoveryJob, StepTimedJob, layout, state_nbytes
+from memckpt.bench.recovery.bench_actors import ColdWorker, PathClient, RawReceiver, RawSender
+from memckpt.bench.recovery.workload import RecoveryJob, StepTimedJob, layout, state_nbytes
 from memckpt.runtime.actors import on_node
 
 WORLD_SIZE = 2
@@ -91,7 +91,7 @@ class RecoveryBench:
                                           cpus_per_worker=kw.pop("cpus_per_worker", CPUS_PER_NODE)),
             placement=kw.pop("placement", memckpt.PlacementConfig("ring", 1)),
             ram_root=str(self.ram_root),
-            failure=memckpt.FailurePolicy(max_restarts=1, collective_timeout_s=120.0,
+            failure=memckpt.FailureConfig(max_restarts=1, collective_timeout_s=120.0,
                                           warm_spares=kw.pop("warm_spares", True)),
             **kw)
 
@@ -258,7 +258,7 @@ class RecoveryBench:
     def restart_baseline(self, rep: int, worker: type = ColdWorker,
                          node_loss: bool = False) -> dict[str, Any]:
         """``worker``: the actor class of a rank, ColdWorker or one with its interface (the
-        DCP alternative in memckpt.bench.alternatives). ``node_loss``: the failure memckpt's
+        DCP alternative in memckpt.bench.compare.alternatives). ``node_loss``: the failure memckpt's
         node rows recover from, for this alternative too: at the fault step rank 1's whole
         node is removed, Ray must declare it dead (its health checks) before rank 1's death
         is seen, and rank 1 restarts on the third node. Its torch.save file is read from this
@@ -351,7 +351,7 @@ class RecoveryBench:
         extra: dict[str, Any] = {}
         if mode == "local":
             extra["placement"] = memckpt.PlacementConfig("ring", 0)
-        elif mode == "persist":  # issue #4's question: the cost of a disk tier every 10 steps
+        elif mode == "persist":  # what a disk tier every 10 steps costs the step
             extra["persistence"] = (memckpt.PersistTier(str(self.disk / name), every=10,
                                                         keep_last=1),)
         cfg = self.config(name, cpus_per_worker=1, warm_spares=False,

@@ -1,22 +1,8 @@
-"""Elastic shrink: time from a node's death to the first step at the smaller world size.
-
-Three one-rank nodes with no room to spare run a DDP job (Adam; ``--state-mb`` of
-parameters and optimizer state per rank) with ``min_workers=2``. One node is removed:
-
-* **memckpt elastic**: the job goes on with 2 ranks, each resharding the committed step
-  from the surviving nodes' RAM (the run's ``phases_s.total``: node death -> every rank's
-  first step at 2 ranks).
-* **restart + DCP load**: what a job without it does (Ray Train's elastic restart too):
-  the same failure detection, then a new 2-rank job that loads the same step from a
-  persisted DCP-resharded checkpoint on local disk (memckpt's persisted tier, read
-  through DCP's planner), timed from its start to its first step.
-
-Both run in the same invocation on the same cluster.
-"""
+"""The measurements of ``memckpt bench elastic`` (see :mod:`memckpt.bench.elastic`): the
+shrinking job, its config, and both ways back to a first step at 2 ranks on one cluster."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import tempfile
@@ -25,17 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from memckpt.bench.common import human_s, positive_int, standalone, write_rows
+from memckpt.bench.elastic.rows import Row
 
 KILL_AT = 4
-TARGET_SPEEDUP = 3.0
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state-mb", type=positive_int, default=256,
-                        help="parameters + Adam state per rank, MiB (default 256)")
-    parser.add_argument("--steps", type=positive_int, default=8, help="steps (default 8)")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 
 
 @dataclass
@@ -83,7 +61,7 @@ def _config(name: str, num: int, min_workers: int, persist: Optional[str]):
                                       cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
         persistence=(memckpt.PersistTier(persist, every=1, keep_last=50),) if persist else (),
-        failure=memckpt.FailurePolicy(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
                                       collective_timeout_s=60.0, replace_timeout_s=0.0,
                                       warm_spares=False))
 
@@ -94,7 +72,7 @@ def _restored_at(run_dir: Path, gen: int) -> float:
     return max(e["time"] for e in events if e["event"] == "restored" and e.get("gen") == gen)
 
 
-def measure(state_mb: int, steps: int) -> list[dict[str, Any]]:
+def measure(state_mb: int, steps: int) -> list[Row]:
     import memckpt
     from memckpt.runtime.faults import FaultInjector
     from memckpt.runtime.local_cluster import LocalCluster
@@ -119,36 +97,10 @@ def measure(state_mb: int, steps: int) -> list[dict[str, Any]]:
                     run_dir=root / "dcp", quiet=True)
         restart = time.time() - t0
         restart_restored = detect + _restored_at(root / "dcp", 0) - t0
-        return [{"benchmark": "elastic", "method": "memckpt elastic (RAM reshard)",
-                 "state_mb_per_rank": state_mb, "seconds": ours, "detect_s": detect,
-                 "restored_s": ours_restored, "from_world_size": 3, "to_world_size": 2,
-                 "step": step},
-                {"benchmark": "elastic", "method": "restart + DCP load (disk)",
-                 "state_mb_per_rank": state_mb, "seconds": detect + restart,
-                 "detect_s": detect, "restored_s": restart_restored, "from_world_size": 3,
-                 "to_world_size": 2, "step": step}]
+        return [Row("memckpt elastic (RAM reshard)", state_mb, ours, detect, ours_restored,
+                    3, 2, step),
+                Row("restart + DCP load (disk)", state_mb, detect + restart, detect,
+                    restart_restored, 3, 2, step)]
     finally:
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
-
-
-def main(args: argparse.Namespace) -> int:
-    rows = measure(args.state_mb, args.steps)
-    ours, base = rows[0]["seconds"], rows[1]["seconds"]
-    print(f"node death -> first step at 2 ranks, {args.state_mb} MiB state per rank "
-          "(of which: node death -> every rank's state loaded; then its first snapshot at the "
-          "new size, the first step and its commit):")
-    for r in rows:
-        print(f"  {r['method']:<32} {human_s(r['seconds'])}  (restored {human_s(r['restored_s'])}"
-              f", first step {human_s(r['seconds'] - r['restored_s'])})")
-    speedup = base / ours if ours else float("inf")
-    restore_x = rows[1]["restored_s"] / rows[0]["restored_s"]
-    print(f"speed-up {speedup:.1f}x (target >= {TARGET_SPEEDUP:.0f}x): "
-          f"{'met' if speedup >= TARGET_SPEEDUP else 'MISSED'}; to every rank restored "
-          f"{restore_x:.1f}x")
-    write_rows(args.json, rows)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(standalone("memckpt bench elastic", __doc__, add_arguments, main))

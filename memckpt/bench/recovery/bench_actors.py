@@ -19,7 +19,7 @@ import signal
 import time
 from typing import Optional
 
-from memckpt.bench.recovery_job import (all_reduce_mean, build_state, compute_inputs,
+from memckpt.bench.recovery.workload import (all_reduce_mean, build_state, compute_inputs,
                                         compute_loss)
 from memckpt.util.netutil import free_port
 

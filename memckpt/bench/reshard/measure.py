@@ -1,20 +1,8 @@
-"""Resharded restore: FSDP2 state (parameters + AdamW moments) written by 4 ranks,
-restored into 2 and into 3 ranks, from memckpt's disk tier, from the RAM of a replica
-store (byte ranges over its TCP data plane), and with ``dcp.load`` of a DCP checkpoint
-of the same state saved by the same 4 ranks in the same run.
-
-Every rank is a process (gloo, CPU mesh). A row's time is the slowest rank's restore
-(memckpt: ``load_resharded``; DCP: ``get_optimizer_state_dict`` + ``dcp.load`` +
-``set_optimizer_state_dict``, what a torchtitan-style job runs). Peak memory is each
-rank's RSS high-water mark during the restore (VmHWM, reset just before it) minus its RSS
-just before (the model's local shards already allocated, not yet touched), against its new
-shard's bytes (parameters + 2 moments). Files were just written: both disk readers find
-them in the page cache.
-"""
+"""The measurements of ``memckpt bench reshard`` (see :mod:`memckpt.bench.reshard`): 4 writer
+processes, then each (source, new world size)'s reader processes."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import tempfile
@@ -23,8 +11,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-from memckpt.bench.common import (human_bytes, human_s, machine_info, machine_line, parse_size,
-                                  write_rows)
+from memckpt.bench.common import machine_info
+from memckpt.bench.reshard.rows import Row
 from memckpt.bench.snapshot_measure import peak_rss, reset_peak_rss, rss_bytes
 
 WRITERS = 4
@@ -188,38 +176,13 @@ def run_reshard_bench(size: int, worlds: tuple[int, ...] = (2, 3),
             for source in ("ram", "disk", "dcp"):
                 _spawn(_reader, world, width, work, source, holders)
                 per_rank = [torch.load(f"{work}/r-{source}-{world}-{r}.pt") for r in range(world)]
-                rows.append({"benchmark": "reshard", "source": source, "from_ranks": WRITERS,
-                             "to_ranks": world, "state_bytes": total,
-                             "seconds": max(p["seconds"] for p in per_rank),
-                             "bytes_read": sum(p["read"] for p in per_rank) or None,
-                             "peak_rss": max(p["peak_rss"] for p in per_rank),
-                             "peak_growth": max(p["peak_rss"] - p["rss_before"] for p in per_rank),
-                             "new_shard_bytes": max(p["shard_bytes"] for p in per_rank),
-                             "machine": machine_info()})
+                rows.append(Row(
+                    source, WRITERS, world, total, max(p["seconds"] for p in per_rank),
+                    sum(p["read"] for p in per_rank) or None,
+                    max(p["peak_rss"] for p in per_rank),
+                    max(p["peak_rss"] - p["rss_before"] for p in per_rank),
+                    max(p["shard_bytes"] for p in per_rank), machine_info()))
         store.clear()
-        return rows
+        return [r.to_dict() for r in rows]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", type=parse_size, default=1 << 30,
-                        help="total state written by the 4 ranks, e.g. 64M (default 1G)")
-    parser.add_argument("--dir", help="where the disk tier and the DCP checkpoint go (default: temp)")
-    parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
-
-
-def main(args: argparse.Namespace) -> int:
-    rows = run_reshard_bench(args.size, directory=args.dir)
-    print(machine_line(rows[0]["machine"], f"state {human_bytes(rows[0]['state_bytes'])} written "
-                       f"by {WRITERS} FSDP2 ranks"))
-    print("| source | ranks | restore | vs dcp.load | bytes read | peak RSS growth / rank | new shard |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    base = {r["to_ranks"]: r["seconds"] for r in rows if r["source"] == "dcp"}
-    for r in rows:
-        ratio = base[r["to_ranks"]] / r["seconds"]
-        print(f"| {r['source']} | {r['from_ranks']}->{r['to_ranks']} | {human_s(r['seconds'])} | "
-              f"{ratio:.2f}x | {human_bytes(r['bytes_read'])} | {human_bytes(r['peak_growth'])} | "
-              f"{human_bytes(r['new_shard_bytes'])} |")
-    write_rows(args.json, rows)
-    return 0

@@ -67,13 +67,13 @@ from memckpt.bench.common import (GIB, disk_dir, positive_int, ram_dir, standalo
                                   usable_dir, write_rows)
 from memckpt.bench.common import machine_info as _base_machine_info
 from memckpt.bench.foreign_load import QUIET_THRESHOLD
-from memckpt.bench.recovery_actors import ColdWorker
-from memckpt.bench.recovery_job import (DEFAULT_COMPUTE_ITERS, DEFAULT_KILL_AT, DEFAULT_LAYERS,
+from memckpt.bench.recovery.bench_actors import ColdWorker
+from memckpt.bench.recovery.workload import (DEFAULT_COMPUTE_ITERS, DEFAULT_KILL_AT, DEFAULT_LAYERS,
                                         DEFAULT_STATE_MB, DEFAULT_STEPS_AFTER)
-from memckpt.bench.recovery_measure import (CPUS_PER_NODE, GPT_WARMUP_STEPS, NODES,
+from memckpt.bench.recovery.measure import (CPUS_PER_NODE, GPT_WARMUP_STEPS, NODES,
                                             RecoveryBench, connect_driver)
-from memckpt.bench.recovery_report import report
-from memckpt.bench.recovery_rows import build_rows
+from memckpt.bench.recovery.report import report
+from memckpt.bench.recovery.rows import Samples, build_rows
 from memckpt.util.fsutil import fs_type
 
 DEFAULT_REPEATS = 3
@@ -137,41 +137,38 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
         b.restore_nodes()
         log(f"state per rank: {b.n} x Linear({b.d}) + AdamW = {b.state_bytes / 2**20:.1f} MiB; "
             f"fault at step {kill_at}; torch.save files in {disk} ({fs_type(disk)})")
-        worker, node, standby, base, base_node, raw, raw2, paths = [], [], [], [], [], [], [], []
+        got = Samples()
         for rep in range(repeats):
             log(f"repeat {rep + 1}/{repeats}")
             s = b.measure(b.memckpt_recovery, "worker", rep)
-            worker.append(s)
+            got.worker.append(s)
             nodes = sorted({r["node_id"] for r in s["results"]})
             if len(nodes) == 2 and s["replication"]:
                 shard = max(x[0] for x in s["replication"])
-                raw2.append(b.measure(b.raw_transfer_2way, nodes[0], nodes[1], shard))
-                paths.append(b.measure(b.transfer_paths, nodes[0], nodes[1], shard))
+                got.raw2.append(b.measure(b.raw_transfer_2way, nodes[0], nodes[1], shard))
+                got.paths.append(b.measure(b.transfer_paths, nodes[0], nodes[1], shard))
             try:
                 s = b.measure(b.memckpt_recovery, "node", rep)
-                node.append(s)
+                got.node.append(s)
                 if "peer_fetch" in s:
                     pf = s["peer_fetch"]
-                    raw.append(b.measure(b.raw_transfer, pf["src"], pf["dst"], pf["bytes"]))
+                    got.raw.append(b.measure(b.raw_transfer, pf["src"], pf["dst"], pf["bytes"]))
             finally:
                 b.restore_nodes()
             try:
-                standby.append(b.measure(b.memckpt_recovery, "node-standby", rep))
+                got.standby.append(b.measure(b.memckpt_recovery, "node-standby", rep))
             finally:
                 b.restore_nodes()
-            base.append(b.measure(b.restart_baseline, rep))
+            got.base.append(b.measure(b.restart_baseline, rep))
             try:  # the same node loss for the alternative
-                base_node.append(b.measure(b.restart_baseline, rep, ColdWorker, True))
+                got.base_node.append(b.measure(b.restart_baseline, rep, ColdWorker, True))
             finally:
                 b.restore_nodes()
-        on, persist, local, off = [], [], [], []
         for rep in range(repeats):
-            on.append(b.measure(b.step_time, "on", rep, gpt_size, gpt_steps))
-            persist.append(b.measure(b.step_time, "persist", rep, gpt_size, gpt_steps))
-            local.append(b.measure(b.step_time, "local", rep, gpt_size, gpt_steps))
-            off.append(b.measure(b.step_time, "off", rep, gpt_size, gpt_steps))
-        rows = build_rows(b, worker, node, base, raw, raw2, on, local, off, gpt_size, persist,
-                          paths, standby, base_node)
+            for mode, runs in (("on", got.on), ("persist", got.persist), ("local", got.local),
+                               ("off", got.off)):
+                runs.append(b.measure(b.step_time, mode, rep, gpt_size, gpt_steps))
+        rows = [r.to_dict() for r in build_rows(b, got, gpt_size)]
         info = machine_info()
         for r in rows:
             r["machine"] = info
@@ -222,7 +219,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cli(argv: Optional[list[str]] = None) -> int:
-    """``python -m memckpt.bench.recovery``, ``benchmarks/bench_recovery.py``."""
+    """``python -m memckpt.bench.recovery.command``, ``benchmarks/bench_recovery.py``."""
     return standalone("memckpt bench recovery", __doc__, add_arguments, main, argv)
 
 

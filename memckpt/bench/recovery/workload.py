@@ -4,7 +4,8 @@
 params + AdamW state per rank, a fixed compute (matmuls) and an all-reduce of the loss per
 step. ``StepTimedJob`` wraps another job (memckpt.demo.job.GPTJob) to time its steps. The
 helpers that build the state and run the compute are shared with the restart-every-worker
-alternative (:mod:`memckpt.bench.recovery_actors`) and :mod:`memckpt.bench.alternatives`.
+alternative (:mod:`memckpt.bench.recovery.bench_actors`) and
+:mod:`memckpt.bench.compare.alternatives`.
 Both jobs are pickled by reference, so they stay at module top level.
 """
 
@@ -155,8 +156,8 @@ class RecoveryJob:
             marks.append(time.time())
             if not first:  # the first step after the (re)start, in wall-clock times
                 first = {"t_compute": t0, "t_all_reduce": t1, "t_snapshot": t2}
-            rep = ctx.replicator
-            repl.append((int(rep.bytes_sent), float(rep.last_seconds)))
+            now = ctx.stats()
+            repl.append((int(now["sent_bytes"]), float(now["replicate_s"])))
         return {
             "first_step": first,
             "rank": ctx.rank, "generation": ctx.generation, "node_id": ctx.node_id,
@@ -172,9 +173,9 @@ class RecoveryJob:
             "load_usage": probe.usage,
             "fetch_and_load_s": ctx.restore_seconds.get("fetch_and_load_s"),
             # time the snapshots waited for a free slot (the gate: the newest step committed)
-            "snapshot_waited_s": ctx.ckpt.engine.stats.waited_s,
-            "snapshot_allocations": ctx.ckpt.engine.stats.allocations,
-            "spare_slot": ctx.ckpt.engine.stats.offered_taken > 0,
+            "snapshot_waited_s": ctx.stats()["slot_waited_s"],
+            "snapshot_allocations": ctx.stats()["slot_allocations"],
+            "spare_slot": ctx.stats()["spare_slot_taken"],
         }
 
 
@@ -212,9 +213,9 @@ class StepTimedJob:
         timed = _TimedContext(ctx)
         result = self.inner(timed)
         intervals = [(s, b - a) for (_, a), (s, b) in zip(timed.marks, timed.marks[1:])]
-        stats = ctx.ckpt.stats
+        stats = ctx.stats()
         return {"rank": ctx.rank, "result": result, "intervals": intervals,
                 "inside": timed.inside, "state_bytes": timed.state_bytes,
-                "snapshots": stats.snapshots, "waited_s": stats.waited_s,
-                "replicate_s": ctx.replicator.last_seconds,
-                "sent_bytes": ctx.replicator.bytes_sent, "filled_bytes": ctx.replicator.bytes_filled}
+                "snapshots": stats["snapshots"], "waited_s": stats["waited_s"],
+                "replicate_s": stats["replicate_s"], "sent_bytes": stats["sent_bytes"],
+                "filled_bytes": stats["filled_bytes"]}

@@ -48,10 +48,10 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable, Iterator, Optional
 
-from memckpt.bench import recovery_job as rjob
+from memckpt.bench.recovery import workload as rjob
 from memckpt.bench.foreign_load import Quiet
-from memckpt.bench.recovery_actors import ColdWorker
-from memckpt.bench.recovery_measure import WORLD_SIZE
+from memckpt.bench.recovery.bench_actors import ColdWorker
+from memckpt.bench.recovery.measure import WORLD_SIZE
 from memckpt.bench.snapshot_measure import build_state, matmul_unit, measure_memcpy
 from memckpt.util.netutil import free_port
 
@@ -213,7 +213,7 @@ def run_plain(size: int, steps: int, warmup: int, compute_n: int, directory: Pat
             res["persist_s"] = dcp.persist_s[warmup:]
             record(method, res)
         elif method == "raw-disk-write":
-            from memckpt.bench.persist import write_fsync
+            from memckpt.bench.persist.measure import write_fsync
             buf = torch.empty(state_bytes, dtype=torch.uint8).fill_(1).numpy()
             path = directory / f"compare-raw-{os.getpid()}.bin"
             times = []
@@ -263,45 +263,28 @@ class StallJob:
         res = step_loop(compute, lambda s: ctx.step(state, s), self.steps, self.warmup)
         res["rank"] = ctx.rank
         res["state_bytes"] = state.capture(0).nbytes
-        res["replicate_s"] = float(ctx.replicator.last_seconds)
+        res["replicate_s"] = float(ctx.stats()["replicate_s"])
         if ctx.rank == 0:
-            res["store_bytes"] = _store_bytes(ctx.config.job_name)
+            from memckpt.runtime.actors import held_bytes
+            res["store_bytes"] = held_bytes(ctx.config.job_name)  # node id -> bytes held
         return res
 
 
-def _store_bytes(job: str) -> dict[str, int]:
-    """node id -> bytes of shards (own slots + peers' replicas) its memckpt store holds."""
-    import ray
-
-    from memckpt.runtime.actors import store_name
-    from memckpt.runtime.driver import COORDINATOR_NAMESPACE
-    out = {}
-    for node in (n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")):
-        try:
-            store = ray.get_actor(store_name(job, node), namespace=COORDINATOR_NAMESPACE)
-        except ValueError:
-            continue
-        out[node] = int(ray.get(store.memory.remote())["held_bytes"])
-    return out
-
-
-def memckpt_stall(size: int, steps: int, warmup: int, compute_n: int, *, snapshots: bool,
-                  workers: int, replicas: int, ram_root: str, run_dir: Path, name: str,
-                  cpus_per_worker: float, full_ranks: int = 1,
-                  threads: int = TORCH_THREADS) -> dict[str, Any]:
-    """One memckpt.run of :class:`StallJob` on ``workers`` ranks (one per node); the step
-    figures are rank 0's (a full rank), every rank's in ``per_rank``."""
+def memckpt_stall(job: StallJob, *, snapshots: bool, workers: int, replicas: int,
+                  ram_root: str, run_dir: Path, name: str,
+                  cpus_per_worker: float) -> dict[str, Any]:
+    """One memckpt.run of ``job`` on ``workers`` ranks (one per node); the step figures are
+    rank 0's (a full rank), every rank's in ``per_rank``."""
     import memckpt
-    total = warmup + steps
+    total = job.warmup + job.steps
     cfg = memckpt.Config(
         job_name=name,
         workers=memckpt.WorkersConfig(num_workers=workers, workers_per_node=1, cpus_per_worker=cpus_per_worker),
         placement=memckpt.PlacementConfig("ring", replicas),
         snapshot_every=1 if snapshots else total + 1, ram_root=ram_root,
-        failure=memckpt.FailurePolicy(max_restarts=0, warm_spares=False))
+        failure=memckpt.FailureConfig(max_restarts=0, warm_spares=False))
     try:
-        summary = memckpt.run(StallJob(size, steps, warmup, compute_n, full_ranks, threads), cfg,
-                              run_dir=run_dir / name, quiet=True)
+        summary = memckpt.run(job, cfg, run_dir=run_dir / name, quiet=True)
     finally:
         shutil.rmtree(Path(ram_root) / name, ignore_errors=True)
     results = sorted(summary["results"], key=lambda r: r["rank"])
@@ -390,7 +373,7 @@ def raytrain_stall(size: int, steps: int, warmup: int, compute_n: int, *, checkp
 
 # -- recovery alternatives ----------------------------------------------------------------------
 class DCPWorker(ColdWorker):
-    """:class:`memckpt.bench.recovery_actors.ColdWorker` with DCP instead of torch.save /
+    """:class:`memckpt.bench.recovery.bench_actors.ColdWorker` with DCP instead of torch.save /
     torch.load: ``dcp.save`` of get_state_dict(model, optimizer) into a per-rank checkpoint
     directory, and on restart ``dcp.load`` + ``set_state_dict`` (no collectives: each rank
     owns its state)."""
@@ -444,7 +427,7 @@ class DCPWorker(ColdWorker):
 
 
 def dcp_recovery(bench: Any, rep: int) -> dict[str, Any]:
-    """:meth:`RecoveryBench.restart_baseline <memckpt.bench.recovery_measure.RecoveryBench.
+    """:meth:`RecoveryBench.restart_baseline <memckpt.bench.recovery.measure.RecoveryBench.
     restart_baseline>` with DCPWorker actors (the flow, kill and timing stay its own)."""
     return bench.restart_baseline(rep, worker=DCPWorker)
 
@@ -545,7 +528,7 @@ def raytrain_recovery(d: int, n: int, kill_at: int, compute_iters: int, storage:
 
 # -- subprocess entry: the plain methods at one size --------------------------------------------
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m memckpt.bench.alternatives")
+    p = argparse.ArgumentParser(prog="python -m memckpt.bench.compare.alternatives")
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--warmup", type=int, required=True)

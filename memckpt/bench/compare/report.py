@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from memckpt.bench.common import GIB, finish_report, human_bytes, human_s, machine_line
-from memckpt.bench.compare_rows import (BASELINE_NODE, OVERHEAD_BUDGET, PARTS, base_method,
+from memckpt.bench.compare.rows import (BASELINE_NODE, OVERHEAD_BUDGET, PARTS, base_method,
                                         is_baseline)
 
-# the targets
-# the targets
+# What memckpt aims for: a snapshot's stall at most 1.3x a plain memcpy of the same bytes,
+# and 10x below torch.save's from 0.5 GiB of state; a recovery 3x faster than the fastest
+# alternative (a lost node's, after the same failure); at most 1 step lost per failure at
+# the overhead budget (OVERHEAD_BUDGET).
 TARGET_X_MEMCPY = 1.3
 TARGET_VS_TORCH_SAVE = 10.0
 TARGET_RECOVERY_SPEEDUP = 3.0

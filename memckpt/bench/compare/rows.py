@@ -5,10 +5,11 @@ them (stall, ratios, lost work, recovery speed-ups), again when rows of several 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Optional
 
-from memckpt.bench.common import med
-from memckpt.bench.recovery_rows import BASELINE_NODE
+from memckpt.bench.common import KindedRow, med
+from memckpt.bench.recovery.rows import BASELINE_NODE
 
 PARTS = ("stall", "lost_work", "recovery", "scaling")
 OVERHEAD_BUDGET = 0.05  # the interval a method can afford: cost <= 5% of the step time
@@ -45,6 +46,88 @@ def raytrain_suffix(poll_s: Optional[float]) -> str:
     return "" if poll_s is None or poll_s == 2.0 else f"-poll{poll_s:g}s"
 
 
+# The keys each shape of row has, in the order the JSON output has always had them; derive()
+# adds the derived figures (ratios, stall, speed-ups) to the rows as dicts, after a merge too.
+SHAPES: dict[str, tuple[str, ...]] = {
+    "stall": ("benchmark", "method", "size", "state_bytes", "harness", "steps", "step_s",
+              "blocking_s", "compute_s", "samples", "persist_s", "write_s", "report_s",
+              "replicate_s", "store_bytes", "raytrain_poll_s"),
+    "lost_work": ("benchmark", "method", "size", "state_bytes", "median", "unit", "figure",
+                  "interval_steps", "cost_per_checkpoint_s", "base_step_s",
+                  "overhead_every_step", "overhead_at_interval", "recoverable_lag_s",
+                  "lag_steps", "lost_time_s", "note"),
+    "recovery": ("benchmark", "method", "size", "state_bytes", "median", "unit", "figure",
+                 "samples_s", "phases_s", "note", "ranks", "resume_split_s", "sources",
+                 "peer_fetch_s", "raw_transfer_s", "raytrain_poll_s", "median_s"),
+    "scaling-base": ("benchmark", "method", "nodes", "k", "size", "state_bytes", "median",
+                     "median_s", "unit", "figure", "step_s"),
+    "scaling": ("benchmark", "method", "nodes", "k", "size", "state_bytes", "median",
+                "median_s", "unit", "figure", "step_s", "blocking_s", "base_step_s",
+                "store_bytes"),
+    "scaling-memory": ("benchmark", "method", "nodes", "k", "size", "state_bytes", "median",
+                       "unit", "figure", "store_bytes", "x_state", "expected_x_state", "note"),
+}
+
+
+@dataclass(frozen=True)
+class Row(KindedRow):
+    """One measured row of ``memckpt bench compare``; ``shape`` names the keys it reports."""
+
+    KIND: ClassVar[str] = "shape"
+    KEYS: ClassVar[Mapping[str, tuple[str, ...]]] = SHAPES
+    # measured only by some methods (a stall's persist or write time, replication, a
+    # Ray Train poll; a memckpt recovery's split and sources, a peer fetch)
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({
+        "persist_s", "write_s", "report_s", "replicate_s", "store_bytes", "raytrain_poll_s",
+        "resume_split_s", "sources", "peer_fetch_s", "raw_transfer_s"})
+
+    shape: str
+    benchmark: str  # one of PARTS
+    method: str
+    size: str  # the size's label, as given
+    state_bytes: int
+    median: Optional[float] = None  # the row's figure, in ``unit``
+    median_s: Optional[float] = None
+    unit: str = "s"
+    figure: Optional[str] = None  # what ``median`` is
+    note: Optional[str] = None
+    # stall
+    harness: Optional[str] = None  # process, memckpt.run or Ray Train
+    steps: Optional[int] = None
+    step_s: Optional[float] = None
+    blocking_s: Optional[float] = None
+    compute_s: Optional[float] = None
+    samples: Optional[dict[str, list[float]]] = None
+    persist_s: Optional[float] = None
+    write_s: Optional[float] = None
+    report_s: Optional[float] = None
+    replicate_s: Optional[float] = None
+    store_bytes: Optional[dict[str, int]] = None  # node id -> bytes its store holds
+    raytrain_poll_s: Optional[float] = None
+    # lost work
+    interval_steps: Optional[int] = None
+    cost_per_checkpoint_s: Optional[float] = None
+    base_step_s: Optional[float] = None
+    overhead_every_step: Optional[float] = None
+    overhead_at_interval: Optional[float] = None
+    recoverable_lag_s: Optional[float] = None
+    lag_steps: Optional[float] = None
+    lost_time_s: Optional[float] = None
+    # recovery
+    samples_s: Optional[list[float]] = None
+    phases_s: Optional[dict[str, Any]] = None
+    ranks: Optional[int] = None
+    resume_split_s: Optional[dict[str, Optional[float]]] = None
+    sources: Optional[list[Any]] = None
+    peer_fetch_s: Optional[float] = None
+    raw_transfer_s: Optional[float] = None
+    # scaling
+    nodes: Optional[int] = None
+    k: Optional[int] = None
+    x_state: Optional[float] = None
+    expected_x_state: Optional[int] = None
+
+
 
 # -- stall ----------------------------------------------------------------------------------------
 def stall_rows(label: str, raw: dict[str, Any], steps: int,
@@ -53,23 +136,15 @@ def stall_rows(label: str, raw: dict[str, Any], steps: int,
     rows = []
     for m in sorted(methods, key=lambda m: (STALL_METHODS.index(base_method(m)), m)):
         r = methods[m]
-        row: dict[str, Any] = {
-            "benchmark": "stall", "method": m, "size": label, "state_bytes": state_bytes,
-            "harness": raw["harness"].get(m, "process"), "steps": len(r["step_s"]),
-            "step_s": med(r["step_s"]), "blocking_s": med(r["blocking_s"]),
-            "compute_s": med(r["compute_s"]),
-            "samples": {k: r[k] for k in ("step_s", "blocking_s", "compute_s")},
-        }
-        for k in ("persist_s", "write_s", "report_s"):
-            if r.get(k):
-                row[k] = med(r[k])
-        if "replicate_s" in r:
-            row["replicate_s"] = r["replicate_s"]
-        if "store_bytes" in r:
-            row["store_bytes"] = r["store_bytes"]
-        if m.startswith("ray-train"):
-            row["raytrain_poll_s"] = raytrain_poll_s if raytrain_poll_s is not None else 2.0
-        rows.append(row)
+        parts = {k: med(r[k]) if r.get(k) else None for k in ("persist_s", "write_s", "report_s")}
+        rows.append(Row(
+            "stall", "stall", m, label, state_bytes, harness=raw["harness"].get(m, "process"),
+            steps=len(r["step_s"]), step_s=med(r["step_s"]), blocking_s=med(r["blocking_s"]),
+            compute_s=med(r["compute_s"]),
+            samples={k: r[k] for k in ("step_s", "blocking_s", "compute_s")}, **parts,
+            replicate_s=r.get("replicate_s"), store_bytes=r.get("store_bytes"),
+            raytrain_poll_s=(raytrain_poll_s if raytrain_poll_s is not None else 2.0)
+            if m.startswith("ray-train") else None).to_dict())
     return rows
 
 
@@ -129,17 +204,14 @@ def lost_work_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         lag_s = {"memckpt": r.get("replicate_s"), "dcp-async": r.get("persist_s")}.get(r["method"]) or 0.0
         lag_steps = lag_s / (base + cost / interval)
         lost = interval / 2 + lag_steps
-        out.append({
-            "benchmark": "lost_work", "method": r["method"], "size": r["size"],
-            "state_bytes": r["state_bytes"], "median": lost, "unit": "steps",
-            "figure": "expected recomputed steps per failure",
-            "interval_steps": interval, "cost_per_checkpoint_s": cost, "base_step_s": base,
-            "overhead_every_step": cost / base, "overhead_at_interval": cost / (interval * base),
-            "recoverable_lag_s": lag_s, "lag_steps": lag_steps,
-            "lost_time_s": lost * base,
-            "note": f"cost = stall at one checkpoint per step; interval = ceil(cost / "
-                    f"({OVERHEAD_BUDGET:.0%} x step)); lost = interval / 2 + lag",
-        })
+        out.append(Row(
+            "lost_work", "lost_work", r["method"], r["size"], r["state_bytes"], median=lost,
+            unit="steps", figure="expected recomputed steps per failure",
+            interval_steps=interval, cost_per_checkpoint_s=cost, base_step_s=base,
+            overhead_every_step=cost / base, overhead_at_interval=cost / (interval * base),
+            recoverable_lag_s=lag_s, lag_steps=lag_steps, lost_time_s=lost * base,
+            note=f"cost = stall at one checkpoint per step; interval = ceil(cost / "
+                 f"({OVERHEAD_BUDGET:.0%} x step)); lost = interval / 2 + lag").to_dict())
     return out
 
 
@@ -169,23 +241,20 @@ def recovery_rows(label: str, state_bytes: int, samples: dict[str, list[dict[str
             vals = [s["phases_s"][k] for s in ss if isinstance(s["phases_s"].get(k), (int, float))]
             if vals:
                 phases[k] = med(vals)
-        row = {"benchmark": "recovery", "method": m, "size": label, "state_bytes": state_bytes,
-               "median": med([s["total_s"] for s in ss]), "unit": "s",
-               "figure": "fault -> first resumed step (every rank)",
-               "samples_s": [s["total_s"] for s in ss], "phases_s": phases, "note": notes[m],
-               "ranks": 2}
-        if m.startswith("memckpt"):
-            row["resume_split_s"] = {k: med([s["resume_split_s"][k] for s in ss])
-                                     for k in ss[0]["resume_split_s"]}
-            row["sources"] = [s["sources"] for s in ss]
-        if m == "memckpt-node" and raw:
-            fetch = med([s["peer_fetch"]["seconds"] for s in ss if "peer_fetch" in s])
-            row["peer_fetch_s"] = fetch
-            row["raw_transfer_s"] = med([r["total_s"] for r in raw])
-        if m == "ray-train-restore":
-            row["raytrain_poll_s"] = raytrain_poll_s if raytrain_poll_s is not None else 2.0
-        row["median_s"] = row["median"]
-        rows.append(row)
+        memckpt, fetched = m.startswith("memckpt"), m == "memckpt-node" and raw
+        total = med([s["total_s"] for s in ss])
+        rows.append(Row(
+            "recovery", "recovery", m, label, state_bytes, median=total, median_s=total,
+            figure="fault -> first resumed step (every rank)",
+            samples_s=[s["total_s"] for s in ss], phases_s=phases, note=notes[m], ranks=2,
+            resume_split_s={k: med([s["resume_split_s"][k] for s in ss])
+                            for k in ss[0]["resume_split_s"]} if memckpt else None,
+            sources=[s["sources"] for s in ss] if memckpt else None,
+            peer_fetch_s=med([s["peer_fetch"]["seconds"] for s in ss if "peer_fetch" in s])
+            if fetched else None,
+            raw_transfer_s=med([r["total_s"] for r in raw]) if fetched else None,
+            raytrain_poll_s=(raytrain_poll_s if raytrain_poll_s is not None else 2.0)
+            if m == "ray-train-restore" else None).to_dict())
     return rows
 
 
@@ -218,29 +287,24 @@ def scaling_rows(label: str, nodes: int, k: int, r: dict[str, Any],
     ``base``: the step time of the run with the same node count and no snapshots."""
     step, blocking = _slowest(r, "step_s"), _slowest(r, "blocking_s")
     if k == 0:
-        return [{"benchmark": "scaling", "method": "memckpt-none", "nodes": nodes,
-                 "k": 0, "size": label, "state_bytes": r["state_bytes"],
-                 "median": step, "median_s": step, "unit": "s",
-                 "figure": "step time (baseline)", "step_s": step}]
+        return [Row("scaling-base", "scaling", "memckpt-none", label, r["state_bytes"],
+                    median=step, median_s=step, figure="step time (baseline)", step_s=step,
+                    nodes=nodes, k=0).to_dict()]
     held = r.get("store_bytes") or {}
     stall = max(step - base, blocking) if base is not None else blocking
-    rows = [{"benchmark": "scaling", "method": f"memckpt-k{k}", "nodes": nodes,
-             "k": k, "size": label, "state_bytes": r["state_bytes"],
-             "median": stall, "median_s": stall, "unit": "s",
-             "figure": "stall = max(step-time increase, blocking part)",
-             "step_s": step, "blocking_s": blocking, "base_step_s": base,
-             "store_bytes": held}]
+    rows = [Row("scaling", "scaling", f"memckpt-k{k}", label, r["state_bytes"], median=stall,
+                median_s=stall, figure="stall = max(step-time increase, blocking part)",
+                step_s=step, blocking_s=blocking, base_step_s=base, store_bytes=held,
+                nodes=nodes, k=k)]
     if held:
         per_node = max(held.values())
-        rows.append({"benchmark": "scaling", "method": f"memckpt-k{k}-memory",
-                     "nodes": nodes, "k": k, "size": label,
-                     "state_bytes": r["state_bytes"], "median": per_node,
-                     "unit": "bytes", "figure": "bytes held by a node's store (max)",
-                     "store_bytes": held,
-                     "x_state": per_node / r["state_bytes"],
-                     "expected_x_state": 2 + 2 * k,
-                     "note": "own 2 slots + 2 slots per replica held for k peers"})
-    return rows
+        rows.append(Row("scaling-memory", "scaling", f"memckpt-k{k}-memory", label,
+                        r["state_bytes"], median=per_node, unit="bytes",
+                        figure="bytes held by a node's store (max)", store_bytes=held,
+                        x_state=per_node / r["state_bytes"], expected_x_state=2 + 2 * k,
+                        note="own 2 slots + 2 slots per replica held for k peers", nodes=nodes,
+                        k=k))
+    return [row.to_dict() for row in rows]
 
 
 # -- all of it ------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -52,10 +53,10 @@ from typing import Any, Callable, Optional
 # and what is derived from them in compare_rows, the report in compare_report, the PNG in plot.
 from memckpt.bench.common import (disk_dir, machine_info, parse_sizes, positive_int, ram_dir,
                                   standalone, usable_dir, write_rows)
-from memckpt.bench.compare_measure import (SELECTABLE, measure_recovery, measure_scaling,
+from memckpt.bench.compare.measure import (SELECTABLE, measure_recovery, measure_scaling,
                                            measure_stall)
-from memckpt.bench.compare_report import report
-from memckpt.bench.compare_rows import PARTS, derive
+from memckpt.bench.compare.report import report
+from memckpt.bench.compare.rows import PARTS, derive
 from memckpt.bench.foreign_load import Quiet
 from memckpt.bench.snapshot_measure import calibrate_compute
 from memckpt.errors import ConfigError
@@ -68,42 +69,84 @@ def _log(msg: str) -> None:
     print(f"[bench compare] {msg}", file=sys.stderr, flush=True)
 
 
-def run_compare(parts: tuple[str, ...] = PARTS, sizes: Optional[list[tuple[str, int]]] = None,
-                steps: int = 5, warmup: int = 2, step_s: float = DEFAULT_STEP_S,
-                directory: Optional[str] = None, ram_root: Optional[str] = None,
-                recovery_sizes: Optional[list[tuple[str, int]]] = None, recovery_repeats: int = 1,
-                recovery_compute_iters: int = 40, kill_at: int = 4,
-                nodes: tuple[int, ...] = (2, 3, 4), scaling_size: Optional[tuple[str, int]] = None,
-                scaling_steps: Optional[int] = None, methods: tuple[str, ...] = SELECTABLE,
-                raytrain_poll_s: Optional[float] = None,
-                log: Callable[[str], None] = _log) -> list[dict[str, Any]]:
-    sizes = sizes or parse_sizes(DEFAULT_SIZES)
-    recovery_sizes = recovery_sizes or [sizes[-1]]
-    scaling_size = scaling_size or sizes[0]
+Size = tuple[str, int]  # (label as given, bytes), as parse_sizes returns it
+
+
+@dataclass(frozen=True)
+class CompareSettings:
+    """What one ``memckpt bench compare`` run measures, and how long; validated here. A size
+    left out takes its default from ``sizes`` (recovery: the largest; scaling: the smallest)."""
+
+    parts: tuple[str, ...] = PARTS
+    sizes: tuple[Size, ...] = ()  # stall: state per rank; () is DEFAULT_SIZES
+    steps: int = 5  # stall: timed steps per method
+    warmup: int = 2
+    step_s: float = DEFAULT_STEP_S  # simulated forward+backward per step
+    directory: Optional[str] = None  # local disk for the files; None: a temp dir
+    ram_root: Optional[str] = None  # None: a temp dir on the shared-memory tmpfs, removed
+    recovery_sizes: tuple[Size, ...] = ()
+    recovery_repeats: int = 1
+    recovery_compute_iters: int = 40
+    kill_at: int = 4
+    nodes: tuple[int, ...] = (2, 3, 4)  # scaling: simulated node counts
+    scaling_size: Optional[Size] = None
+    scaling_steps: Optional[int] = None  # None: ``steps``
+    methods: tuple[str, ...] = SELECTABLE  # stall: the methods (baselines come along)
+    raytrain_poll_s: Optional[float] = None  # None: Ray Train's own health-check interval
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("parts", PARTS), ("methods", SELECTABLE)):
+            bad = [p for p in getattr(self, name) if p not in allowed]
+            if bad or not getattr(self, name):
+                raise ConfigError(f"CompareSettings.{name}={getattr(self, name)!r}: choose from "
+                                  f"{','.join(allowed)}")
+        for name, least in (("steps", 1), ("warmup", 0), ("recovery_repeats", 1),
+                            ("recovery_compute_iters", 1), ("kill_at", 2)):
+            if getattr(self, name) < least:
+                raise ConfigError(f"CompareSettings.{name}={getattr(self, name)}: use {least} "
+                                  "or more")
+        if not self.nodes or min(self.nodes) < 2:
+            raise ConfigError(f"CompareSettings.nodes={self.nodes}: give node counts of 2 or more")
+        if not self.step_s > 0:
+            raise ConfigError(f"CompareSettings.step_s={self.step_s}: use seconds > 0")
+        sizes = tuple(self.sizes) or tuple(parse_sizes(DEFAULT_SIZES))
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "recovery_sizes", tuple(self.recovery_sizes) or (sizes[-1],))
+        object.__setattr__(self, "scaling_size", self.scaling_size or sizes[0])
+
+
+def run_compare(s: CompareSettings = CompareSettings(), log: Callable[[str], None] = _log,
+                cluster: Any = None) -> list[dict[str, Any]]:
+    """Measure ``s.parts``; return the rows. ``cluster``: a LocalCluster the recovery and
+    scaling parts use (left running; 3 nodes x 2 CPUs, at least ``max(s.nodes)`` nodes),
+    else each starts its own."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    disk = disk_dir(directory, "memckpt-compare-")
-    ram = Path(ram_root) if ram_root else ram_dir("memckpt-compare-")
+    disk = disk_dir(s.directory, "memckpt-compare-")
+    ram = Path(s.ram_root) if s.ram_root else ram_dir("memckpt-compare-")
     ram.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     try:
         compute_n, compute_alone = 0, 0.0
-        if "stall" in parts or "scaling" in parts:
-            calibrate_compute(step_s, Quiet())  # the first calibration runs cold: redo it
-            _, compute_n, compute_alone = calibrate_compute(step_s, Quiet())
+        if "stall" in s.parts or "scaling" in s.parts:
+            calibrate_compute(s.step_s, Quiet())  # the first calibration runs cold: redo it
+            _, compute_n, compute_alone = calibrate_compute(s.step_s, Quiet())
             log(f"simulated forward+backward: {compute_n} matmuls 256x256 = {compute_alone:.3f} s")
-        if "stall" in parts:
-            rows += measure_stall(sizes, steps, warmup, compute_n, disk, str(ram), raytrain_poll_s,
-                                  log, methods)
-        if "recovery" in parts:
-            rows += measure_recovery(recovery_sizes, recovery_repeats, disk, raytrain_poll_s,
-                                     recovery_compute_iters, kill_at, log)
-        if "scaling" in parts:
-            rows += measure_scaling(scaling_size[1], scaling_size[0], list(nodes), scaling_steps or steps,
-                                    warmup, compute_n, str(ram), log)
+        if "stall" in s.parts:
+            rows += measure_stall(list(s.sizes), s.steps, s.warmup, compute_n, disk, str(ram),
+                                  s.raytrain_poll_s, log, s.methods)
+        if "recovery" in s.parts:
+            rows += measure_recovery(list(s.recovery_sizes), s.recovery_repeats, disk,
+                                     s.raytrain_poll_s, s.recovery_compute_iters, s.kill_at, log,
+                                     cluster)
+        if "scaling" in s.parts:
+            assert s.scaling_size is not None  # filled in by CompareSettings
+            rows += measure_scaling(s.scaling_size[1], s.scaling_size[0], list(s.nodes),
+                                    s.scaling_steps or s.steps, s.warmup, compute_n, str(ram), log,
+                                    cluster)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
-        if not ram_root:
+        if not s.ram_root:
             shutil.rmtree(ram, ignore_errors=True)
     info = machine_info()
     for r in rows:
@@ -178,7 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cli(argv: Optional[list[str]] = None) -> int:
-    """``python -m memckpt.bench.compare``, ``benchmarks/bench_compare.py``."""
+    """``python -m memckpt.bench.compare.command``, ``benchmarks/bench_compare.py``."""
     return standalone("memckpt bench compare", __doc__, add_arguments, main, argv)
 
 
@@ -207,18 +250,19 @@ def main(args: argparse.Namespace) -> int:
         if args.dir:
             usable_dir(args.dir)
         try:
-            rows = run_compare(args.parts, args.sizes, args.steps, 2, args.step_s, args.dir,
-                               recovery_sizes=args.recovery_sizes,
-                               recovery_repeats=args.recovery_repeats, nodes=args.nodes,
-                               scaling_size=args.scaling_size[0] if args.scaling_size else None,
-                               raytrain_poll_s=args.raytrain_poll_s, methods=args.methods)
+            rows = run_compare(CompareSettings(
+                args.parts, tuple(args.sizes), args.steps, 2, args.step_s, args.dir,
+                recovery_sizes=tuple(args.recovery_sizes or ()),
+                recovery_repeats=args.recovery_repeats, nodes=args.nodes,
+                scaling_size=args.scaling_size[0] if args.scaling_size else None,
+                raytrain_poll_s=args.raytrain_poll_s, methods=args.methods))
         except Exception as e:  # noqa: BLE001 (a failed measurement is reported, exit 1)
             print(f"memckpt bench compare: measurement failed: {type(e).__name__}: {e}",
                   file=sys.stderr)
             return 1
     write_rows(args.json, rows, indent=1)
     if args.plot:
-        from memckpt.bench.plot import plot_compare
+        from memckpt.bench.compare.plot import plot_compare
         plot_compare(rows, args.plot)
     print(report(rows))
     return 0

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from memckpt.bench.common import GIB, ram_dir, rows_from_child
-from memckpt.bench.compare_rows import (BASELINE_NODE, RECOVERY_METHODS, raytrain_suffix,
+from memckpt.bench.compare.rows import (BASELINE_NODE, RECOVERY_METHODS, raytrain_suffix,
                                         recovery_rows, scaling_rows, stall_rows)
-from memckpt.bench.recovery_measure import connect_driver
+from memckpt.bench.recovery.measure import connect_driver
 
 PLAIN = ("none", "memcpy", "raw-disk-write", "memckpt-local", "torch.save", "dcp-async")
 SELECTABLE = PLAIN[1:] + ("memckpt", "ray-train")  # --methods (the baselines come along)
@@ -24,7 +24,7 @@ def _plain_in_subprocess(size: int, steps: int, warmup: int, compute_n: int, dir
                          ram_root: str, methods: tuple[str, ...] = PLAIN) -> dict[str, Any]:
     """The plain-process methods at one size in a fresh process (memory returned afterwards)."""
     return rows_from_child(
-        "memckpt.bench.alternatives",
+        "memckpt.bench.compare.alternatives",
         ["--size", str(size), "--steps", str(steps), "--warmup", str(warmup), "--compute-n",
          str(compute_n), "--dir", str(directory), "--ram-root", ram_root, "--methods",
          ",".join(methods)], "--out", f"the plain methods at {size} bytes")
@@ -39,7 +39,7 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
                   directory: Path, ram_root: str, raytrain_poll_s: Optional[float],
                   log: Callable[[str], None],
                   only: tuple[str, ...] = SELECTABLE) -> list[dict[str, Any]]:
-    from memckpt.bench import alternatives as alt
+    from memckpt.bench.compare import alternatives as alt
     from memckpt.runtime.local_cluster import LocalCluster
     raw: dict[str, dict[str, Any]] = {}
     plain = tuple(m for m in PLAIN if m == "none" or m in only)
@@ -68,8 +68,9 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
                     name = f"cmp-stall-{label.lower()}-{'on' if snap else 'off'}-{os.getpid()}"
                     log(f"stall {label}: memckpt.run, snapshots {'on' if snap else 'off'}")
                     gc.collect()
-                    r = alt.memckpt_stall(size, steps, warmup, compute_n, snapshots=snap, workers=2,
-                                          replicas=1, ram_root=ram_root, run_dir=run_dir, name=name,
+                    r = alt.memckpt_stall(alt.StallJob(size, steps, warmup, compute_n),
+                                          snapshots=snap, workers=2, replicas=1,
+                                          ram_root=ram_root, run_dir=run_dir, name=name,
                                           cpus_per_worker=alt.TORCH_THREADS)
                     methods["memckpt" if snap else "memckpt-none"] = r
                     raw[label]["state_bytes"] = raw[label]["state_bytes"] or r["state_bytes"]
@@ -103,17 +104,23 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
 
 def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path,
                      raytrain_poll_s: Optional[float], compute_iters: int, kill_at: int,
-                     log: Callable[[str], None]) -> list[dict[str, Any]]:
-    from memckpt.bench import alternatives as alt
-    from memckpt.bench import recovery_measure as rec
-    from memckpt.bench.recovery_actors import ColdWorker
-    from memckpt.bench.recovery_job import DEFAULT_LAYERS
+                     log: Callable[[str], None], cluster: Any = None) -> list[dict[str, Any]]:
+    """``cluster``: a LocalCluster of ``rec.NODES`` nodes x ``rec.CPUS_PER_NODE`` CPUs to use
+    (left running), else one is started here and shut down after."""
+    from memckpt.bench.compare import alternatives as alt
+    from memckpt.bench.recovery import measure as rec
+    from memckpt.bench.recovery.bench_actors import ColdWorker
+    from memckpt.bench.recovery.workload import DEFAULT_LAYERS
     from memckpt.runtime.local_cluster import LocalCluster
     biggest = max(s for _, s in sizes)
     store_mb = max(256, int(1.25 * biggest / 2**20) + 128)
-    log(f"recovery: starting a local {rec.NODES}-node cluster (object store {store_mb} MiB per node)")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    cluster = LocalCluster(nodes=rec.NODES, cpus_per_node=rec.CPUS_PER_NODE, object_store_mb=store_mb)
+    own = cluster is None
+    if own:
+        log(f"recovery: starting a local {rec.NODES}-node cluster (object store {store_mb} MiB "
+            "per node)")
+        cluster = LocalCluster(nodes=rec.NODES, cpus_per_node=rec.CPUS_PER_NODE,
+                               object_store_mb=store_mb)
     disk = Path(tempfile.mkdtemp(prefix="memckpt-compare-recovery-", dir=directory))
     ram_root = ram_dir("memckpt-compare-recovery-")
     run_root = Path(tempfile.mkdtemp(prefix="memckpt-compare-recovery-runs-"))
@@ -159,7 +166,8 @@ def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path
                 log(f"ray-train-restore: total {s['total_s']:.2f} s ({s['phases_s']})")
             rows += recovery_rows(label, b.state_bytes, samples, raw, raytrain_poll_s)
     finally:
-        cluster.shutdown()
+        if own:
+            cluster.shutdown()
         shutil.rmtree(disk, ignore_errors=True)
         shutil.rmtree(ram_root, ignore_errors=True)
         shutil.rmtree(run_root, ignore_errors=True)
@@ -167,11 +175,16 @@ def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path
 
 
 def measure_scaling(size: int, label: str, node_counts: list[int], steps: int, warmup: int,
-                    compute_n: int, ram_root: str, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    from memckpt.bench import alternatives as alt
+                    compute_n: int, ram_root: str, log: Callable[[str], None],
+                    cluster: Any = None) -> list[dict[str, Any]]:
+    """``cluster``: a LocalCluster of at least ``max(node_counts)`` nodes x 2 CPUs to use (left
+    running), else one is started here and shut down after."""
+    from memckpt.bench.compare import alternatives as alt
     from memckpt.runtime.local_cluster import LocalCluster
-    log(f"scaling: starting a local {max(node_counts)}-node cluster")
-    cluster = LocalCluster(nodes=max(node_counts), cpus_per_node=2, object_store_mb=512)
+    own = cluster is None
+    if own:
+        log(f"scaling: starting a local {max(node_counts)}-node cluster")
+        cluster = LocalCluster(nodes=max(node_counts), cpus_per_node=2, object_store_mb=512)
     run_dir = Path(tempfile.mkdtemp(prefix="memckpt-compare-runs-"))
     rows: list[dict[str, Any]] = []
     try:
@@ -186,14 +199,16 @@ def measure_scaling(size: int, label: str, node_counts: list[int], steps: int, w
                     continue
                 name = f"cmp-scale-{nodes}-{k}-{os.getpid()}"
                 log(f"scaling: {nodes} nodes, k={k}" if k else f"scaling: {nodes} nodes, no snapshots")
-                r = alt.memckpt_stall(size, steps, warmup, compute_n, snapshots=k > 0, workers=nodes,
-                                      replicas=max(1, k), ram_root=ram_root, run_dir=run_dir,
-                                      name=name, cpus_per_worker=2, full_ranks=nodes, threads=1)
+                job = alt.StallJob(size, steps, warmup, compute_n, full_ranks=nodes, threads=1)
+                r = alt.memckpt_stall(job, snapshots=k > 0, workers=nodes, replicas=max(1, k),
+                                      ram_root=ram_root, run_dir=run_dir, name=name,
+                                      cpus_per_worker=2)
                 rows += scaling_rows(label, nodes, k, r, base)
                 if k == 0:
                     base = rows[-1]["step_s"]
     finally:
-        cluster.shutdown()
+        if own:
+            cluster.shutdown()
         shutil.rmtree(run_dir, ignore_errors=True)
     return rows
 

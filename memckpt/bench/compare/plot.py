@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memckpt.bench.compare_rows import base_method
+from memckpt.bench.compare.rows import base_method
 
 WIDTH_PX, HEIGHT_PX, DPI = 1400, 1000, 100
 COLORS = {"memckpt": "#d62728", "memckpt-local": "#ff9896", "memcpy": "#7f7f7f",

@@ -1,0 +1,1 @@
+"""``memckpt bench elastic``: a node lost, the first step at fewer ranks (``command``)."""

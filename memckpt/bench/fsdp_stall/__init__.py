@@ -1,0 +1,1 @@
+"""``memckpt bench fsdp-stall``: the snapshot stall of an FSDP2 job (``command``)."""

@@ -1,0 +1,1 @@
+"""``memckpt bench ray-train``: memckpt inside Ray Train against its own checkpoints."""

@@ -1,0 +1,1 @@
+"""``memckpt bench reshard``: a resharded restore (disk, RAM) against dcp.load."""
