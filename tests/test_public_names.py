@@ -128,4 +128,4 @@ def test_failure_policy_is_a_deprecated_alias_of_failure_config():
     cfg = memckpt.Config(failure=FailurePolicy(max_restarts=1))
     assert cfg.failure == memckpt.FailureConfig(max_restarts=1)
     with pytest.warns(FutureWarning):  # every use warns, not only the first
-        memckpt.FailurePolicy
+        memckpt.FailurePolicy  # noqa: B018 (the attribute access is what warns)

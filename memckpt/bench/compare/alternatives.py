@@ -279,7 +279,8 @@ def memckpt_stall(job: StallJob, *, snapshots: bool, workers: int, replicas: int
     total = job.warmup + job.steps
     cfg = memckpt.Config(
         job_name=name,
-        workers=memckpt.WorkersConfig(num_workers=workers, workers_per_node=1, cpus_per_worker=cpus_per_worker),
+        workers=memckpt.WorkersConfig(num_workers=workers, workers_per_node=1,
+                                      cpus_per_worker=cpus_per_worker),
         placement=memckpt.PlacementConfig("ring", replicas),
         snapshot_every=1 if snapshots else total + 1, ram_root=ram_root,
         failure=memckpt.FailureConfig(max_restarts=0, warm_spares=False))

@@ -195,7 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"what to measure, comma-separated (default {','.join(PARTS)})")
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
                         metavar="LIST", help=f"stall: state sizes (default {DEFAULT_SIZES})")
-    parser.add_argument("--methods", type=_choice_list(SELECTABLE, "methods"), default=SELECTABLE, metavar="LIST",
+    parser.add_argument("--methods", type=_choice_list(SELECTABLE, "methods"), default=SELECTABLE,
+                        metavar="LIST",
                         help=f"stall: methods to measure (default all: {','.join(SELECTABLE)}; "
                              "each comes with its harness's no-checkpoint baseline)")
     parser.add_argument("--steps", type=positive_int, default=5, metavar="N",

@@ -97,7 +97,7 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(storage, ignore_errors=True)
     rows = []
-    for label, size in sizes:
+    for label, _size in sizes:
         rows += stall_rows(label, raw[label], steps, raytrain_poll_s)
     return rows
 

@@ -58,7 +58,8 @@ def plot_compare(rows: list[dict[str, Any]], path: str | Path) -> Path:
                 ys.append(r["median"])
         a_rec.bar(xs, ys, width, label=m, color=_color(m))
     a_rec.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"{s}/rank" for s in sizes])
-    a_rec.set(ylabel="fault -> first resumed step (s)", title="Recovery (killed worker; *-node*: a lost node)")
+    a_rec.set(ylabel="fault -> first resumed step (s)",
+              title="Recovery (killed worker; *-node*: a lost node)")
     if methods:
         a_rec.legend(fontsize=8)
     a_rec.grid(True, axis="y", alpha=0.3)

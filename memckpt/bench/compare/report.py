@@ -77,8 +77,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| benchmark | method | state | median | × memcpy | × memckpt | details |",
              "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
     order = {p: i for i, p in enumerate(PARTS)}
-    for r in sorted(rows, key=lambda r: (order[r["benchmark"]], r["state_bytes"] if r["benchmark"] != "scaling" else 0,
-                                         r.get("nodes", 0))):
+
+    def key(r: dict[str, Any]) -> tuple[int, int, int]:
+        return (order[r["benchmark"]], r["state_bytes"] if r["benchmark"] != "scaling" else 0,
+                r.get("nodes", 0))
+
+    for r in sorted(rows, key=key):
         name = r["method"] + (f" ({r['nodes']} nodes)" if r["benchmark"] == "scaling" else "")
         lines.append(f"| {r['benchmark']} | {name} | {human_bytes(r['state_bytes'])} | {_fmt(r)} | "
                      f"{_x(r.get('x_memcpy'))} | {_x(r.get('x_memckpt'))} | {_detail(r)} |")
