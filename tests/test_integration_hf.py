@@ -70,8 +70,8 @@ def test_sigkilled_trainer_resumes_bit_identical(ram_root, tmp_path, accum, kill
 
 def tiny_trainer(tmp_path: Path, **kwargs) -> transformers.Trainer:
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
-    sys.path.insert(0, str(JOB.parent))
-    from _hf_job import Tokens
+    sys.path.insert(0, str(ROOT / "examples"))
+    from hf_trainer import Tokens
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
                              save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
     if "model_init" not in kwargs:
