@@ -10,20 +10,18 @@ the step it resumed from) and ``<out>/weights.pt``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
-import memckpt
 from memckpt.integrations.hf import attach
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _integration_args import kill_self_at, parse  # noqa: E402
 from hf_trainer import build  # noqa: E402
 
 
@@ -34,23 +32,13 @@ class KillAt(TrainerCallback):
         self.step = step
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
+        kill_self_at(self.step, state.global_step)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--ram-root", required=True)
-    p.add_argument("--job", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--kill-at", type=int, default=0)
-    p.add_argument("--every", type=int, default=2)
-    a = p.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    a, out, config = parse()
     trainer = build(str(out / "trainer"), a.accum, [KillAt(a.kill_at)] if a.kill_at else None)
-    hooks = attach(trainer, memckpt.Config(job_name=a.job, ram_root=a.ram_root, snapshot_every=a.every))
+    hooks = attach(trainer, config)
     trainer.train()
     (out / "result.json").write_text(json.dumps({"log_history": trainer.state.log_history,
                                                  "resumed_from": hooks.restored_step}))

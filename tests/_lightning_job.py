@@ -8,20 +8,18 @@ step it resumed from) and ``<out>/weights.pt``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
 import lightning.pytorch as L
 import torch
 
-import memckpt
 from memckpt.integrations.lightning import MemckptCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _integration_args import kill_self_at, parse  # noqa: E402
 from lightning_fit import build, trainer_for  # noqa: E402
 
 
@@ -30,24 +28,13 @@ class KillAt(L.Callback):
         self.step = step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:  # memckpt's callback ran first (listed first)
-            os.kill(os.getpid(), signal.SIGKILL)
+        kill_self_at(self.step, trainer.global_step)  # memckpt's callback ran first
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--ram-root", required=True)
-    p.add_argument("--job", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--kill-at", type=int, default=0)
-    p.add_argument("--every", type=int, default=2)
-    a = p.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    a, out, config = parse()
     model, loader, sampler = build()
-    callbacks = [MemckptCallback(memckpt.Config(job_name=a.job, ram_root=a.ram_root,
-                                                snapshot_every=a.every), sampler)]
+    callbacks = [MemckptCallback(config, sampler)]
     if a.kill_at:
         callbacks.append(KillAt(a.kill_at))
     trainer_for(callbacks, a.accum).fit(model, loader)

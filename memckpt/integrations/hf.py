@@ -77,7 +77,8 @@ class HFSnapshots(TrainerCallback):
         self.saver = Saver(target, trainer.args.process_index, trainer.args.world_size,
                            who="memckpt.integrations.hf.attach")
         self.every = self.saver.config.snapshot_every
-        self.marker = Path(trainer.args.output_dir) / ".memckpt-resume"
+        # train() reads a trainer_state.json from the folder it resumes from: this rank's own
+        self.marker = Path(trainer.args.output_dir) / ".memckpt-resume" / f"rank{trainer.args.process_index}"
         self.folder: Optional[str] = None
         self.source: Optional[str] = None
         self.restored_step = 0
