@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 import memckpt  # noqa: E402
 from memckpt.errors import StateError  # noqa: E402
 from memckpt.integrations.hf import attach  # noqa: E402
+from memckpt.integrations.saver import Saver  # noqa: E402
 
 JOB = Path(__file__).with_name("_hf_job.py")
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,3 +128,5 @@ def test_model_init_and_non_trainers_are_refused(ram_root, tmp_path):
         attach(object(), config)
     with pytest.raises(StateError, match="needs a memckpt.Config"):
         attach(tiny_trainer(tmp_path), "not a config")
+    with pytest.raises(StateError, match="serves one process.*memckpt.run"):
+        Saver(config, rank=1, world_size=2, who="torchrun")  # DDP needs a committing front door

@@ -22,6 +22,10 @@ class Saver:
 
     def __init__(self, target: Any, rank: int = 0, world_size: int = 1, *, who: str) -> None:
         self.owned = isinstance(target, Config)
+        if self.owned and world_size > 1:  # no commit across ranks: each could keep another step
+            raise StateError(f"{who}: a memckpt.Config serves one process, this is rank {rank} of "
+                             f"{world_size}; run the script under memckpt.run and pass its ctx, or "
+                             "pass memckpt.ray_train.context() inside a TorchTrainer")
         if self.owned:
             self.inner: Any = Checkpointer(target, rank=rank, world_size=world_size)
         elif callable(getattr(target, "restore", None)) and callable(getattr(target, "step", None)):
