@@ -130,3 +130,12 @@ def test_model_init_and_non_trainers_are_refused(ram_root, tmp_path):
         attach(tiny_trainer(tmp_path), "not a config")
     with pytest.raises(StateError, match="serves one process.*memckpt.run"):
         Saver(config, rank=1, world_size=2, who="torchrun")  # DDP needs a committing front door
+
+
+def test_import_memckpt_never_imports_the_trainers():
+    code = ("import sys, memckpt, memckpt.integrations, memckpt.integrations.saver; "
+            "memckpt.Checkpointer, memckpt.TrainState, memckpt.ResumableSampler; "
+            "sys.exit(','.join(m for m in ('transformers', 'lightning', 'accelerate') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr or "imported a trainer library"
