@@ -73,6 +73,7 @@ class MemckptCallback(Callback):
         self.position: Optional[LoopPosition] = None
         self.restored_step = 0
         self.rng: Optional[dict[str, Any]] = None  # re-applied before the first resumed batch
+        self.pending: Optional[dict[str, Any]] = None  # the restored sampler position
         self.last = -1
         self.epoch = 0  # the loop's epoch
         self.batch_end = 0  # batches of this epoch the loop has finished
@@ -132,7 +133,11 @@ class MemckptCallback(Callback):
             return
         loaded = self.position.loaded
         self.sampler.load_state_dict(loaded["sampler"])
+        # A snapshot at an epoch's last batch: Lightning first closes that epoch, drawing a
+        # batch of the next one ahead from the sampler; the next epoch's start puts it back.
+        self.pending = loaded["sampler"]
         trainer.fit_loop.load_state_dict(loaded["fit_loop"])
+        self.epoch = trainer.current_epoch
         if loaded["precision"]:
             trainer.precision_plugin.load_state_dict(loaded["precision"])
         for cb in trainer.callbacks:
@@ -144,6 +149,7 @@ class MemckptCallback(Callback):
                     self.saver.config.job_name)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.pending = None  # the resumed epoch's iterator started where the snapshot was
         if self.rng is not None:  # sanity checks and the loader's set-up ran since the restore
             set_rng_state(self.rng)
             self.rng = None
@@ -161,6 +167,9 @@ class MemckptCallback(Callback):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.epoch = trainer.current_epoch
+        if self.pending is not None:  # before this epoch's iterator is made
+            self.sampler.load_state_dict(self.pending)
+            self.pending = None
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self.next_epoch()
