@@ -44,6 +44,8 @@ PIP_ALLOWED = {
     ("pip", "install", "-e", "."),
     ("pip", "install", "-q", "-e", ".[test]"),
     ("pip", "install", "-e", ".[bench]"),
+    ("pip", "install", "-e", ".[hf]"),
+    ("pip", "install", "-e", ".[lightning]"),
 }
 PYTHON_MODULES_ALLOWED = {"pytest"}
 # Other programs a shell block may use; memckpt, ray, pip and python are checked apart.

@@ -300,7 +300,7 @@ class TrainState:
         meta["scaler"] = flat(self.scaler.state_dict(), "scaler") if self.scaler is not None else None
         meta["data"] = {n: flat(d.state_dict(), f"data/{n}") for n, d in self.datas.items()}
         if self.rng:
-            meta["rng"] = flat(_rng_state(), "rng")
+            meta["rng"] = flat(rng_state(), "rng")
         try:
             meta["extras"] = json.loads(json.dumps(self.extras))
         except (TypeError, ValueError) as e:
@@ -364,7 +364,7 @@ class TrainState:
             for n, d in self.datas.items():
                 d.load_state_dict(_unflatten(meta["data"][n], tensors, memory.clone))
         if "rng" in kinds and self.rng and meta.get("rng") is not None:
-            _set_rng_state(_unflatten(meta["rng"], tensors, memory.clone))
+            set_rng_state(_unflatten(meta["rng"], tensors, memory.clone))
         if "extras" in kinds:
             self.extras.clear()
             self.extras.update(meta.get("extras", {}))
@@ -463,7 +463,8 @@ def _local_optimizer(opt: Any) -> Any:
     return opt.optim if mod is not None and isinstance(opt, mod.ZeroRedundancyOptimizer) else opt
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """Every global RNG stream: Python, NumPy, torch CPU and (where present) CUDA."""
     version, internal, gauss = random.getstate()
     np_state: Any = np.random.get_state()  # the legacy tuple
     state: dict[str, Any] = {
@@ -476,7 +477,8 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: Mapping[str, Any]) -> None:
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Put back what :func:`rng_state` returned."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]

@@ -1,0 +1,183 @@
+"""PyTorch Lightning: a Callback that snapshots into RAM and makes ``trainer.fit()`` resume by itself.
+
+    sampler = memckpt.ResumableSampler(len(train_set), seed=0)           # instead of shuffle=True
+    loader = DataLoader(train_set, batch_size=8, sampler=sampler)
+    trainer = L.Trainer(callbacks=[MemckptCallback(memckpt.Config(job_name="fit"), sampler)], ...)
+    trainer.fit(model, loader)
+
+Every ``snapshot_every`` optimizer steps (``trainer.global_step``) the whole state goes into
+RAM: the LightningModule, every optimizer and LR scheduler, the mixed-precision scaler where
+there is one, every global RNG, the fit loop's progress counters (as Lightning's own
+checkpoints hold them), the other callbacks' state, and the data position. ``fit()`` then
+restores the newest verified snapshot at ``on_fit_start`` (after Lightning set up its
+optimizers) and goes on at the next batch of the same epoch.
+
+The data position is the sampler's: Lightning restarts a plain DataLoader's epoch from its
+first batch, so the train DataLoader must draw from a :class:`memckpt.ResumableSampler` (its
+order is a function of seed and epoch; its position is taken from the loop's own batch count,
+not from the DataLoader's prefetching iterator).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback
+
+from memckpt.errors import StateError
+from memckpt.format.data import ResumableSampler
+from memckpt.format.state import TrainState, rng_state, set_rng_state
+from memckpt.integrations.saver import Saver
+
+log = logging.getLogger("memckpt")
+WHERE = "memckpt.integrations.lightning.MemckptCallback"
+
+
+class LoopPosition:
+    """The fit loop's progress, the other callbacks' state and the sampler's position at the
+    batch the loop last finished: the ``data`` entry of the snapshot's TrainState."""
+
+    def __init__(self, callback: "MemckptCallback", trainer: Any) -> None:
+        self.callback, self.trainer = callback, trainer
+        self.loaded: Optional[dict[str, Any]] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        return {"fit_loop": t.fit_loop.state_dict(),
+                "callbacks": {cb.state_key: cb.state_dict() for cb in t.callbacks
+                              if cb is not self.callback and cb.state_dict()},
+                "precision": t.precision_plugin.state_dict(),
+                "sampler": self.callback.sampler_position()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+
+
+class MemckptCallback(Callback):
+    """RAM snapshots for ``trainer.fit()``, and its resume from them (see the module doc).
+
+    ``target``: a :class:`memckpt.Config` (one process), the ``ctx`` of ``memckpt.run``, or
+    ``memckpt.ray_train.context()``. ``sampler``: the train DataLoader's
+    :class:`memckpt.ResumableSampler`.
+    """
+
+    def __init__(self, target: Any, sampler: ResumableSampler) -> None:
+        if not isinstance(sampler, ResumableSampler):
+            raise StateError(f"{WHERE} needs the train DataLoader's memckpt.ResumableSampler (Lightning "
+                             f"restarts a plain DataLoader's epoch at its first batch); got "
+                             f"{type(sampler).__name__}")
+        self.target, self.sampler = target, sampler
+        self.saver: Optional[Saver] = None
+        self.position: Optional[LoopPosition] = None
+        self.restored_step = 0
+        self.rng: Optional[dict[str, Any]] = None  # re-applied before the first resumed batch
+        self.pending: Optional[dict[str, Any]] = None  # the restored sampler position
+        self.last = -1
+        self.epoch = 0  # the loop's epoch
+        self.batch_end = 0  # batches of this epoch the loop has finished
+
+    # -- what a snapshot holds -------------------------------------------------------------------
+    def state(self, trainer: Any, module: Any) -> TrainState:
+        optimizers = {}
+        for i, opt in enumerate(trainer.optimizers):
+            inner = getattr(opt, "_optimizer", opt)  # LightningOptimizer
+            if not isinstance(inner, torch.optim.Optimizer):
+                raise StateError(f"memckpt cannot capture the optimizer {type(inner).__module__}."
+                                 f"{type(inner).__name__}: it is not a torch.optim.Optimizer; return a "
+                                 "torch optimizer from configure_optimizers")
+            optimizers[f"optimizer{i}"] = inner
+        schedulers = {f"scheduler{i}": c.scheduler for i, c in enumerate(trainer.lr_scheduler_configs)}
+        return TrainState(model=getattr(module, "_orig_mod", module), optimizer=optimizers or None,
+                          scheduler=schedulers or None,
+                          scaler=getattr(trainer.precision_plugin, "scaler", None),
+                          data={"lightning": self.position})
+
+    def sampler_position(self) -> dict[str, Any]:
+        """The sampler's state as of the last finished batch: the DataLoader's iterator has
+        drawn a batch further ahead (Lightning prefetches), which a resume must not skip."""
+        s = self.sampler
+        state = s.state_dict()
+        if s.epoch == self.epoch:  # still in the loop's epoch: rewind to what the loop used
+            taken = self.batch_end * self.batch_size
+            if taken >= len(s):  # the epoch is done: the next one starts at its beginning
+                state.update(epoch=s.epoch + 1, index=0, consumed=0)
+            else:
+                state.update(index=taken, consumed=s.consumed - (s.index - taken) * s.world_size)
+        return state
+
+    def next_epoch(self) -> None:
+        """Lightning stops drawing from a sized loader at its length, so the sampler may not
+        have seen its epoch end: move it to the next epoch's beginning."""
+        s = self.sampler
+        if s.epoch == self.epoch:
+            state = s.state_dict()
+            state.update(epoch=s.epoch + 1, index=0, consumed=0)
+            s.load_state_dict(state)
+
+    # -- Lightning hooks ---------------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.saver is None:
+            self.saver = Saver(self.target, trainer.global_rank, trainer.world_size, who=WHERE)
+            self.every = self.saver.config.snapshot_every
+        self.position = LoopPosition(self, trainer)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Lightning built its optimizers: load the newest snapshot, then hand the loop its
+        progress counters as its own checkpoint restore would."""
+        assert self.saver is not None and self.position is not None
+        self.restored_step = self.last = 0
+        step = self.saver.restore(self.state(trainer, pl_module))
+        if not step:
+            return
+        loaded = self.position.loaded
+        self.sampler.load_state_dict(loaded["sampler"])
+        # A snapshot at an epoch's last batch: Lightning first closes that epoch, drawing a
+        # batch of the next one ahead from the sampler; the next epoch's start puts it back.
+        self.pending = loaded["sampler"]
+        trainer.fit_loop.load_state_dict(loaded["fit_loop"])
+        self.epoch = trainer.current_epoch
+        if loaded["precision"]:
+            trainer.precision_plugin.load_state_dict(loaded["precision"])
+        for cb in trainer.callbacks:
+            if cb.state_key in loaded["callbacks"]:
+                cb.load_state_dict(loaded["callbacks"][cb.state_key])
+        self.restored_step = self.last = step
+        self.rng = rng_state()
+        log.warning("memckpt: resumed from the RAM snapshot of step %d (job %r)", step,
+                    self.saver.config.job_name)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.pending = None  # the resumed epoch's iterator started where the snapshot was
+        if self.rng is not None:  # sanity checks and the loader's set-up ran since the restore
+            set_rng_state(self.rng)
+            self.rng = None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self.last:  # a micro-batch of gradient accumulation: no optimizer step yet
+            return
+        self.last = step
+        self.epoch, self.batch_end = trainer.current_epoch, batch_idx + 1
+        self.batch_size = trainer.train_dataloader.batch_size
+        assert self.saver is not None
+        self.saver.step(self.state(trainer, pl_module), step)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self.epoch = trainer.current_epoch
+        if self.pending is not None:  # before this epoch's iterator is made
+            self.sampler.load_state_dict(self.pending)
+            self.pending = None
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.next_epoch()
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.saver is not None:
+            self.saver.finished()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.saver is not None:
+            self.saver.failed()

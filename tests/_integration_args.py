@@ -1,0 +1,32 @@
+"""The command line both integration helper processes take (tests/_hf_job.py,
+tests/_lightning_job.py): where the RAM snapshots go, the job, the output folder,
+gradient accumulation, the step to SIGKILL the process at, and the snapshot interval."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import memckpt
+
+
+def parse() -> tuple[argparse.Namespace, Path, memckpt.Config]:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ram-root", required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--every", type=int, default=2)
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return a, out, memckpt.Config(job_name=a.job, ram_root=a.ram_root, snapshot_every=a.every)
+
+
+def kill_self_at(step: int, global_step: int) -> None:
+    """SIGKILL this process once optimizer step ``step`` has ended (as a crash would)."""
+    if global_step == step:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,141 @@
+"""The Hugging Face Trainer front door: a Trainer process SIGKILLed mid-epoch, the same script
+run again, resumes from RAM by itself and ends bit-identical to a run that never failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import memckpt  # noqa: E402
+from memckpt.errors import StateError  # noqa: E402
+from memckpt.integrations.hf import attach  # noqa: E402
+from memckpt.integrations.saver import Saver  # noqa: E402
+
+JOB = Path(__file__).with_name("_hf_job.py")
+ROOT = Path(__file__).resolve().parent.parent
+VOLATILE = ("_runtime", "_per_second")  # wall-clock figures in the Trainer's log entries
+
+
+def run_job(ram_root: str, job: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, str(JOB), "--ram-root", ram_root, "--job", job,
+                           "--out", str(out), *extra], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def result(out: Path) -> tuple[list[dict], int, dict[str, torch.Tensor]]:
+    res = json.loads((out / "result.json").read_text())
+    log = [{k: v for k, v in entry.items() if not k.endswith(VOLATILE)}
+           for entry in res["log_history"] if "train_loss" not in entry]  # the summary is per process
+    return log, res["resumed_from"], torch.load(out / "weights.pt")
+
+
+def assert_same(got: Path, want: Path) -> None:
+    log, _, weights = result(got)
+    ref_log, _, ref_weights = result(want)
+    assert [e["step"] for e in log] == [e["step"] for e in ref_log]
+    assert log == ref_log  # losses, grad norms, learning rates, eval losses: every digit
+    assert weights.keys() == ref_weights.keys()
+    differ = [k for k in weights if not torch.equal(weights[k], ref_weights[k])]
+    assert not differ, f"parameters differ from the uninterrupted run: {differ}"
+
+
+@pytest.mark.parametrize("accum,kill_at,resume_at", [(1, 9, 8), (2, 5, 4)])
+def test_sigkilled_trainer_resumes_bit_identical(ram_root, tmp_path, accum, kill_at, resume_at):
+    flags = ("--accum", str(accum))
+    ref = run_job(ram_root, "reference", tmp_path / "ref", *flags)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = run_job(ram_root, "job", tmp_path / "run", *flags, "--kill-at", str(kill_at))
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert sorted(p.name for p in (Path(ram_root) / "job" / "rank0").glob("slot*.shard"))
+    resumed = run_job(ram_root, "job", tmp_path / "run", *flags)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from the RAM snapshot of step {resume_at}" in resumed.stderr
+    assert result(tmp_path / "run")[1] == resume_at  # mid-epoch: the epoch is 6 (or 3) steps
+    assert_same(tmp_path / "run", tmp_path / "ref")
+    if accum == 1:  # the job finished: its RAM is freed and a second run starts fresh
+        assert not (Path(ram_root) / "job" / "rank0").exists()
+        again = run_job(ram_root, "job", tmp_path / "again", *flags)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "resumed from" not in again.stderr and result(tmp_path / "again")[1] == 0
+        assert_same(tmp_path / "again", tmp_path / "ref")
+
+
+def tiny_trainer(tmp_path: Path, **kwargs) -> transformers.Trainer:
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+    sys.path.insert(0, str(ROOT / "examples"))
+    from hf_trainer import Tokens
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
+                             save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    if "model_init" not in kwargs:
+        kwargs["model"] = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16,
+                                                     n_layer=1, n_head=2))
+    return transformers.Trainer(args=args, train_dataset=Tokens(8, 1), **kwargs)
+
+
+class Wrapped:
+    """An optimizer wrapper memckpt does not know (it is no torch.optim.Optimizer)."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd) -> None:
+        self.inner.load_state_dict(sd)
+
+
+def test_unknown_optimizer_wrapper_fails_before_the_first_step(ram_root, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = Wrapped(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.inner, lambda s: 1.0)
+    trainer = tiny_trainer(tmp_path, model=model, optimizers=(opt, sched))
+    attach(trainer, memckpt.Config(job_name="wrapped", ram_root=ram_root))
+    with pytest.raises(StateError) as err:
+        trainer.train()
+    message = str(err.value)
+    assert "\n" not in message and "Wrapped" in message and "torch.optim.Optimizer" in message
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # no step ran
+
+
+def test_model_init_and_non_trainers_are_refused(ram_root, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = memckpt.Config(job_name="refused", ram_root=ram_root)
+    trainer = tiny_trainer(tmp_path, model_init=lambda: GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)))
+    with pytest.raises(StateError, match="model_init"):
+        attach(trainer, config)
+    with pytest.raises(StateError, match="needs a transformers.Trainer"):
+        attach(object(), config)
+    with pytest.raises(StateError, match="needs a memckpt.Config"):
+        attach(tiny_trainer(tmp_path), "not a config")
+    with pytest.raises(StateError, match="serves one process.*memckpt.run"):
+        Saver(config, rank=1, world_size=2, who="torchrun")  # DDP needs a committing front door
+
+
+def test_import_memckpt_never_imports_the_trainers():
+    code = ("import sys, memckpt, memckpt.integrations, memckpt.integrations.saver; "
+            "memckpt.Checkpointer, memckpt.TrainState, memckpt.ResumableSampler; "
+            "sys.exit(','.join(m for m in ('transformers', 'lightning', 'accelerate') if m in sys.modules) or None)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr or "imported a trainer library"
