@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 from statistics import median
-from typing import Any, Callable, ClassVar, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 from memckpt.errors import ConfigError
 
@@ -162,13 +162,14 @@ def rows_from_child(module: str, args: list[str], out_flag: str, what: str) -> A
         except (AttributeError, ValueError, OSError):
             err = None
         if err is not None:
-            proc = subprocess.run(cmd, env=env, stdout=err, stderr=err)
+            returncode = subprocess.run(cmd, env=env, stdout=err, stderr=err).returncode
         else:
-            proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True)
-            sys.stderr.write(proc.stdout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
+            piped = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True)
+            sys.stderr.write(piped.stdout)
+            returncode = piped.returncode
+        if returncode != 0:
+            raise RuntimeError(f"{what} exited with {returncode}")
         return json.loads(Path(out).read_text())
     finally:
         os.unlink(out)
@@ -224,7 +225,7 @@ def machine_line(m: dict[str, Any], *more: str, threads: bool = False) -> str:
 
 def finish_report(text: list[str], rows: list[dict[str, Any]], busy_threshold: Optional[float],
                   worst_label: Callable[[dict[str, Any]], str],
-                  checks: list[tuple[Optional[bool], str]], missed: str = "MISSED") -> str:
+                  checks: Sequence[tuple[Optional[bool], str]], missed: str = "MISSED") -> str:
     """A report: its lines so far (``text``), then a warning when other processes took more
     than ``busy_threshold`` of the CPU during any row (``foreign_cpu``; None: no warning),
     naming the worst row by ``worst_label(row)``, then the targets, each met or ``missed``."""

@@ -34,6 +34,7 @@ its storage path with ``FailureConfig(max_failures=1)``).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import gc
 import json
 import os
@@ -62,9 +63,10 @@ TORCH_THREADS = 2
 
 # -- the loop -----------------------------------------------------------------------------------
 def step_loop(compute: Callable[[], None], save: Callable[[int], Any], steps: int, warmup: int,
-              between: Optional[Callable[[int], None]] = None) -> dict[str, list[float]]:
+              between: Optional[Callable[[int], None]] = None) -> dict[str, Any]:
     """``warmup`` + ``steps`` iterations of compute() then save(step); the warm-up is dropped.
-    ``between(step)`` runs untimed after each step (cleanup of old files)."""
+    ``between(step)`` runs untimed after each step (cleanup of old files). Returns the seconds
+    per step (step_s, blocking_s, compute_s); callers add their own figures to the dict."""
     out: dict[str, list[float]] = {"step_s": [], "blocking_s": [], "compute_s": []}
     for i in range(1, warmup + steps + 1):
         t0 = time.perf_counter()
@@ -122,7 +124,7 @@ class _DCPAsync:
     def __init__(self, model, opt, directory: Path) -> None:
         _single_rank_group()
         self.model, self.opt, self.dir = model, opt, directory
-        self.future = None
+        self.future: Optional[cf.Future[Any]] = None
         self.started: dict[int, float] = {}
         self.persist_s: list[float] = []  # async_save call -> its future done
 
@@ -132,10 +134,14 @@ class _DCPAsync:
         self.wait()
         msd, osd = get_state_dict(self.model, self.opt)
         t0 = time.perf_counter()
-        fut = dcp.async_save({"model": msd, "optim": osd},
+        ret = dcp.async_save({"model": msd, "optim": osd},
                              checkpoint_id=str(self.dir / f"step-{step}"))
-        fut = getattr(fut, "upload_completion", fut)  # AsyncSaveResponse with a custom stager
-        fut.add_done_callback(lambda _f, t0=t0: self.persist_s.append(time.perf_counter() - t0))
+        # the save's Future, or an AsyncSaveResponse (a custom stager) holding it
+        fut = ret if isinstance(ret, cf.Future) else ret.upload_completion
+
+        def done(_f: cf.Future[Any]) -> None:
+            self.persist_s.append(time.perf_counter() - t0)
+        fut.add_done_callback(done)
         self.future = fut
 
     def wait(self) -> None:
@@ -382,8 +388,9 @@ class DCPWorker(ColdWorker):
     def save_checkpoint(self, path: str, d: int, n: int, seed: int) -> int:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        self.model, self.opt = rjob.build_state(d, n, fresh=True, seed=seed)
-        msd, osd = get_state_dict(self.model, self.opt)
+        model, opt = rjob.build_state(d, n, fresh=True, seed=seed)
+        self.model, self.opt = model, opt
+        msd, osd = get_state_dict(model, opt)
         shutil.rmtree(path, ignore_errors=True)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, no_dist=True)
         total = 0
@@ -403,8 +410,8 @@ class DCPWorker(ColdWorker):
         import torch
         real = torch.load
 
-        def dcp_load(p: Any, *args: Any, **kwargs: Any) -> Any:
-            return self._dcp_load(p, d, n) if str(p) == path else real(p, *args, **kwargs)
+        def dcp_load(f: Any, *args: Any, **kwargs: Any) -> Any:  # torch.load's parameter names
+            return self._dcp_load(f, d, n) if str(f) == path else real(f, *args, **kwargs)
 
         torch.load = dcp_load
         try:
@@ -421,7 +428,7 @@ class DCPWorker(ColdWorker):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         model, opt = rjob.build_state(d, n, fresh=True)
         msd, osd = get_state_dict(model, opt)
-        sd = {"model": msd, "optim": osd}
+        sd: dict[str, Any] = {"model": msd, "optim": osd}
         dcp.load(sd, checkpoint_id=path, no_dist=True)
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         return {"model": model.state_dict(), "optimizer": opt.state_dict()}

@@ -130,18 +130,24 @@ class Row(KindedRow):
 
 
 # -- stall ----------------------------------------------------------------------------------------
+def _med_if(r: dict[str, Any], key: str) -> Optional[float]:
+    """The median of ``r[key]``, a figure only some methods measure; None without it."""
+    return med(r[key]) if r.get(key) else None
+
+
 def stall_rows(label: str, raw: dict[str, Any], steps: int,
                raytrain_poll_s: Optional[float]) -> list[dict[str, Any]]:
     methods, state_bytes = raw["methods"], raw["state_bytes"]
     rows = []
     for m in sorted(methods, key=lambda m: (STALL_METHODS.index(base_method(m)), m)):
         r = methods[m]
-        parts = {k: med(r[k]) if r.get(k) else None for k in ("persist_s", "write_s", "report_s")}
         rows.append(Row(
             "stall", "stall", m, label, state_bytes, harness=raw["harness"].get(m, "process"),
             steps=len(r["step_s"]), step_s=med(r["step_s"]), blocking_s=med(r["blocking_s"]),
             compute_s=med(r["compute_s"]),
-            samples={k: r[k] for k in ("step_s", "blocking_s", "compute_s")}, **parts,
+            samples={k: r[k] for k in ("step_s", "blocking_s", "compute_s")},
+            persist_s=_med_if(r, "persist_s"), write_s=_med_if(r, "write_s"),
+            report_s=_med_if(r, "report_s"),
             replicate_s=r.get("replicate_s"), store_bytes=r.get("store_bytes"),
             raytrain_poll_s=(raytrain_poll_s if raytrain_poll_s is not None else 2.0)
             if m.startswith("ray-train") else None).to_dict())
@@ -291,7 +297,11 @@ def scaling_rows(label: str, nodes: int, k: int, r: dict[str, Any],
                     median=step, median_s=step, figure="step time (baseline)", step_s=step,
                     nodes=nodes, k=0).to_dict()]
     held = r.get("store_bytes") or {}
-    stall = max(step - base, blocking) if base is not None else blocking
+    if base is None:
+        stall = blocking
+    else:  # every rank ran steps >= 1 steps (a positive int): both figures exist
+        assert step is not None and blocking is not None
+        stall = max(step - base, blocking)
     rows = [Row("scaling", "scaling", f"memckpt-k{k}", label, r["state_bytes"], median=stall,
                 median_s=stall, figure="stall = max(step-time increase, blocking part)",
                 step_s=step, blocking_s=blocking, base_step_s=base, store_bytes=held,

@@ -17,11 +17,20 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from memckpt.bench.recovery.workload import (all_reduce_mean, build_state, compute_inputs,
                                         compute_loss)
 from memckpt.util.netutil import free_port
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _as_address(address: Sequence[Any]) -> tuple[str, int]:
+    """``address`` as a (host, port) tuple, whatever sequence it came as (hashable: a key)."""
+    host, port = address
+    return host, port
 
 
 # -- the alternative: restart every worker and torch.load ---------------------------------------
@@ -39,7 +48,8 @@ class ColdWorker:
     def __init__(self, cpus: int) -> None:
         import torch
         torch.set_num_threads(max(1, cpus))
-        self.model = self.opt = None
+        self.model: Optional[torch.nn.Module] = None
+        self.opt: Optional[torch.optim.Optimizer] = None
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -49,9 +59,10 @@ class ColdWorker:
         """Build the state and torch.save it to local disk, fsynced, then drop the file from
         the page cache so the restart really reads the disk."""
         import torch
-        self.model, self.opt = build_state(d, n, fresh=True, seed=seed)
+        model, opt = build_state(d, n, fresh=True, seed=seed)
+        self.model, self.opt = model, opt
         with open(path, "wb") as f:
-            torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}, f)
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
             f.flush()
             os.fsync(f.fileno())
             if hasattr(os, "posix_fadvise"):
@@ -112,7 +123,7 @@ class RawSender:
         """sendall the array to a :meth:`RawReceiver.receive_tcp`; returns connect -> ack."""
         import socket
         t0 = time.perf_counter()
-        with socket.create_connection(tuple(address)) as s:
+        with socket.create_connection(_as_address(address)) as s:
             s.sendall(memoryview(self.array))
             s.recv(1)  # the receiver's ack: every byte has landed
         return time.perf_counter() - t0
@@ -174,7 +185,7 @@ class PathClient:
         from memckpt.format import shard as fmt
         from memckpt.runtime.transport import StoreConnection
         digest = fmt.seal(self.region, self.layout, self.cap, step, {})
-        address = tuple(address)
+        address = _as_address(address)
         conn = self._conns.get(address)
         if conn is None:
             conn = self._conns[address] = StoreConnection(address)
@@ -186,7 +197,7 @@ class PathClient:
     def fetch(self, address: tuple[str, int], rank: int, step: int) -> float:
         """Fetch ``rank``'s shard of ``step`` from the store at ``address``; seconds."""
         from memckpt.runtime.transport import StoreConnection
-        conn = StoreConnection(tuple(address))
+        conn = StoreConnection(_as_address(address))
         try:
             t0 = time.perf_counter()
             got = conn.fetch(rank, step, lambda n: self.landing[:n])

@@ -104,7 +104,7 @@ class Row(KindedRow):
 
 
 def _max_foreign(samples: list[Sample]) -> Optional[float]:
-    vals = [s.get("foreign_cpu") for s in samples if s.get("foreign_cpu") is not None]
+    vals = [s["foreign_cpu"] for s in samples if s.get("foreign_cpu") is not None]
     return max(vals) if vals else None
 
 

@@ -144,7 +144,8 @@ class RecoveryJob:
             start = ctx.restore(state)
         t_restored = time.time()
         x, w = compute_inputs(self.seed)
-        marks, compute_s, repl, first = [], [], [], {}
+        marks, compute_s, repl = [], [], []
+        first: dict[str, float] = {}
         for step in range(start + 1, self.steps + 1):
             t0 = time.time()
             loss = compute_loss(x, w, self.compute_iters)
