@@ -135,7 +135,8 @@ def test_model_init_and_non_trainers_are_refused(ram_root, tmp_path):
 def test_import_memckpt_never_imports_the_trainers():
     code = ("import sys, memckpt, memckpt.integrations, memckpt.integrations.saver; "
             "memckpt.Checkpointer, memckpt.TrainState, memckpt.ResumableSampler; "
-            "sys.exit(','.join(m for m in ('transformers', 'lightning', 'accelerate') if m in sys.modules) or None)")
+            "sys.exit(','.join(m for m in ('transformers', 'lightning', 'accelerate')"
+            " if m in sys.modules) or None)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert done.returncode == 0, done.stderr or "imported a trainer library"

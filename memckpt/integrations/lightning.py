@@ -132,6 +132,7 @@ class MemckptCallback(Callback):
         if not step:
             return
         loaded = self.position.loaded
+        assert loaded is not None  # the restore that returned a step filled it
         self.sampler.load_state_dict(loaded["sampler"])
         # A snapshot at an epoch's last batch: Lightning first closes that epoch, drawing a
         # batch of the next one ahead from the sampler; the next epoch's start puts it back.
