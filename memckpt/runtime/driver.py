@@ -32,7 +32,7 @@ from memckpt.runtime.control_plane import ControlPlane, alive_node_ids, eligible
 from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE
 from memckpt.policy.failure import Action, Decision, Observation, State, decide, next_state
 from memckpt.runtime.faults import Fault, FaultInjector, kill_node, send_signal, send_signals
-from memckpt.runtime.pool import Generation, WorkerPool
+from memckpt.runtime.pool import PING_S, Generation, WorkerPool
 from memckpt.runtime.recovery import GRACE_S, DiedDuringRecovery, Recovery, Restore
 from memckpt.runtime.spec import WorkerSpec
 
@@ -305,8 +305,8 @@ class Runtime:
             return []
         return sorted(idle - alive_node_ids())
 
-    def _unresponsive(self, g: Generation, ranks: list[int]) -> set[int]:
-        return self.pool.unresponsive({r: g.workers[r] for r in ranks})
+    def _unresponsive(self, g: Generation, ranks: list[int], timeout_s: float = 2.0) -> set[int]:
+        return self.pool.unresponsive({r: g.workers[r] for r in ranks}, timeout_s)
 
     def _sweep(self, g: Generation, ranks: list[int]) -> set[int]:
         """One death found: which other running ``ranks`` are dead too (their node is
@@ -314,7 +314,7 @@ class Runtime:
         planned for together and no plan reuses a dead worker."""
         alive = alive_node_ids()
         gone = {r for r in ranks if g.info[r]["node_id"] not in alive}
-        return gone | self._unresponsive(g, [r for r in ranks if r not in gone])
+        return gone | self._unresponsive(g, [r for r in ranks if r not in gone], PING_S)
 
     def _check_stop(self, committed: Optional[int]) -> Optional[int]:
         """Stop file / SIGTERM: every rank persists the same committed step (chosen by the

@@ -11,7 +11,9 @@ from memckpt.runtime.control_plane import ControlPlane, affinity, alive_node_ids
 from memckpt.runtime.worker import Worker
 
 LARGEST_SHARD_WAIT_S = 2.0  # stores answering what spares prepare for (see _largest_shard)
-PING_S = 2.0  # a worker that does not answer its liveness ping in this long counts as dead
+# a worker that does not answer its liveness ping in this long counts as dead: a dead one
+# is reported by Ray at once, a live one answers in milliseconds even on a loaded machine
+PING_S = 5.0
 
 
 @dataclass
