@@ -27,6 +27,7 @@ FALL_BEHIND_POLICIES = ("wait", "skip")
 SNAPSHOT_MODES = ("sync", "overlap")
 CHAOS_TARGETS = ("worker", "node", "random", "store", "coordinator")
 SIGNALS = ("KILL", "STOP", "TERM")
+CHAOS_PHASES = ("plan", "start", "restore")  # ChaosEvent.during: the phases of a recovery
 BACKENDS = ("auto", "gloo", "nccl")
 
 # S3 bucket naming rules (the common subset every region accepts).
@@ -249,22 +250,44 @@ class LoadSpec:
 class ChaosEvent:
     """A scheduled fault for unattended drills: at ``step`` kill ``target``. ``steady``: hold
     the fault until the job is in standby (every node's warm spare ready), to time the
-    recovery a long-running job gets."""
+    recovery a long-running job gets. ``ranks``: several ranks' workers (or nodes) killed in
+    the same instant, instead of ``rank``. ``during``: not at a step but while a recovery is
+    in that phase (``plan``: its survivors stopped, before the plan; ``start``: planned,
+    before the next generation starts; ``restore``: started, before the first step after
+    the restored one), the first recovery once training reached ``step``."""
 
     step: int
     target: str = "worker"  # worker | node | random | store | coordinator
     rank: Optional[int] = None  # which rank (worker, store: the rank's node); None with random
     signal: str = "KILL"
     steady: bool = False
+    ranks: tuple[int, ...] = ()  # worker, node: these ranks at once (instead of rank)
+    during: Optional[str] = None  # plan | start | restore: in that phase of a recovery
 
     def __post_init__(self) -> None:
         _positive_int("chaos.step", self.step)
         _bool("chaos.steady", self.steady)
         _choice("chaos.target", self.target, CHAOS_TARGETS)
         _choice("chaos.signal", self.signal, SIGNALS)
+        if isinstance(self.ranks, list):
+            object.__setattr__(self, "ranks", tuple(self.ranks))
+        if not isinstance(self.ranks, tuple):
+            _fail("chaos.ranks", self.ranks, "give a tuple of ranks, e.g. ranks=(0, 1)")
+        for r in self.ranks:
+            _positive_int("chaos.ranks", r, minimum=0)
+        if len(set(self.ranks)) != len(self.ranks):
+            _fail("chaos.ranks", self.ranks, "name each rank once")
+        if self.ranks and (self.rank is not None or self.target not in ("worker", "node")):
+            _fail("chaos.ranks", self.ranks, "give either rank or ranks, with target "
+                  "'worker' or 'node'")
+        if self.during is not None:
+            _choice("chaos.during", self.during, CHAOS_PHASES)
+            if self.target not in ("worker", "node"):
+                _fail("chaos.during", self.during, "a fault during a recovery needs target "
+                      "'worker' or 'node'")
         if self.rank is not None:
             _positive_int("chaos.rank", self.rank, minimum=0)
-        elif self.target in ("worker", "node", "store"):
+        elif self.target in ("worker", "node", "store") and not self.ranks:
             _fail("chaos.rank", None, f"target={self.target!r} needs the rank it aims at")
 
 
@@ -330,8 +353,9 @@ class Config:
                                   f"workers_per_node={self.workers.workers_per_node}"
                                   f"{on_standby})") from None
         for ev in self.chaos:
-            if ev.rank is not None and ev.rank >= self.workers.num_workers:
-                _fail("chaos.rank", ev.rank, f"ranks run from 0 to {self.workers.num_workers - 1}")
+            for r in (ev.rank, *ev.ranks):
+                if r is not None and r >= self.workers.num_workers:
+                    _fail("chaos.rank", r, f"ranks run from 0 to {self.workers.num_workers - 1}")
 
     def _tuple_of(self, name: str, kind: type) -> tuple:
         value = getattr(self, name)

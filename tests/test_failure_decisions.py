@@ -172,3 +172,50 @@ def test_nothing_follows_a_terminal_state_and_running_needs_a_decision():
             next_state(terminal, Decision(Action.WAIT))
     with pytest.raises(ValueError, match="decision"):
         next_state(State.RUNNING)
+
+
+# ---- several deaths, and deaths during a recovery (issue 26) -------------------------------
+
+def test_two_ranks_dead_at_once_recover_together():
+    d = decide(obs(pending=(1,), died=(2, 0)))
+    assert d.action is Action.RECOVER and d.died == (0, 2)
+    assert d.what == "ranks [0, 2]' workers died"
+
+
+def test_a_death_reported_mid_plan_recovers_again_with_every_dead_rank():
+    # rank 0 died while running; the plan phase then found rank 2 dead too: the driver
+    # reports both (every death known so far), the decision is to recover from both
+    d = decide(obs(pending=(), died=(0, 2), during="plan", restarts=1))
+    assert d.action is Action.RECOVER and d.died == (0, 2)
+    assert "during the recovery's plan phase" in d.what
+    assert next_state(State.RECOVERING, d) is State.RECOVERING  # plan again, not start
+
+
+def test_a_death_while_starting_the_next_generation_goes_back_to_recovering():
+    d = decide(obs(pending=(), died=(1,), during="start", restarts=1))
+    assert d.action is Action.RECOVER and "start phase" in d.what
+    assert next_state(State.STARTING, d) is State.RECOVERING
+
+
+def test_every_rank_dead_at_once_is_one_recovery_of_all_of_them():
+    d = decide(obs(pending=(), died=(0, 1, 2)))
+    assert d.action is Action.RECOVER and d.died == (0, 1, 2) and d.hung == ()
+
+
+def test_a_hung_rank_stays_hung_when_more_deaths_are_reported():
+    d = decide(obs(pending=(), died=(1, 2), hung=(2,), during="stop"))
+    assert d.died == (1, 2) and d.hung == (2,)  # rank 2 still gets its SIGKILL
+
+
+def test_a_death_during_a_recovery_still_counts_against_max_restarts():
+    d = decide(obs(pending=(), died=(0,), during="restore", restarts=3))
+    assert d.action is Action.RAISE and "failure.max_restarts" in str(d.error)
+    assert "restore phase" in str(d.error)
+    assert next_state(State.STARTING, d) is State.FAILED
+
+
+def test_a_death_during_a_recovery_decides_recover_or_raise_only():
+    with pytest.raises(ValueError, match="recover or raise"):
+        next_state(State.RECOVERING, Decision(Action.FINISH))
+    with pytest.raises(ValueError, match="during"):
+        decide(obs(died=(0,), during="lunch"))

@@ -294,3 +294,65 @@ def test_a_killed_driver_leaves_no_actor_and_no_ram_behind(full_cluster, tmp_pat
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert_clean(ram_root)
+
+
+def kill_ranks(ranks: tuple[int, ...]):
+    """An action for the watchers: SIGKILL ``ranks``' processes in the same instant."""
+    from memckpt.runtime.faults import send_signals
+
+    def act(status: dict) -> None:
+        send_signals([(status["workers"][str(r)]["node_id"], status["workers"][str(r)]["pid"])
+                      for r in ranks], "KILL")
+    return act
+
+
+@pytest.mark.chaos
+def test_two_workers_sigkilled_in_the_same_instant_the_group_restarts(full_cluster, reference,
+                                                                      tmp_path, ram_root):
+    name = "rt-two"
+    watcher = when_step(name, KILL_AT, kill_ranks((0, 1)))
+    result, loss, digest, ev = fit(config(name, ram_root), tmp_path,
+                                   job=dataclasses.replace(JOB, step_delay_s=0.1))
+    watcher.join(5)
+    assert result.error is None
+    assert (loss, digest) == reference
+    plans = [e for e in ev if e["event"] == "recovery_plan"]
+    assert plans and all(p["resumed_step"] >= KILL_AT - 1 for p in plans)
+    restored = [e for e in ev if e["event"] == "restored" and e["gen"] == plans[-1]["gen"]]
+    assert all(e["source"].startswith(("local:", "peer:")) for e in restored), restored
+    assert_clean(ram_root)
+
+
+@pytest.mark.chaos
+def test_a_worker_killed_during_the_groups_restart(full_cluster, reference, tmp_path, ram_root):
+    """Rank 1 dies at step 6; when the restarted group's rank 0 has registered (it is
+    restoring step 5) it is SIGKILLed too: Ray Train restarts the group again, exact."""
+    import ray
+    name = "rt-during-restart"
+    first = when_step(name, KILL_AT, kill_ranks((1,)))
+
+    def restarted() -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                s = ray.get(coordinator(name).status.remote())
+                if s["gen"] == 1 and "0" in s["workers"]:
+                    kill_ranks((0,))(s)
+                    return
+            except (ValueError, ray.exceptions.RayError):
+                pass
+            time.sleep(0.02)
+
+    second = threading.Thread(target=restarted, daemon=True)
+    second.start()
+    # steps stretched (the same arithmetic): the restore is far from the next commit
+    result, loss, digest, ev = fit(config(name, ram_root), tmp_path,
+                                   job=dataclasses.replace(JOB, step_delay_s=0.3))
+    first.join(5)
+    second.join(5)
+    assert result.error is None
+    assert (loss, digest) == reference
+    plans = [e for e in ev if e["event"] == "recovery_plan"]
+    assert [p["gen"] for p in plans] == [1, 2]
+    assert [p["resumed_step"] for p in plans] == [KILL_AT - 1, KILL_AT - 1]
+    assert_clean(ram_root)

@@ -322,3 +322,33 @@ def test_a_copy_of_only_an_older_step_is_not_placed():
     plan = plan_recovery(ASSIGN, RING, NODES, {n: 1 for n in NODES}, inv, 1)
     assert plan.step == 6
     assert 0 not in plan.placed and {1, 2} <= plan.placed
+
+
+# ---- several deaths at once (issue 26) ------------------------------------------------------
+
+def test_every_worker_dead_with_the_stores_alive_restores_each_rank_on_its_own_node():
+    plan = plan_recovery(ASSIGN, RING, NODES, {n: 1 for n in NODES}, ring_inventory(),
+                         replicas=1, committed=6)
+    assert plan.step == 6 and plan.assignment == ASSIGN and plan.moved == ()
+    assert {r: s[0] for r, s in plan.sources.items()} == ASSIGN  # local, no network
+    assert plan.placed == frozenset(ASSIGN)  # nothing to copy again
+
+
+def test_a_node_and_a_process_on_another_node_dead_at_once_moves_only_the_nodes_rank():
+    # B died (rank 1 and its copy of rank 0 with it); rank 2's process died on C: its
+    # store on C lives, so rank 2 restores there and rank 1 goes to C, its holder
+    plan = plan_recovery(ASSIGN, RING, ["A", "C"], {"A": 2, "C": 2}, ring_inventory(),
+                         replicas=1, committed=6)
+    assert plan.step == 6 and plan.assignment == {0: "A", 1: "C", 2: "C"}
+    assert plan.sources[1] == ("C",) and plan.sources[2][0] == "C"  # its own node first
+
+
+def test_two_ring_adjacent_nodes_lost_names_the_ranks_the_copies_and_the_settings():
+    # B and C died: rank 1's own copy (B) and its only replica (C) with them
+    with pytest.raises(RecoveryError) as e:
+        plan_recovery(ASSIGN, RING, ["A"], {"A": 3}, ring_inventory(), replicas=1, committed=6)
+    msg = str(e.value)
+    assert "rank(s) [1]" in msg and "last committed step 6" in msg
+    assert "rank 1: own copy on B, replicas on C" in msg  # the copies that were lost
+    for setting in ("placement.replicas (now 1)", "placement.standby_nodes", "persistence tier"):
+        assert setting in msg

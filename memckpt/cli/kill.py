@@ -6,13 +6,15 @@ import argparse
 import random
 
 from memckpt.errors import MemckptError
-from memckpt.runtime.faults import kill_node, send_signal
+from memckpt.runtime.faults import kill_node, send_signals
 from memckpt.runtime.job_client import fetch_status
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--worker", type=int, metavar="RANK", help="signal this rank's worker process")
+    what.add_argument("--worker", type=ranks_arg, metavar="RANK[,RANK...]",
+                      help="signal this rank's worker process; several ranks (0,1) are "
+                           "signalled in the same instant")
     what.add_argument("--node", metavar="NODE",
                       help="hard-kill this node (its raylet, workers and store): a node id or "
                            "a unique prefix of one, as `memckpt status` shows")
@@ -20,6 +22,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--signal", choices=("KILL", "STOP", "TERM"), default="KILL")
     parser.add_argument("--job", default="memckpt", help="the job_name of the config (default memckpt)")
     parser.add_argument("--address", default="auto", help="Ray cluster address (default auto)")
+
+
+def ranks_arg(text: str) -> list[int]:
+    """``--worker 1`` or ``--worker 0,1``: the ranks, each once."""
+    try:
+        ranks = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a rank or a comma-separated list of ranks (e.g. 1 or 0,1)") from None
+    if any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
+        raise argparse.ArgumentTypeError(f"{text!r}: give ranks >= 0, each once (e.g. 0,1)")
+    return ranks
 
 
 def resolve_node(prefix: str, nodes: list[str]) -> str:
@@ -40,12 +54,14 @@ def main(args: argparse.Namespace) -> int:
         kill_node(node)
         print(f"killed node {node[:12]} (ranks {[r for r, n in s['assignment'].items() if n == node]})")
         return 0
-    rank = random.choice(sorted(workers)) if args.random else args.worker
-    if rank not in workers:
-        raise MemckptError(f"--worker {rank} is not a rank of job {args.job!r}: ranks are "
-                           f"{sorted(workers)}")
-    w = workers[rank]
-    delivered = send_signal(w["node_id"], w["pid"], args.signal)
-    print(f"sent SIG{args.signal} to rank {rank} (pid {w['pid']} on node {w['node_id'][:12]})"
-          + ("" if delivered else ": it was already gone"))
+    ranks = [random.choice(sorted(workers))] if args.random else args.worker
+    unknown = [r for r in ranks if r not in workers]
+    if unknown:
+        raise MemckptError(f"--worker {','.join(map(str, unknown))}: not a rank of job "
+                           f"{args.job!r}: ranks are {sorted(workers)}")
+    targets = [(workers[r]["node_id"], workers[r]["pid"]) for r in ranks]
+    delivered = send_signals(targets, args.signal)  # all in the same instant
+    for r, (node, pid), ok in zip(ranks, targets, delivered):
+        print(f"sent SIG{args.signal} to rank {r} (pid {pid} on node {node[:12]})"
+              + ("" if ok else ": it was already gone"))
     return 0

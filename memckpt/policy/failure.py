@@ -17,6 +17,9 @@ from typing import Optional
 from memckpt.errors import MemckptError, RecoveryError
 
 ERROR_SETTLE_S = 0.5  # a raised error waits this long for a peer's death to explain it
+# where a recovery can be when another death shows: ending the generation, planning,
+# starting the next one, its ranks restoring (until the first step after the restored one)
+RECOVERY_PHASES = ("stop", "plan", "start", "restore")
 
 
 class Action(enum.Enum):
@@ -44,6 +47,9 @@ class Observation:
     restarts: int = 0  # recoveries so far
     grow_to: Optional[int] = None  # elastic: the ranks stopped at a step boundary to grow to this
     max_restarts: int = 0  # failure.max_restarts
+    # the recovery phase the deaths were seen in (see RECOVERY_PHASES); None: while running.
+    # ``died`` then holds every rank known dead since the recovery began, not only the new
+    during: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -88,10 +94,21 @@ def decide(obs: Observation) -> Decision:
     return decision
 
 
+def died_what(died: tuple[int, ...], during: Optional[str] = None) -> str:
+    """The failure, in words, for one or several dead ranks (and the phase they died in)."""
+    ranks = sorted(set(died))
+    what = (f"rank {ranks[0]}'s worker died" if len(ranks) == 1
+            else f"ranks {ranks}' workers died")
+    return what if during is None else f"{what} (during the recovery's {during} phase)"
+
+
 def _classify(obs: Observation) -> Decision:
+    if obs.during is not None and obs.during not in RECOVERY_PHASES:
+        raise ValueError(f"Observation.during={obs.during!r}: one of {RECOVERY_PHASES} or None")
     if obs.died:
-        rank = obs.died[0]
-        return Decision(Action.RECOVER, f"rank {rank}'s worker died", died=(rank,))
+        died = tuple(sorted(set(obs.died)))
+        return Decision(Action.RECOVER, died_what(died, obs.during), died=died,
+                        hung=tuple(r for r in obs.hung if r in died))
     if obs.unloadable is not None:
         return Decision(Action.RAISE, error=unloadable_error(*obs.unloadable))
     if obs.stop_persisted is not None:
@@ -149,9 +166,16 @@ _AFTER_RUNNING = {Action.WAIT: State.RUNNING, Action.FINISH: State.FINISHED,
 
 
 def next_state(state: State, decision: Optional[Decision] = None) -> State:
-    """The state after ``state`` (and, from RUNNING, after ``decision``)."""
+    """The state after ``state`` (and, from RUNNING, after ``decision``). From STARTING
+    or RECOVERING, a decision means a death interrupted them: RECOVER plans again with
+    every dead rank (RECOVERING), RAISE fails the job."""
     if state.terminal:
         raise ValueError(f"{state.value} is terminal: the driver has stopped")
+    if state is not State.RUNNING and decision is not None:
+        if decision.action not in (Action.RECOVER, Action.RAISE):
+            raise ValueError(f"a death during {state.value} decides recover or raise, "
+                             f"not {decision.action.value}")
+        return State.RECOVERING if decision.action is Action.RECOVER else State.FAILED
     if state is State.STARTING:
         return State.RUNNING
     if state is State.RECOVERING:

@@ -96,7 +96,7 @@ def plan_recovery(assignment: Mapping[int, str], holders: Mapping[int, Sequence[
     and messages. If some rank has no copy left, :class:`RecoveryError` names it.
     """
     live_inv = {n: inv for n, inv in inventory.items() if n in alive}
-    step = _restore_step(sorted(assignment), live_inv, committed)
+    step = _restore_step(sorted(assignment), live_inv, committed, assignment, holders, replicas)
     new_assignment = choose_nodes(assignment, alive, capacity, live_inv, step)
     new_holders = repair_holders(holders, new_assignment, alive, replicas)
     notes = []
@@ -116,22 +116,43 @@ def plan_in_place(previous: Mapping[int, str], assignment: Mapping[int, str],
     given; the step and each rank's sources (its own node first) are decided as in
     :func:`plan_recovery`. ``previous`` is where the ranks ran before."""
     live_inv = {n: inv for n, inv in inventory.items() if n in alive}
-    step = _restore_step(sorted(assignment), live_inv, committed)
+    step = _restore_step(sorted(assignment), live_inv, committed, previous, None)
     return _plan_at(step, previous, assignment, {r: tuple(hs) for r, hs in holders.items()},
                     alive, live_inv, committed, [])
 
 
-def _restore_step(ranks: Sequence[int], live_inv: Inventory, committed: Optional[int]) -> int:
+def lost_copies_error(lost: Sequence[int], assignment: Mapping[int, str],
+                      holders: Optional[Mapping[int, Sequence[str]]], committed: Optional[int],
+                      replicas: Optional[int] = None) -> RecoveryError:
+    """The job cannot go on from RAM: names the ranks, where each one's copies were (its
+    own node and its replica holders, all dead; ``holders`` None: not known here) and the
+    settings that would have kept one."""
+    def copies(r: int) -> str:
+        own = f"rank {r}: own copy on {assignment[r][:12] if r in assignment else '?'}"
+        if holders is None:
+            return own
+        held = holders.get(r, ())
+        return own + (f", replicas on {', '.join(h[:12] for h in held)}" if held
+                      else ", no replica")
+    where = "; ".join(copies(r) for r in lost)
+    more = "raise placement.replicas" + (f" (now {replicas})" if replicas is not None else "")
+    return RecoveryError(
+        f"every RAM copy of rank(s) {list(lost)} is gone (last committed step {committed}): "
+        f"{where}, and every one of those nodes died. To survive this: {more}, keep "
+        "placement.standby_nodes (a node holding replicas and running no rank), or "
+        "configure a persistence tier")
+
+
+def _restore_step(ranks: Sequence[int], live_inv: Inventory, committed: Optional[int],
+                  assignment: Mapping[int, str], holders: Optional[Mapping[int, Sequence[str]]],
+                  replicas: Optional[int] = None) -> int:
     step = newest_common_step(ranks, live_inv)
     if step is not None:
         return step
     held = {r: sorted({s for inv in live_inv.values() for s in inv.get(r, ())}) for r in ranks}
     lost = [r for r, steps in held.items() if not steps]
     if lost:
-        raise RecoveryError(
-            f"every RAM copy of rank(s) {lost} is gone (last committed step {committed}): "
-            "their node and all their replica holders died; configure a persistence tier "
-            "or raise placement.replicas")
+        raise lost_copies_error(lost, assignment, holders, committed, replicas)
     raise RecoveryError(f"no step is held in RAM for every rank (steps held per rank: "
                         f"{held}); configure a persistence tier")
 
@@ -245,10 +266,7 @@ def plan_resize(assignment: Mapping[int, str], alive: Sequence[str],
     step = newest_common_step(old, live_inv)
     if step is None:
         gone = [r for r in old if not any(live_inv.get(n, {}).get(r) for n in alive)]
-        raise RecoveryError(
-            f"every RAM copy of rank(s) {gone} is gone (last committed step {committed}): "
-            "their node and all their replica holders died; configure a persistence tier "
-            "or raise placement.replicas")
+        raise lost_copies_error(gone, assignment, None, committed, replicas)
     keep = [assignment[r] for r in old]
     new = place_ranks(size, alive, capacity, per_node, keep)
     sources = {}

@@ -333,15 +333,14 @@ class WorkerContext:
         """Scheduled faults fire here, so they hit exactly the step they name (once per job)."""
         import ray
         for fault in self.spec.faults:
-            mine = fault.rank == self.rank or (fault.rank is None and self.rank == 0)
-            if fault.at_step != step or not mine:
+            if fault.during is not None or fault.at_step != step or fault.claimer != self.rank:
                 continue
             wait = STEADY_WAIT_S if fault.steady else 0.0
             if not ray.get(self.spec.coordinator.claim.remote(fault.key, wait)):
                 continue
-            if fault.target == "worker":
+            if fault.self_inflicted:
                 os.kill(os.getpid(), SIGNALS[fault.signal])
-            else:  # node, store, coordinator, random: the driver acts; this rank holds still
+            else:  # several ranks, node, store, coordinator, random: the driver acts
                 ray.get(self.spec.coordinator.request_fault.remote(fault.key))
                 ray.get(self.spec.coordinator.wait_fault.remote(fault.key, 60.0))
 

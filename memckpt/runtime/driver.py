@@ -31,9 +31,9 @@ from memckpt.runtime import actors
 from memckpt.runtime.control_plane import ControlPlane, alive_node_ids, eligible_nodes
 from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE
 from memckpt.policy.failure import Action, Decision, Observation, State, decide, next_state
-from memckpt.runtime.faults import Fault, FaultInjector, kill_node, send_signal
-from memckpt.runtime.pool import Generation, WorkerPool
-from memckpt.runtime.recovery import GRACE_S, Recovery, Restore
+from memckpt.runtime.faults import Fault, FaultInjector, kill_node, send_signal, send_signals
+from memckpt.runtime.pool import PING_S, Generation, WorkerPool
+from memckpt.runtime.recovery import GRACE_S, DiedDuringRecovery, Recovery, Restore
 from memckpt.runtime.spec import WorkerSpec
 
 __all__ = ["COORDINATOR_NAMESPACE", "Runtime", "default_run_dir", "progress_line", "run"]
@@ -54,6 +54,8 @@ class Runtime:
         self.quiet = quiet
         self.pool = WorkerPool(self.plane)
         self.recovery = Recovery(self.plane, self.pool)
+        self.recovery.on_phase = self._fire_during
+        self._newest = -1  # the newest step any rank reported (arms the faults `during`)
         self.state = State.STARTING
         self._last_print = 0.0
         self.control = Control(config.stop_file)
@@ -135,20 +137,28 @@ class Runtime:
             committed, restore = self.recovery.auto_resume(assignment)
             self._install_signal_handlers()
             while not self.state.terminal:
-                if self.state is State.STARTING:
-                    g = self._start_generation(gen, assignment, holders, restore, committed)
-                elif self.state is State.RUNNING:
-                    decision = self._monitor(g, restarts=gen - self._growths)
-                else:  # RECOVERING
-                    plan, restore = self.recovery.recover(
-                        g, self._failure, assignment, holders)
-                    assignment, holders, committed = plan.assignment, plan.holders, plan.step
-                    self._prune_after = plan.step
-                    if self._failure.get("grow_to"):
-                        self._grow_to, self._growths = None, self._growths + 1
-                        self.ray.get(self.coordinator.clear_stop.remote())
-                    gen += 1
-                self.state = next_state(self.state, decision)
+                interrupted: Optional[Decision] = None  # a death while starting or recovering
+                try:
+                    if self.state is State.STARTING:
+                        g = self._start_generation(gen, assignment, holders, restore, committed)
+                        self._fire_during("restore", g)
+                    elif self.state is State.RUNNING:
+                        decision = self._monitor(g, restarts=gen - self._growths)
+                    else:  # RECOVERING
+                        plan, restore = self.recovery.recover(
+                            g, self._failure, assignment, holders)
+                        assignment, holders, committed = plan.assignment, plan.holders, plan.step
+                        self._prune_after = plan.step
+                        if self._failure.get("grow_to"):
+                            self._grow_to, self._growths = None, self._growths + 1
+                            self.ray.get(self.coordinator.clear_stop.remote())
+                        gen += 1
+                        self._fire_during("start", g)
+                except DiedDuringRecovery as lost:
+                    g = lost.generation or g
+                    interrupted = decision = self._died_during(g, lost, gen - self._growths)
+                self.state = next_state(self.state, decision if self.state is State.RUNNING
+                                        else interrupted)
             if self.state is State.FAILED:
                 raise decision.error
             return self._finish(g, t_start, decision.step if decision.action is Action.STOP
@@ -169,13 +179,12 @@ class Runtime:
             self.plane.store_names()))
         resized = bool(self.pool.worker_nodes) and len(assignment) != len(self.pool.worker_nodes)
         workers, how = self.pool.assign(assignment)
-        info = dict(zip(workers, ray.get([w.info.remote() for w in workers.values()])))
-        master = ray.get(workers[0].address.remote())
+        info, master = self._reach_workers(gen, workers, holders)
         refs = {}
         for rank, w in workers.items():
             spec = WorkerSpec(rank, len(assignment), gen, cfg, tuple(holders.get(rank, ())),
                               dict(self.plane.stores), self.coordinator, restore.get(rank),
-                              tuple(self.injector.faults), resized=resized)
+                              self.injector.at_steps(), resized=resized)
             refs[w.run.remote(self.train_fn, master, spec)] = rank
         self._event("generation_started", gen=gen, world_size=len(assignment),
                     assignment=assignment, holders=holders,
@@ -183,6 +192,42 @@ class Runtime:
         if gen == 0:  # the first spares; after a recovery, once it is over (_progress_and_faults)
             self.pool.top_up_spares()
         return Generation(gen, workers, refs, info, holders=dict(holders))
+
+    def _reach_workers(self, gen: int, workers: dict[int, Any],
+                       holders: dict[int, tuple[str, ...]]
+                       ) -> tuple[dict[int, dict[str, Any]], tuple[str, int]]:
+        """Each worker's pid and node, and rank 0's rendezvous address; a worker that died
+        since the plan (a reused survivor, a spare) stops the start: the recovery plans
+        again without it."""
+        ray = self.ray
+        refs = {r: w.info.remote() for r, w in workers.items()}
+        info, dead, master = {}, set(), ("", 0)
+        for rank, ref in refs.items():
+            try:
+                info[rank] = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.add(rank)
+        if 0 not in dead:
+            try:
+                master = ray.get(workers[0].address.remote())
+            except ray.exceptions.RayActorError:
+                dead.add(0)
+        if dead:
+            raise DiedDuringRecovery(dead, "start", Generation(gen, workers, {}, info,
+                                                               holders=dict(holders)))
+        return info, master
+
+    def _died_during(self, g: Generation, lost: DiedDuringRecovery, restarts: int) -> Decision:
+        """Deaths found while starting or recovering go to :func:`decide` with every death
+        known so far: those of the recovery under way while it still ends ``g`` (stop,
+        plan), only the new ones once ``g`` is the next generation (start)."""
+        known = set(lost.ranks)
+        if lost.phase != "start":
+            known |= set(self._failure.get("died", ()))
+        obs = Observation(pending=(), died=tuple(sorted(known)), during=lost.phase,
+                          hung=tuple(self._failure.get("hung", ())) if lost.phase != "start"
+                          else (), restarts=restarts, max_restarts=self.config.failure.max_restarts)
+        return self._decided(g, decide(obs))
 
     # -- watching a generation ------------------------------------------------------------------
     def _monitor(self, g: Generation, restarts: int) -> Decision:
@@ -208,6 +253,11 @@ class Runtime:
                 except ray.exceptions.RayTaskError as e:
                     errors[rank] = e.cause
                     first_error_at = first_error_at or time.time()
+            if died:  # the rest of the generation is swept before the plan is made
+                died = tuple(sorted(set(died) | self._sweep(g, list(pending.values()))))
+                # before the last recovery's first resumed step: a death during its restore
+                base = dataclasses.replace(base, during="restore" if self.recovery.records and (
+                    "resume" not in self.recovery.records[-1]["phases_s"]) else None)
             if died or unloadable:  # decided at once: nothing else is asked first
                 obs = dataclasses.replace(base, pending=tuple(pending.values()), died=died,
                                           unloadable=unloadable)
@@ -255,17 +305,16 @@ class Runtime:
             return []
         return sorted(idle - alive_node_ids())
 
-    def _unresponsive(self, g: Generation, ranks: list[int]) -> set[int]:
-        ray = self.ray
-        refs = {g.workers[r].info.remote(): r for r in ranks}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=2.0)
-        dead = {refs[x] for x in refs if x not in ready}
-        for x in ready:
-            try:
-                ray.get(x)
-            except ray.exceptions.RayError:
-                dead.add(refs[x])
-        return dead
+    def _unresponsive(self, g: Generation, ranks: list[int], timeout_s: float = 2.0) -> set[int]:
+        return self.pool.unresponsive({r: g.workers[r] for r in ranks}, timeout_s)
+
+    def _sweep(self, g: Generation, ranks: list[int]) -> set[int]:
+        """One death found: which other running ``ranks`` are dead too (their node is
+        gone, or their worker does not answer), so that deaths in the same instant are
+        planned for together and no plan reuses a dead worker."""
+        alive = alive_node_ids()
+        gone = {r for r in ranks if g.info[r]["node_id"] not in alive}
+        return gone | self._unresponsive(g, [r for r in ranks if r not in gone], PING_S)
 
     def _check_stop(self, committed: Optional[int]) -> Optional[int]:
         """Stop file / SIGTERM: every rank persists the same committed step (chosen by the
@@ -315,6 +364,7 @@ class Runtime:
         """Once per poll: the stop file, spares, the progress line and scheduled faults.
         Returns the step a requested stop persisted (see _check_stop)."""
         prog = self.ray.get(self.coordinator.progress.remote())
+        self._newest = max(self._newest, prog["max_step"])
         stop_step = self._check_stop(prog["committed"])
         if stop_step is not None:
             return stop_step
@@ -357,22 +407,36 @@ class Runtime:
         self.ray.get(self.coordinator.request_stop.remote(committed + 1, STOP))
 
     def _fire(self, fault: Fault, g: Generation) -> None:
-        rank = fault.rank if fault.rank is not None else random.randrange(len(g.workers))
-        info = g.info[rank]
-        node = info["node_id"]
-        self._say(f"injecting fault: {fault.target} (rank {rank}, node {node[:8]}, {fault.signal})")
-        self.injector.record(fault, node_id=node, pid=info["pid"])
-        self._event("fault_injected", target=fault.target, rank=rank, node=node, signal=fault.signal)
-        if fault.target in ("worker", "random"):
-            send_signal(node, info["pid"], fault.signal)
+        ranks = [r if r is not None else random.randrange(len(g.workers)) for r in fault.victims]
+        ranks = [r for r in ranks if r in g.info]  # during a start: a rank not yet started
+        if not ranks:
+            return
+        nodes = [g.info[r]["node_id"] for r in ranks]
+        rank, node = ranks[0], nodes[0]
+        self._say(f"injecting fault: {fault.target} (rank(s) {ranks}, node(s) "
+                  f"{[n[:8] for n in nodes]}, {fault.signal})")
+        self.injector.record(fault, node_id=node, pid=g.info[rank]["pid"], ranks=ranks)
+        self._event("fault_injected", target=fault.target, rank=rank, node=node,
+                    signal=fault.signal, ranks=ranks, during=fault.during)
+        if fault.target in ("worker", "random"):  # several ranks: in the same instant
+            send_signals([(n, g.info[r]["pid"]) for r, n in zip(ranks, nodes)], fault.signal)
         elif fault.target == "node":
-            (self.injector.node_killer or kill_node)(node)
+            for n in dict.fromkeys(nodes):
+                (self.injector.node_killer or kill_node)(n)
         elif fault.target == "store":
             pid = self.ray.get(self.plane.stores[node].ping.remote())["pid"]
             send_signal(node, pid, fault.signal)
         elif fault.target == "coordinator":
             where = self.ray.get(self.coordinator.whereabouts.remote())
             send_signal(where["node_id"], where["pid"], fault.signal)
+
+    def _fire_during(self, phase: str, g: Generation) -> None:
+        """The faults scheduled for ``phase`` of a recovery (once training reached their
+        step), against ``g``: the generation the recovery ends (plan, start) or starts
+        (restore). The first generation never fires them: no step was reached before it."""
+        for fault in self.injector.during(phase):
+            if self._newest >= fault.at_step:
+                self._fire(fault, g)
 
     # -- the end --------------------------------------------------------------------------------
     def _install_signal_handlers(self) -> None:

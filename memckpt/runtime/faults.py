@@ -13,7 +13,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from memckpt.config import ChaosEvent
 
@@ -69,10 +69,19 @@ def _kill_node_task() -> int:
 
 def send_signal(node_id: str, pid: int, sig: str = "KILL", timeout_s: float = 30.0) -> bool:
     """Deliver ``sig`` to process ``pid`` on node ``node_id``; False if it was already gone."""
+    return send_signals([(node_id, pid)], sig, timeout_s)[0]
+
+
+def send_signals(targets: Sequence[tuple[str, int]], sig: str = "KILL",
+                 timeout_s: float = 30.0) -> list[bool]:
+    """Deliver ``sig`` to every (node, pid) of ``targets`` in the same instant: every
+    signalling task is sent before any answer is awaited. Per target: False if its process
+    was already gone."""
     import ray
     task = ray.remote(num_cpus=0, max_retries=0)(_signal_task)
-    ref = task.options(scheduling_strategy=_on_node(node_id)).remote(pid, SIGNALS[sig])
-    return bool(ray.get(ref, timeout=timeout_s))
+    refs = [task.options(scheduling_strategy=_on_node(node)).remote(pid, SIGNALS[sig])
+            for node, pid in targets]
+    return [bool(x) for x in ray.get(refs, timeout=timeout_s)]
 
 
 def kill_node(node_id: str) -> None:
@@ -91,21 +100,45 @@ class Fault:
     """At ``at_step`` (first time any rank reports it), hit ``target``. ``steady``: the rank
     that fires it first waits (up to ``STEADY_WAIT_S``) until the job is in standby, every
     node's warm spare up with its memory in hand, as a job is after its first minute; a
-    benchmark measures recovery there, not against spares still starting."""
+    benchmark measures recovery there, not against spares still starting.
+
+    ``ranks``: several ranks' workers (or nodes) at once, signalled by the driver in the
+    same instant. ``during``: not at a step but in that phase of the first recovery once
+    training reached ``at_step`` (:data:`memckpt.config.CHAOS_PHASES`), fired by the driver."""
 
     at_step: int
     target: str = "worker"  # worker | node | store | coordinator | random
     rank: Optional[int] = None  # the rank, or (node, store) the rank's node
     signal: str = "KILL"
     steady: bool = False
+    ranks: tuple[int, ...] = ()  # worker, node: these ranks at once (instead of rank)
+    during: Optional[str] = None  # plan | start | restore: in that phase of a recovery
 
     @staticmethod
     def from_chaos(ev: ChaosEvent) -> "Fault":
-        return Fault(ev.step, ev.target, ev.rank, ev.signal, ev.steady)
+        return Fault(ev.step, ev.target, ev.rank, ev.signal, ev.steady, ev.ranks, ev.during)
+
+    @property
+    def victims(self) -> tuple[Optional[int], ...]:
+        """The ranks it hits (None: the runtime picks one)."""
+        return self.ranks or (self.rank,)
+
+    @property
+    def claimer(self) -> int:
+        """The rank that fires a step fault when it reaches ``at_step``."""
+        return self.ranks[0] if self.ranks else (self.rank if self.rank is not None else 0)
+
+    @property
+    def self_inflicted(self) -> bool:
+        """A step fault the rank delivers to its own process; the rest the driver carries
+        out, the claiming rank holding still meanwhile (several ranks, a node, a store)."""
+        return self.target == "worker" and len(self.victims) == 1 and self.during is None
 
     @property
     def key(self) -> str:
-        return f"{self.target}:{self.rank}:{self.at_step}:{self.signal}"
+        who = ",".join(map(str, self.ranks)) if self.ranks else self.rank
+        return f"{self.target}:{who}:{self.at_step}:{self.signal}" + (
+            f":during-{self.during}" if self.during else "")
 
 
 @dataclass
@@ -120,8 +153,22 @@ class FaultInjector:
     fired: list[dict] = field(default_factory=list)
 
     def kill_worker(self, rank: int, at_step: int, signal: str = "KILL",
-                    steady: bool = False) -> "FaultInjector":
-        self.faults.append(Fault(at_step, "worker", rank, signal, steady))
+                    steady: bool = False, during: Optional[str] = None) -> "FaultInjector":
+        """Signal ``rank``'s worker at ``at_step``, or (``during``) in that phase of the
+        first recovery once training reached ``at_step``."""
+        self.faults.append(Fault(at_step, "worker", rank, signal, steady, during=during))
+        return self
+
+    def kill_workers(self, ranks: Sequence[int], at_step: int, signal: str = "KILL",
+                     during: Optional[str] = None) -> "FaultInjector":
+        """Signal several ranks' workers in the same instant."""
+        self.faults.append(Fault(at_step, "worker", None, signal, ranks=tuple(ranks),
+                                 during=during))
+        return self
+
+    def kill_nodes(self, ranks: Sequence[int], at_step: int) -> "FaultInjector":
+        """Kill the nodes that run ``ranks``, all at once."""
+        self.faults.append(Fault(at_step, "node", None, ranks=tuple(ranks)))
         return self
 
     def kill_node(self, rank: int, at_step: int, steady: bool = False) -> "FaultInjector":
@@ -141,3 +188,12 @@ class FaultInjector:
         self.fired.append(dict(key=fault.key, target=fault.target, rank=fault.rank,
                                signal=fault.signal, at_step=fault.at_step, time=time.time(),
                                **details))
+
+    def during(self, phase: str) -> list[Fault]:
+        """The faults that fire in ``phase`` of a recovery and have not fired yet."""
+        done = {f["key"] for f in self.fired}
+        return [f for f in self.faults if f.during == phase and f.key not in done]
+
+    def at_steps(self) -> tuple[Fault, ...]:
+        """The faults the ranks fire at their step (what a worker is given)."""
+        return tuple(f for f in self.faults if f.during is None)

@@ -11,6 +11,9 @@ from memckpt.runtime.control_plane import ControlPlane, affinity, alive_node_ids
 from memckpt.runtime.worker import Worker
 
 LARGEST_SHARD_WAIT_S = 2.0  # stores answering what spares prepare for (see _largest_shard)
+# a worker that does not answer its liveness ping in this long counts as dead: a dead one
+# is reported by Ray at once, a live one answers in milliseconds even on a loaded machine
+PING_S = 5.0
 
 
 @dataclass
@@ -21,6 +24,7 @@ class Generation:
     info: dict[int, dict[str, Any]]
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
     holders: dict[int, tuple[str, ...]] = field(default_factory=dict)  # rank -> replica holders
+    killed: set[int] = field(default_factory=set)  # ranks whose worker the recovery killed
 
     @property
     def holder_nodes(self) -> set[str]:
@@ -77,6 +81,22 @@ class WorkerPool:
     def forget(self, rank: int) -> None:
         """``rank``'s worker was killed: the next generation needs another."""
         self.workers.pop(rank, None)
+
+    def unresponsive(self, workers: dict[int, Any], timeout_s: float = PING_S) -> set[int]:
+        """The ranks of ``workers`` whose actor is dead (Ray says so: its process or node
+        is gone) or does not answer a liveness ping within ``timeout_s``. A worker answers
+        on a thread of its own while it trains, so a live one answers in milliseconds."""
+        ray = self.ray
+        refs = {w.info.remote(): r for r, w in workers.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) \
+            if refs else ([], [])
+        dead = {refs[x] for x in refs if x not in ready}
+        for x in ready:
+            try:
+                ray.get(x)
+            except ray.exceptions.RayError:
+                dead.add(refs[x])
+        return dead
 
     def keep_nodes(self, alive: list[str]) -> None:
         """Forget the workers and spares of nodes that died."""

@@ -6,7 +6,7 @@ the record of each recovery and its phases."""
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from memckpt.errors import RecoveryError
 from memckpt.policy.recovery_plan import (RecoveryPlan, ResizePlan, plan_from_persisted,
@@ -23,11 +23,27 @@ ROOM_POLL_S = 0.5  # how often a shrinking job looks for a node with room
 Restore = dict[int, RestoreInstruction]
 
 
+class DiedDuringRecovery(Exception):
+    """Workers found dead while a recovery was under way (``phase``: one of
+    :data:`memckpt.policy.failure.RECOVERY_PHASES`). Not a job failure: the driver hands
+    them to :func:`memckpt.policy.failure.decide` with every death known so far and plans
+    again. ``generation``: the generation being started when they were found (phase
+    ``start``), which the next recovery ends."""
+
+    def __init__(self, ranks: set[int], phase: str,
+                 generation: Optional[Generation] = None) -> None:
+        super().__init__(f"rank(s) {sorted(ranks)} died during the recovery's {phase} phase")
+        self.ranks, self.phase, self.generation = tuple(sorted(ranks)), phase, generation
+
+
 class Recovery:
     def __init__(self, plane: ControlPlane, pool: WorkerPool) -> None:
         self.plane, self.pool, self.ray, self.config = plane, pool, plane.ray, plane.config
         self.records: list[dict[str, Any]] = []  # one per recovery, for the run summary
         self._started = 0.0  # when the last recovery's plan was made
+        # called as a recovery enters a phase ("plan"), with the generation it ends: the
+        # driver fires the faults scheduled for it (FaultInjector.during)
+        self.on_phase: Optional[Callable[[str, Generation], None]] = None
 
     # -- the persisted tier ---------------------------------------------------------------------
     def persisted(self, why: str) -> Optional[tuple[int, Any]]:
@@ -82,8 +98,17 @@ class Recovery:
         t0 = time.time()
         self._end_generation(g, failure)
         t_killed = time.time()
+        if self.on_phase is not None:
+            self.on_phase("plan", g)
         alive = self.plane.alive_nodes(set(assignment.values()))
         self.pool.keep_nodes(alive)
+        # the survivors the next generation reuses: a plan never counts on a dead one
+        dead = self.pool.unresponsive(self.pool.workers)
+        if dead:
+            for rank in dead:
+                self.ray.kill(self.pool.workers[rank], no_restart=True)
+                self.pool.forget(rank)
+            raise DiedDuringRecovery(dead, "plan")
         cap = {n: c for n, c in eligible_nodes(self.config).items() if n in alive}
         if failure.get("grow_to"):
             plan = self.resize(g, assignment, cap, failure["what"])
@@ -178,16 +203,24 @@ class Recovery:
         for rank, w in g.workers.items():
             if rank not in failure["died"]:
                 w.abort.remote(g.gen)
-        ready, stuck = ray.wait(list(g.refs), num_returns=len(g.refs), timeout=GRACE_S)
+        ready, stuck = ray.wait(list(g.refs), num_returns=len(g.refs), timeout=GRACE_S) \
+            if g.refs else ([], [])
+        also_died = set()
         for ref in g.refs:  # collect every outcome so none is reported as unhandled
             try:
                 ray.get(ref, timeout=0 if ref in stuck else 5)
-            except Exception:  # noqa: BLE001 (every outcome of a failed generation is moot)
+            except ray.exceptions.RayActorError:  # its process or node is gone too
+                also_died.add(g.refs[ref])
+            except Exception:  # noqa: BLE001 (every other outcome of a failed generation is moot)
                 pass
-        dead = set(failure["died"]) | {g.refs[ref] for ref in stuck}
+        also_died -= set(failure["died"]) | g.killed  # not those killed here before
+        dead = set(failure["died"]) | also_died | {g.refs[ref] for ref in stuck}
         for rank in dead:
             ray.kill(g.workers[rank], no_restart=True)
             self.pool.forget(rank)
+        g.killed |= dead
+        if also_died:
+            raise DiedDuringRecovery(also_died, "stop")
 
     def _plan(self, assignment: dict[int, str], holders: dict[int, tuple[str, ...]],
               cap: dict[str, int]) -> tuple[RecoveryPlan, Optional[tuple[int, Any]]]:

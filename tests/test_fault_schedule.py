@@ -1,0 +1,65 @@
+"""Fault schedules for several ranks at once and for a phase of a recovery (no Ray)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import memckpt
+from memckpt.cli.kill import ranks_arg
+from memckpt.config import ChaosEvent
+from memckpt.errors import ConfigError
+from memckpt.runtime.faults import Fault, FaultInjector
+
+
+def test_a_fault_on_several_ranks_is_carried_out_by_the_driver_for_all_of_them():
+    f = Fault.from_chaos(ChaosEvent(step=6, target="worker", ranks=(2, 0)))
+    assert f.victims == (2, 0) and f.claimer == 2  # rank 2 reaching step 6 asks the driver
+    assert not f.self_inflicted  # one rank killing itself could not kill the others too
+    assert f.key == "worker:2,0:6:KILL"
+
+
+def test_a_single_rank_worker_fault_is_the_ranks_own_and_others_the_drivers():
+    assert Fault(6, "worker", 1).self_inflicted and Fault(6, "worker", 1).claimer == 1
+    assert not Fault(6, "node", 1).self_inflicted
+    assert Fault(6, "coordinator").claimer == 0  # no rank named: rank 0 asks
+
+
+def test_faults_during_a_recovery_stay_with_the_driver_until_they_fire():
+    inj = (FaultInjector().kill_worker(1, at_step=6)
+           .kill_worker(2, at_step=1, during="restore").kill_workers((0, 1), at_step=9))
+    assert [f.during for f in inj.at_steps()] == [None, None]  # what the ranks are given
+    (during,) = inj.during("restore")
+    assert during.key.endswith(":during-restore") and not inj.during("plan")
+    inj.record(during)
+    assert inj.during("restore") == []  # once per job
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"ranks": (0, 0)}, ["chaos.ranks", "once"]),
+    ({"ranks": (0, 1), "rank": 0}, ["chaos.ranks", "either rank or ranks"]),
+    ({"ranks": (0, 1), "target": "store"}, ["chaos.ranks", "'worker' or 'node'"]),
+    ({"ranks": (-1, 1)}, ["chaos.ranks"]),
+    ({"ranks": "0,1"}, ["chaos.ranks", "tuple"]),
+    ({"rank": 1, "during": "lunch"}, ["chaos.during", "plan"]),
+    ({"target": "coordinator", "during": "plan"}, ["chaos.during", "'worker' or 'node'"]),
+])
+def test_bad_multi_rank_or_during_chaos_is_one_clear_error(kwargs, words):
+    with pytest.raises(ConfigError) as e:
+        ChaosEvent(step=5, **kwargs)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_chaos_ranks_are_checked_against_the_world_size():
+    with pytest.raises(ConfigError, match=r"chaos.rank=3 is invalid: ranks run from 0 to 2"):
+        memckpt.Config(workers=memckpt.WorkersConfig(num_workers=3),
+                       chaos=(ChaosEvent(step=5, ranks=[1, 3]),))
+    assert ChaosEvent(step=5, ranks=[0, 1]).ranks == (0, 1)  # a list from a config file
+
+
+def test_memckpt_kill_takes_several_ranks():
+    assert ranks_arg("1") == [1] and ranks_arg("0,1") == [0, 1]
+    for bad in ("x", "0,0", "-1", "0,,1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            ranks_arg(bad)
