@@ -5,6 +5,7 @@ in for forward and backward, then a real AdamW update of the whole state) follow
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from statistics import median
 from typing import Callable, Optional
@@ -93,6 +94,7 @@ def measure(target_bytes: int, device: str, steps: int, compute_s: float,
         finally:
             if ckpt is not None:
                 ckpt.close(unlink=True)
+                shutil.rmtree(ckpt.directory.parent, ignore_errors=True)  # the job's folder
         say(f"{variant}: median step {median(times) * 1e3:.1f} ms; {landed} of {requested} "
             "snapshots landed")
         out.append(dict(variant=variant, mode=mode, on_sealing=policy, state_bytes=nbytes,
