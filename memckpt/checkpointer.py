@@ -166,11 +166,10 @@ class Checkpointer:
             fmt.verify_data(shard, str(source), map_fn=self.engine.map_fn)
             return self.load_shard(state, shard, str(source))
         self.engine.wait()
-        try:
-            return self._restore_ram(state)
-        finally:
-            if self.config.engine.prepare_slots:
-                self.engine.prepare(state.capture(0))
+        step = self._restore_ram(state)
+        if self.config.engine.prepare_slots:  # the slots still free, mapped behind the loop
+            self.engine.prepare(state.capture(step))
+        return step
 
     def _restore_ram(self, state: TrainState) -> int:
         problems = []
