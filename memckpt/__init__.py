@@ -4,8 +4,8 @@ from importlib import import_module as _import_module
 from typing import Any as _Any
 
 from memckpt import config as _config
-from memckpt.config import (ChaosEvent, Config, FailureConfig, LoadSpec, PersistTier,
-                            PlacementConfig, WorkersConfig, load_config)
+from memckpt.config import (ChaosEvent, Config, EngineConfig, FailureConfig, LoadSpec,
+                            PersistTier, PlacementConfig, WorkersConfig, load_config)
 from memckpt.errors import MemckptError
 from memckpt.version import __version__
 
@@ -40,7 +40,7 @@ def run(train_fn, config, **kwargs):
     return _run(train_fn, config, **kwargs)
 
 __all__ = [
-    "Checkpointer", "ChaosEvent", "Config", "FailureConfig", "LoadSpec", "MemckptError",
+    "Checkpointer", "ChaosEvent", "Config", "EngineConfig", "FailureConfig", "LoadSpec", "MemckptError",
     "PersistTier", "PlacementConfig", "ResumableSampler", "TrainState", "WorkerContext",
     "WorkersConfig", "dcp_reader",
     "load_config", "run", "__version__",

@@ -14,6 +14,7 @@ so a new process started after the old one was killed restores from RAM.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -26,8 +27,9 @@ from memckpt.engine.stop import STOP, Control
 from memckpt.util.fsutil import write_atomic
 from memckpt.persist.catalog import protect
 from memckpt.persist.uploader import Persister, persisted_restore
-from memckpt.engine.populate import FAULTED_IN
+from memckpt.engine.restore import VerifiedViews, load_memory
 from memckpt.engine.snapshot import SnapshotEngine
+from memckpt.policy.threads import hash_threads, local_ranks_from, usable_cores
 from memckpt.format.state import TrainState, same_layout
 
 log = logging.getLogger("memckpt")
@@ -45,7 +47,7 @@ class Checkpointer:
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1,
                  directory: Optional[str | Path] = None, *, gated: bool = False,
                  on_sealed: Optional[Callable[[int, Path], None]] = None,
-                 persist: bool = True) -> None:
+                 persist: bool = True, local_ranks: Optional[int] = None) -> None:
         if not isinstance(config, Config):
             raise StateError(f"Checkpointer needs a memckpt.Config, got {type(config).__name__}")
         self.config = config
@@ -53,11 +55,14 @@ class Checkpointer:
         root = Path(directory) if directory else resolve_ram_root(config.ram_root) / config.job_name
         self.directory = root / f"rank{rank}"
         self.events: list[dict[str, Any]] = []
+        # ranks on this node share its cores: LOCAL_WORLD_SIZE (torchrun) unless given
+        local = local_ranks if local_ranks is not None else local_ranks_from(os.environ)
         self.engine = SnapshotEngine(
             self.directory, mode=config.snapshot_mode, on_fall_behind=config.failure.on_fall_behind,
             identity={"job": config.job_name, "rank": rank, "world_size": world_size,
                       "fingerprint": config.fingerprint()},
-            gated=gated, on_complete=self._sealed)
+            gated=gated, on_complete=self._sealed, on_sealing=config.engine.on_sealing,
+            seal_threads=hash_threads(config.engine.seal_threads, usable_cores(), local))
         self._on_sealed = on_sealed
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its pre-hook handle
         self.control = Control(config.stop_file)
@@ -140,6 +145,8 @@ class Checkpointer:
 
     @property
     def stats(self):
+        """The engine's counts: ``landed`` snapshots (sealed, restorable), ``skipped`` ones
+        (due while the previous was still busy: ``engine.on_sealing="skip"``), ``requested``."""
         return self.engine.stats
 
     # -- restoring --------------------------------------------------------------------------
@@ -155,13 +162,26 @@ class Checkpointer:
                 region = RamRegion.open(Path(source))
             except MemckptError as e:  # an empty file: as truncated as it gets
                 raise ChecksumError(f"{source}: cannot read it as a shard: {e.message}") from None
-            return self.load_shard(state, fmt.open_shard(region.array, str(source)), str(source))
+            shard = fmt.open_shard(region.array, str(source), verify=False)
+            fmt.verify_data(shard, str(source), map_fn=self.engine.map_fn)
+            return self.load_shard(state, shard, str(source))
         self.engine.wait()
+        step = self._restore_ram(state)
+        if self.config.engine.prepare_slots:  # the slots still free, mapped behind the loop
+            self.engine.prepare(state.capture(step))
+        return step
+
+    def _restore_ram(self, state: TrainState) -> int:
         problems = []
         for step in self.engine.steps():
             try:
-                with self.engine.reading(step) as shard:
-                    return self.load_shard(state, shard, f"ram:{self.directory}")
+                with self.engine.reading(step, verify=False) as shard:
+                    source = f"ram:{self.engine.path_of(step)}"
+                    views = VerifiedViews(shard, source, self.engine.hashers)
+                    try:
+                        return self.load_shard(state, shard, source, views)
+                    finally:
+                        views.cancel()
             except ChecksumError as e:
                 problems.append(str(e))
                 self._event("snapshot_skipped", step=step, reason=str(e))
@@ -255,8 +275,13 @@ class Checkpointer:
                  reader.source.bytes_read)
         return step
 
-    def load_shard(self, state: TrainState, shard: fmt.Shard, source: str) -> int:
-        """Load a verified shard (from RAM, a file or a peer) into ``state``; returns its step."""
+    def load_shard(self, state: TrainState, shard: fmt.Shard, source: str,
+                   views: Optional[VerifiedViews] = None) -> int:
+        """Load a verified shard (from RAM, a file or a peer) into ``state``; returns its step.
+
+        ``views``: the shard's tensors verified as they are loaded (a shard opened
+        unverified); each tensor is loaded only once its chunks verified, and the load
+        counts only once every chunk did (else :class:`ChecksumError`)."""
         h = shard.header
         if h.get("world_size") != self.world_size or h.get("rank") != self.rank:
             raise StateError(f"{source} is rank {h.get('rank')} of {h.get('world_size')}, this "
@@ -266,7 +291,10 @@ class Checkpointer:
             log.warning("memckpt: %s was written under a different config (fingerprint %s, now %s)",
                         source, h.get("fingerprint"), self.config.fingerprint())
         t0 = time.perf_counter()
-        step = state.load(shard.tensors, shard.meta, self.config.load.kinds(), FAULTED_IN)
+        step = state.load(shard.tensors if views is None else views, shard.meta,
+                          self.config.load.kinds(), load_memory(state))
+        if views is not None:
+            views.finish()
         self._event("restored", step=step, source=source, seconds=time.perf_counter() - t0)
         return step
 

@@ -24,6 +24,7 @@ from memckpt.errors import ConfigError, PlacementError
 
 CONTENT_KINDS = ("model", "optimizer", "scheduler", "scaler", "data", "rng", "extras")
 FALL_BEHIND_POLICIES = ("wait", "skip")
+SEALING_POLICIES = ("wait", "skip")
 SNAPSHOT_MODES = ("sync", "overlap")
 CHAOS_TARGETS = ("worker", "node", "random", "store", "coordinator")
 SIGNALS = ("KILL", "STOP", "TERM")
@@ -217,6 +218,34 @@ class FailureConfig:
                   "or a single late heartbeat would look like a hung worker")
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    """The snapshot engine's speed settings: none of them changes what a snapshot holds.
+
+    ``seal_threads``: threads that hash a snapshot's chunks (its seal) and verify them on
+    restore; 0 takes the cores this process may use (``os.sched_getaffinity``), split
+    evenly among the ranks on the node (``LOCAL_WORLD_SIZE``), at most 16.
+    ``on_sealing``: a snapshot due while the previous one is still being copied in the
+    background or sealed is waited for (``"wait"``, the default: every due snapshot lands,
+    so a crash loses at most ``snapshot_every`` steps, but a seal slower than the step
+    makes the step longer) or skipped (``"skip"``: the step never waits for a seal; fewer
+    snapshots land, counted in ``Checkpointer.stats`` and logged). Single-process only:
+    the ranks of a multi-node job must snapshot the same steps, so there waiting follows
+    ``failure.on_fall_behind``.
+    ``prepare_slots``: map, populate (and pin, on CUDA) both snapshot slots in the
+    background at ``restore()`` instead of on the first snapshot's step.
+    """
+
+    seal_threads: int = 0
+    on_sealing: str = "wait"
+    prepare_slots: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("engine.seal_threads", self.seal_threads, minimum=0)
+        _choice("engine.on_sealing", self.on_sealing, SEALING_POLICIES)
+        _bool("engine.prepare_slots", self.prepare_slots)
+
+
 ON_INCOMPATIBLE = ("error", "start_fresh")
 
 
@@ -308,12 +337,14 @@ class Config:
     # InternEvo's stop file: a positive step N in it means persist at step N and stop
     # cleanly; a negative -N, persist at step N and go on.
     stop_file: Optional[str] = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.job_name, str) or not _JOB_NAME.match(self.job_name):
             _fail("job_name", self.job_name, "use 1-64 letters, digits, '.', '_' or '-'")
         for name, kind in (("workers", WorkersConfig), ("placement", PlacementConfig),
-                           ("failure", FailureConfig), ("load", LoadSpec)):
+                           ("failure", FailureConfig), ("load", LoadSpec),
+                           ("engine", EngineConfig)):
             if not isinstance(getattr(self, name), kind):
                 _fail(name, getattr(self, name), f"pass a memckpt.{kind.__name__}(...)")
         _positive_int("snapshot_every", self.snapshot_every)
@@ -375,7 +406,7 @@ class Config:
         snapshot holds, so they are left out: a drill can resume a normal run.
         """
         d = self.to_dict()
-        for volatile in ("chaos", "job_name", "ram_root", "stop_file"):
+        for volatile in ("chaos", "job_name", "ram_root", "stop_file", "engine"):
             d.pop(volatile)
         for tier in d["persistence"]:
             for name in TIER_TIMEOUTS:

@@ -46,6 +46,32 @@ def test_snapshot_bench_writes_every_method(memckpt_main, tmp_path, capsys):
     assert not list((tmp_path / "disk").iterdir()), "torch.save-disk must remove its file"
 
 
+@pytest.mark.timeout(120)
+def test_train_overhead_bench_runs_every_loop_on_cpu(memckpt_main, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    rc = memckpt_main(["bench", "train-overhead", "--size", "2M", "--steps", "3",
+                       "--compute-ms", "5", "--json", str(out), "--ram-root", str(tmp_path / "ram")])
+    assert rc == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["none", "sync-wait", "sync-skip", "overlap-wait", "overlap-skip"]
+    assert rows["none"]["overhead"] is None and rows["none"]["requested"] == 0
+    for name, r in rows.items():
+        assert len(r["step_times_s"]) == 3 and r["step_s"] > 0
+        if name != "none":
+            assert r["requested"] == 3 and r["overhead"] is not None and r["seal_threads"] >= 1
+            # wait: every due snapshot lands; skip: what landed is counted, never more
+            assert r["landed"] == 3 if name.endswith("wait") else 1 <= r["landed"] <= 3
+    printed = capsys.readouterr().out
+    assert "| loop | state | step time | overhead | snapshots landed |" in printed
+    assert "| sync-wait |" in printed and "3 of 3" in printed
+    assert not list((tmp_path / "ram").iterdir()), "slots must be freed after the run"
+
+
+def test_train_overhead_refuses_a_bad_compute_time(memckpt_main, capsys):
+    assert memckpt_main(["bench", "train-overhead", "--compute-ms", "0"]) == 2
+    assert "--compute-ms must be > 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--sizes", "0"], ["--sizes", "abc"], ["--sizes", "1G,"],
                                   ["--repeats", "0"], ["--mode", "async"]])
 def test_bad_arguments_exit_with_usage(memckpt_main, argv, capsys):

@@ -188,3 +188,75 @@ def test_not_a_shard(shard_file, tmp_path):
     other = tmp_path / "model.pt"
     torch.save({"w": torch.zeros(3)}, other)
     _assert_refused(ckpt, other, "not a memckpt shard")
+
+
+def _as_format_1(region, cap, layout):
+    """Rewrite a sealed region as format 1 wrote it: one sequential digest of the data."""
+    off = fmt.data_offset(cap)
+    header, _, _ = fmt.read_header(region, "mem")
+    header.update(format=1, data_xxh3=fmt.checksum(region[off: off + layout.data_len]))
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    region[fmt.PREFIX.size: fmt.PREFIX.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+    import xxhash
+    fmt.PREFIX.pack_into(region, 0, fmt.MAGIC, 1, fmt.STATE_COMPLETE, cap, len(blob),
+                         xxhash.xxh3_64_intdigest(blob), off, layout.data_len, header["step"])
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_both_formats_read_and_a_flipped_byte_is_refused(version):
+    import concurrent.futures as cf
+    g = torch.Generator().manual_seed(0)
+    tensors = [("w", torch.randn(300_000, generator=g)), ("b", torch.randn(70_000, generator=g))]
+    region, layout, cap, digest = _region_with(tensors)
+    if version == 1:
+        _as_format_1(region, cap, layout)
+    shard = fmt.open_shard(region, "mem")
+    assert shard.header["format"] == version and len(shard.chunks.digests) > 4
+    with cf.ThreadPoolExecutor(3) as pool:
+        fmt.verify_data(shard, "mem", map_fn=pool.map)
+        at = fmt.data_offset(cap) + layout.entries[1].offset + 5  # in the last chunks
+        region[at] ^= 0x01
+        for map_fn in (map, pool.map):
+            with pytest.raises(ChecksumError, match="mem: data checksum mismatch"):
+                fmt.verify_data(shard, "mem", map_fn=map_fn)
+        with pytest.raises(ChecksumError, match="data checksum mismatch"):
+            fmt.open_shard(region, "mem")
+
+
+def test_parallel_seal_writes_the_same_digests_as_one_thread():
+    import concurrent.futures as cf
+    g = torch.Generator().manual_seed(1)
+    tensors = [("w", torch.randn(500_000, generator=g))]
+    region, layout, cap, digest = _region_with(tensors)
+    again = region.copy()
+    with cf.ThreadPoolExecutor(4) as pool:
+        assert fmt.seal(again, layout, cap, 7, {"meta": {"hello": [1, 2]}}, pool.map) == digest
+    one, four = fmt.open_shard(region, "a"), fmt.open_shard(again, "b")
+    assert one.chunks.digests == four.chunks.digests
+    off = fmt.data_offset(cap)
+    data = region[off: off + layout.data_len]
+    assert list(one.chunks.digests) == [fmt.checksum(data[i: i + one.chunks.chunk_bytes])
+                                        for i in range(0, len(data), one.chunks.chunk_bytes)]
+    assert digest == fmt.digest_of_chunks(one.chunks.digests)
+
+
+def test_a_lying_chunk_table_is_refused_even_where_every_chunk_matches_it():
+    """Format 2 binds the chunk table to data_xxh3: a header whose chunk digests were
+    replaced (and its header checksum recomputed) does not verify."""
+    region, layout, cap, _ = _region_with([("w", torch.arange(100_000, dtype=torch.float32))])
+    header, _, _ = fmt.read_header(region, "mem")
+    header["chunk_xxh3"][0] = "0" * 16
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    region[fmt.PREFIX.size: fmt.PREFIX.size + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+    import xxhash
+    fmt.PREFIX.pack_into(region, 0, fmt.MAGIC, 2, fmt.STATE_COMPLETE, cap, len(blob),
+                         xxhash.xxh3_64_intdigest(blob), fmt.data_offset(cap), layout.data_len, 7)
+    with pytest.raises(ChecksumError, match="chunk checksums disagree"):
+        fmt.open_shard(region, "mem")
+
+
+def test_a_format_this_memckpt_does_not_know_names_the_fix():
+    region, *_ = _region_with([("a", torch.zeros(4))])
+    struct.pack_into("<I", region, 8, 3)
+    with pytest.raises(ChecksumError, match="shard format 3, this memckpt reads 1, 2: upgrade"):
+        fmt.open_shard(region, "mem")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import memckpt
 from memckpt.errors import ChecksumError, NoSnapshotError, StateError
+from memckpt.format import shard as fmt
 from memckpt.engine.snapshot import verify_slot
 
 
@@ -45,6 +46,14 @@ def _restore_fresh(ckpt):
     step = ckpt.restore(memckpt.TrainState(model=fresh, optimizer=torch.optim.SGD(
         fresh.parameters(), lr=0.1, momentum=0.9)))
     return step, fresh
+
+
+def _assert_restores_then_close(ckpt, step, values):
+    """``ckpt`` restores ``step`` with the model ``values`` into a fresh model; then closes."""
+    got, fresh = _restore_fresh(ckpt)
+    assert got == step
+    _assert_model_is(fresh, values)
+    ckpt.close(unlink=True)
 
 
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
@@ -121,11 +130,7 @@ def test_a_new_process_overwrites_a_torn_slot_in_place(ram_root):
     assert again.step(state, 3)
     again.wait()
     assert again.engine.steps() == [3, 1] and torn.path.stat().st_ino == inode
-    step3 = _values(model)
-    step, fresh = _restore_fresh(again)
-    assert step == 3
-    _assert_model_is(fresh, step3)
-    again.close(unlink=True)
+    _assert_restores_then_close(again, 3, _values(model))
 
 
 def test_failure_before_the_copy_does_not_cost_the_newest_snapshot(ram_root):
@@ -455,3 +460,103 @@ def test_adopting_replaces_what_the_slots_held(ram_root, tmp_path):
     assert sorted(p.name for p in engine.directory.iterdir()) == ["slot0.shard"]
     engine.close()
     ckpt.close(unlink=True)
+
+
+def _gated_seal(ram_root, on_sealing):
+    """A Checkpointer whose seal of step 1 holds (on_complete blocks on an event) until the
+    test releases it: the second snapshot is due while the first is still being sealed."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = memckpt.TrainState(model=model, optimizer=opt)
+    release, sealing = threading.Event(), threading.Event()
+
+    def hold(step, path):
+        sealing.set()
+        release.wait(timeout=60)
+    ckpt = memckpt.Checkpointer(memckpt.Config(
+        ram_root=ram_root, engine=memckpt.config.EngineConfig(on_sealing=on_sealing)),
+        on_sealed=hold)
+    _train(model, opt, 1)
+    assert ckpt.step(state, 1)
+    assert sealing.wait(timeout=60)
+    return model, opt, state, ckpt, release
+
+
+def test_on_sealing_skip_never_waits_and_counts_what_landed(ram_root, caplog):
+    model, opt, state, ckpt, release = _gated_seal(ram_root, "skip")
+    _train(model, opt, 2)
+    with caplog.at_level("INFO", logger="memckpt"):
+        assert ckpt.step(state, 2) is False  # the seal of step 1 still runs: skipped
+    assert "snapshot of step 2 skipped" in caplog.text and "engine.on_sealing='wait'" in caplog.text
+    release.set()
+    ckpt.wait()
+    _train(model, opt, 3)
+    assert ckpt.step(state, 3)
+    ckpt.wait()
+    st = ckpt.stats
+    assert (st.landed, st.skipped, st.requested) == (2, 1, 3)
+    assert ckpt.engine.steps() == [3, 1]
+    ckpt.close(unlink=True)
+
+
+def test_on_sealing_wait_takes_every_snapshot_once_the_seal_lands(ram_root):
+    model, opt, state, ckpt, release = _gated_seal(ram_root, "wait")
+    _train(model, opt, 2)
+    took = []
+    t = threading.Thread(target=lambda: took.append(ckpt.step(state, 2)))
+    t.start()
+    t.join(timeout=0.5)
+    assert t.is_alive() and not took  # waits for the seal of step 1
+    release.set()
+    t.join(timeout=60)
+    ckpt.wait()
+    assert took == [True] and ckpt.stats.skipped == 0 and ckpt.stats.landed == 2
+    assert ckpt.engine.steps() == [2, 1]
+    ckpt.close(unlink=True)
+
+
+def test_restore_prepares_both_slots_so_the_first_snapshot_allocates_nothing(ram_root):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = memckpt.TrainState(model=model, optimizer=opt)
+    _train(model, opt, 1)
+    ckpt = memckpt.Checkpointer(memckpt.Config(ram_root=ram_root))
+    assert ckpt.restore(state) == 0
+    ckpt.engine.wait_prepared()
+    assert ckpt.stats.allocations == 2 and all(s.region is not None for s in ckpt.engine.slots)
+    for s in (1, 2, 3):
+        _train(model, opt, s)
+        ckpt.step(state, s)
+        ckpt.wait()
+    assert ckpt.stats.allocations == 2  # the steps mapped nothing
+    _assert_restores_then_close(ckpt, 3, _values(model))
+
+
+def test_a_corrupt_chunk_leaves_the_live_model_untouched(ram_root):
+    """The only snapshot has a flipped byte in its first tensor: restore refuses it before
+    a single parameter of the live model is overwritten."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = memckpt.TrainState(model=model, optimizer=opt)
+    _train(model, opt, 1)
+    ckpt = memckpt.Checkpointer(memckpt.Config(ram_root=ram_root))
+    ckpt.step(state, 1)
+    ckpt.wait()
+    slot = next(s for s in ckpt.engine.slots if s.complete)
+    first = slot.layout.entries[0]
+    ckpt.close()
+    with open(slot.path, "r+b") as f:
+        at = fmt.data_offset(slot.header_capacity) + first.offset + 1
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    again = memckpt.Checkpointer(memckpt.Config(ram_root=ram_root))
+    fresh = _model()
+    for p in fresh.parameters():
+        p.data.fill_(7.0)
+    with pytest.raises(ChecksumError, match="mismatch in chunk 0"):
+        again.restore(memckpt.TrainState(model=fresh, optimizer=torch.optim.SGD(
+            fresh.parameters(), lr=0.1, momentum=0.9)))
+    assert all(bool((p == 7.0).all()) for p in fresh.parameters())
+    again.close(unlink=True)

@@ -11,6 +11,15 @@ size, and these methods are timed on the same tensors:
                      ~1.5x the memcpy time) running while the copy proceeds
   torch.save-buffer  torch.save(model + optimizer state_dict) into io.BytesIO
   torch.save-disk    torch.save to a file in --dir, flush + fsync
+  memckpt-restore    Checkpointer.restore() from the RAM slot into the live state,
+                     against the bound: one copy of the same bytes from (pinned) host
+                     memory to the state's device
+  memckpt-first      the first snapshot of a job after restore() prepared the slots in
+                     the background (the cold first snapshot, which maps them on the
+                     step, in the notes)
+
+With --device cuda the state lives on the GPU: memcpy is the device-to-host copy into
+pinned memory (the bus's bound), and every method copies from the GPU.
 
 Each size runs in a fresh subprocess (peak RSS stays honest and memory is
 returned between sizes); the peak RSS of each method is the process's VmHWM,
@@ -32,14 +41,16 @@ from typing import Any, Callable, Optional
 from memckpt.bench.common import (GIB, disk_dir, machine_info, parse_sizes, positive_int,
                                   rows_from_child, standalone, usable_dir, write_rows)
 from memckpt.bench.foreign_load import DISCARD_THRESHOLD, QUIET_THRESHOLD, Quiet
-from memckpt.bench.snapshot_measure import (DEFAULT_LAYERS, build_state, measure_memckpt_overlap,
+from memckpt.bench.snapshot_measure import (DEFAULT_LAYERS, build_state, measure_first_snapshot,
+                                            measure_memckpt_overlap, measure_restore,
                                             measure_memckpt_sync, measure_memcpy,
                                             measure_save_buffer, measure_save_disk, peak_rss,
                                             reset_peak_rss, rss_bytes)
 from memckpt.bench.snapshot_report import report
 from memckpt.util.fsutil import fs_type
 
-METHODS = ("memcpy", "memckpt", "memckpt-overlap", "torch.save-buffer", "torch.save-disk")
+METHODS = ("memcpy", "memckpt", "memckpt-overlap", "torch.save-buffer", "torch.save-disk",
+           "memckpt-restore", "memckpt-first")
 MODES = ("sync", "overlap", "both")
 DEFAULT_SIZES = "100M,1G,4G"
 
@@ -66,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"processes to use < {QUIET_THRESHOLD * 100:.0f}%% of the CPU, and run a "
                              f"repeat again (up to 2x --repeats times) if they took > "
                              f"{DISCARD_THRESHOLD * 100:.0f}%% during it (default 0: off)")
+    parser.add_argument("--skip", default="", metavar="LIST",
+                        help="methods to leave out, comma-separated (e.g. torch.save-disk)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the training state lives (default cpu)")
     parser.add_argument("--in-process", action="store_true",
                         help="measure every size in this process instead of a fresh one per size")
     parser.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)  # worker: rows -> file
@@ -106,7 +121,8 @@ def _check_room(label: str, target: int, ram_root: Optional[str], directory: Pat
 
 def run_size(label: str, target: int, repeats: int, mode: str, directory: Path,
              ram_root: Optional[str], wait_quiet: float = 0.0,
-             layers: int = DEFAULT_LAYERS) -> list[dict[str, Any]]:
+             layers: int = DEFAULT_LAYERS, device: str = "cpu",
+             skip: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Measure every method for one state size in this process; returns the rows."""
     from memckpt.format.state import TrainState
     say = _Progress(label)
@@ -114,7 +130,7 @@ def run_size(label: str, target: int, repeats: int, mode: str, directory: Path,
     gc.collect()
     rss_base = rss_bytes()
     t0 = time.perf_counter()
-    model, opt = build_state(target, layers)
+    model, opt = build_state(target, layers, device=device)
     state = TrainState(model=model, optimizer=opt)
     captured = state.capture(0)
     state_bytes = captured.nbytes
@@ -131,6 +147,8 @@ def run_size(label: str, target: int, repeats: int, mode: str, directory: Path,
     quiet = Quiet(wait_quiet)
 
     def run(method: str, measure: Callable[..., dict[str, Any]], *args: Any) -> None:
+        if method in skip:
+            return
         gc.collect()
         reset = reset_peak_rss()
         quiet.reset(max_discards=2 * repeats)
@@ -159,6 +177,9 @@ def run_size(label: str, target: int, repeats: int, mode: str, directory: Path,
             memcpy_s, state_bytes, rss_base)
     run("torch.save-buffer", measure_save_buffer, model, opt, repeats, quiet)
     run("torch.save-disk", measure_save_disk, model, opt, repeats, quiet, directory)
+    run("memckpt-restore", measure_restore, state, repeats, quiet, ram_root,
+        median(results["memcpy"]["back_times"]))
+    run("memckpt-first", measure_first_snapshot, state, min(repeats, 3), quiet, ram_root)
 
     ref_memckpt = results.get("memckpt", {}).get("times")
     rows = []
@@ -175,6 +196,7 @@ def run_size(label: str, target: int, repeats: int, mode: str, directory: Path,
                "ratio_to_memcpy": stall / memcpy_s if memcpy_s > 0 else None,
                "ratio_to_memckpt": stall / median(ref_memckpt) if ref_memckpt else None}
         row.update(res)
+        row["device"] = device
         row["rss_with_state_bytes"] = rss_state
         row["machine"] = machine
         rows.append(row)
@@ -187,7 +209,8 @@ def run_size(label: str, target: int, repeats: int, mode: str, directory: Path,
 # -- orchestration ------------------------------------------------------------------------------
 def _run_in_subprocess(label: str, repeats: Optional[int], args: argparse.Namespace,
                        directory: Path) -> list[dict[str, Any]]:
-    argv = ["--sizes", label, "--mode", args.mode, "--dir", str(directory), "--in-process"]
+    argv = ["--sizes", label, "--mode", args.mode, "--dir", str(directory), "--in-process",
+            "--device", args.device, "--skip", args.skip]
     if repeats is not None:
         argv += ["--repeats", str(repeats)]
     if args.ram_root:
@@ -221,7 +244,8 @@ def main(args: argparse.Namespace) -> int:
             try:
                 if args.in_process:
                     rows += run_size(label, target, repeats, args.mode, directory, args.ram_root,
-                                     args.wait_quiet, args.layers)
+                                     args.wait_quiet, args.layers, args.device,
+                                     tuple(m for m in args.skip.split(",") if m))
                 else:
                     rows += _run_in_subprocess(label, args.repeats, args, directory)
             except (MemoryError, RuntimeError, OSError) as e:

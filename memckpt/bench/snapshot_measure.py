@@ -54,7 +54,8 @@ def peak_rss() -> int:
 
 
 # -- the state under test -----------------------------------------------------------------------
-def build_state(target_bytes: int, layers: int = DEFAULT_LAYERS, seed: int = 0):
+def build_state(target_bytes: int, layers: int = DEFAULT_LAYERS, seed: int = 0,
+                device: str = "cpu"):
     """About ``layers`` d x d nn.Linear layers + AdamW after one step: params + 2 moments ~ target.
 
     Each layer holds 6 tensors (weight, bias, and their exp_avg, exp_avg_sq); AdamW adds a
@@ -65,7 +66,7 @@ def build_state(target_bytes: int, layers: int = DEFAULT_LAYERS, seed: int = 0):
     elems = max(1, target_bytes // 12)  # float32 params, exp_avg, exp_avg_sq: 12 bytes/param
     d = max(8, int(math.sqrt(elems / layers)) // 8 * 8)
     n = max(1, round(elems / (d * d + d)))
-    model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(n)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(n)]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():  # moments unique to the seed (a rank's, with ZeRO)
         p.grad = torch.full_like(p, 1e-3 * (1 + seed))
@@ -99,22 +100,27 @@ def measure_memcpy(tensors, repeats: int, quiet: Quiet) -> dict[str, Any]:
     for _, t in tensors:
         offsets.append(off)
         off = (off + t.numel() * t.element_size() + 63) // 64 * 64
-    buf = torch.empty(max(off, 1), dtype=torch.uint8)
+    cuda = any(t.is_cuda for _, t in tensors)
+    buf = torch.empty(max(off, 1), dtype=torch.uint8, pin_memory=cuda)  # the D2H bound: pinned
     buf.zero_()  # fault every page in, as memckpt does when it allocates a slot
     views = [buf[o: o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
              for o, (_, t) in zip(offsets, tensors)]
     pairs = [(v, t) for v, (_, t) in zip(views, tensors)]
 
-    def copy():
+    def copy(back: bool = False):
         with torch.no_grad():
             for v, t in pairs:
-                v.copy_(t)
+                (t.copy_(v, non_blocking=cuda) if back else v.copy_(t, non_blocking=cuda))
+        if cuda:
+            torch.cuda.synchronize()
 
     times = _timed(copy, repeats, quiet, warmup=1)
     for v, (_, t) in zip(views, tensors):  # the limit must also be a correct copy
-        if not torch.equal(v, t):
+        if not torch.equal(v.to(t.device), t):
             raise RuntimeError("memcpy baseline produced a wrong copy")
-    return {"times": times}
+    # the other direction (host to device, or host to host): what a restore is bound by
+    back = _timed(lambda: copy(back=True), repeats, quiet, warmup=1)
+    return {"times": times, "back_times": back, "device": "cuda" if cuda else "cpu"}
 
 
 def _ckpt(mode: str, ram_root: Optional[str]):
@@ -186,6 +192,62 @@ def measure_memckpt_sync(state, repeats: int, quiet: Quiet, ram_root: Optional[s
             "allocations_flat": allocs_warm == WARMUP_SNAPSHOTS and allocs_end == allocs_warm,
             "seal_s": median(seals), "capture_s": median(captures),
             "engine_stall_s": median(engine_stall)}
+
+
+def measure_restore(state, repeats: int, quiet: Quiet, ram_root: Optional[str],
+                    bound_s: float) -> dict[str, Any]:
+    """Checkpointer.restore() from a RAM slot into the live state (on its device), each
+    repeat by a new Checkpointer of the same job (as a restarted process would: its
+    constructor maps and pins the slots, untimed)."""
+    from memckpt.checkpointer import Checkpointer
+    ckpt = _ckpt("sync", ram_root)
+    ckpt.step(state, 1)
+    ckpt.wait()
+    ckpt.close()
+    times: list[float] = []
+    try:
+        while len(times) < repeats:
+            again = Checkpointer(ckpt.config)
+            gc.collect()
+            quiet.settle()
+            with quiet.span():
+                t0 = time.perf_counter()
+                step = again.restore(state)
+                dt = time.perf_counter() - t0
+            again.close()
+            if step != 1:
+                raise RuntimeError(f"restored step {step}, expected 1")
+            if quiet.keep():
+                times.append(dt)
+    finally:
+        _free(ckpt)
+    return {"times": times, "bound_s": bound_s}
+
+
+def measure_first_snapshot(state, repeats: int, quiet: Quiet,
+                           ram_root: Optional[str]) -> dict[str, Any]:
+    """The first snapshot of a job: cold (its slot mapped, populated, pinned on the step),
+    and after restore() prepared both slots in the background (waited for, untimed)."""
+    cold, warm = [], []
+    for prepared, out in ((False, cold), (True, warm)):
+        while len(out) < repeats:
+            ckpt = _ckpt("sync", ram_root)
+            try:
+                if prepared:
+                    ckpt.restore(state)  # nothing to restore: prepares the slots
+                    ckpt.engine.wait_prepared()
+                gc.collect()
+                quiet.settle()
+                with quiet.span():
+                    t0 = time.perf_counter()
+                    ckpt.step(state, 1)
+                    dt = time.perf_counter() - t0
+                ckpt.wait()
+            finally:
+                _free(ckpt)
+            if quiet.keep():
+                out.append(dt)
+    return {"times": warm, "cold_s": median(cold), "colds_s": cold}
 
 
 def matmul_unit():

@@ -44,6 +44,17 @@ def format_notes(rows: list[dict[str, Any]]) -> str:
                          f"while the copy runs (+{human_s(o['compute_slowdown_s'])}: visible stall + "
                          f"slowdown = {human_s(o['stall_with_slowdown_s'])}); allocations "
                          f"{'flat' if o['allocations_flat'] else 'NOT flat'} ({o['allocations']})")
+        if m:
+            parts.append(f"step → sealed {human_s(m['stall_s'] + m['seal_s'])} "
+                         f"({(m['stall_s'] + m['seal_s']) / by[(size, 'memcpy')]['stall_s']:.2f} × "
+                         f"the {'D2H' if m.get('device') == 'cuda' else 'memcpy'} bound)")
+        r, f = by.get((size, "memckpt-restore")), by.get((size, "memckpt-first"))
+        if r:
+            parts.append(f"restore {human_s(r['stall_s'])} vs the copy back "
+                         f"{human_s(r['bound_s'])} ({r['stall_s'] / r['bound_s']:.2f} ×)")
+        if f:
+            parts.append(f"first snapshot {human_s(f['stall_s'])} with prepared slots, "
+                         f"{human_s(f['cold_s'])} cold")
         d = by.get((size, "torch.save-disk"))
         if d:
             parts.append(f"torch.save-disk: {d['dir']} ({d['dir_fs']})")

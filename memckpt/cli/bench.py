@@ -16,6 +16,9 @@ from typing import Callable
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "snapshot": ("memckpt.bench.snapshot",
                  "per-step stall of a snapshot: memckpt (sync, overlap) vs memcpy vs torch.save"),
+    "train-overhead": ("memckpt.bench.train_overhead.command",
+                       "a compute-bound loop with a snapshot every step: step time vs none, per "
+                       "mode and seal policy; snapshots landed"),
     "persist": ("memckpt.bench.persist.command",
                 "persistence throughput: memckpt's disk / S3 tier vs a raw write of the same bytes"),
     "recovery": ("memckpt.bench.recovery.command",

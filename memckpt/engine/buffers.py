@@ -23,6 +23,9 @@ import numpy as np
 import psutil
 
 from memckpt.errors import ConfigError, MemckptError
+from memckpt.util.fsutil import fs_type
+
+PINNABLE_FS = ("tmpfs", "ramfs", "hugetlbfs")  # file systems whose pages CUDA can register
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +83,9 @@ class RamRegion:
                 os.close(fd)
         self.array = np.frombuffer(self._mm, dtype=np.uint8, count=self.size)
         self._tensor: Optional["torch.Tensor"] = None
-        if pin and self.size:
+        # CUDA registers only memory-backed mappings: a file on a disk (ram_root off a tmpfs)
+        # fails, and the failure would stay CUDA's last error for torch's next call to find
+        if pin and self.size and fs_type(path.parent) in PINNABLE_FS:
             import torch
             if torch.cuda.is_available():
                 rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)
@@ -129,9 +134,10 @@ class RamRegion:
         return RamRegion.create(path, size, pin=pin)
 
     @staticmethod
-    def open(path: Path, populate: bool = True) -> "RamRegion":
-        """Map an existing file; ``populate=False`` for a reader that only needs its header."""
-        return RamRegion(path, 0, create=False, populate=populate)
+    def open(path: Path, populate: bool = True, pin: bool = False) -> "RamRegion":
+        """Map an existing file; ``populate=False`` for a reader that only needs its header;
+        ``pin`` registers it with CUDA (a slot restored from: host-to-device at bus speed)."""
+        return RamRegion(path, 0, create=False, pin=pin, populate=populate)
 
     def close(self, unlink: bool = False) -> None:
         if self._registered:

@@ -11,7 +11,13 @@ RNG, scheduler) and, in ``sync`` mode, everything else too. In ``overlap`` mode
 (CheckFreq's pipelining) parameters and optimizer state are copied on a
 background thread while the next forward and backward run; ``wait_copy()``,
 hooked onto ``optimizer.step``, holds the next update until that copy is done.
-The checksum and header are always written off the training thread.
+The checksum and header are always written off the training thread: the data's
+chunks are hashed on a small pool of threads (``seal_threads``), which also verifies
+a snapshot before it is read back (see :mod:`memckpt.engine.restore`).
+
+A snapshot due while the previous one is still copied or sealed in the background is
+skipped (``on_sealing="skip"``, the default: the step never waits for a seal it does
+not need) or waited for (``"wait"``); :class:`EngineStats` counts what landed.
 """
 
 from __future__ import annotations
@@ -52,15 +58,25 @@ class Slot:
     views: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+SKIP_LOG_INTERVAL_S = 30.0  # a skipped snapshot is logged at most this often
+
+
 @dataclass
 class EngineStats:
-    snapshots: int = 0
-    skipped: int = 0  # fall-behind policy "skip"
+    snapshots: int = 0  # snapshots started (their copy taken)
+    landed: int = 0  # snapshots sealed: complete and restorable
+    skipped: int = 0  # due but not taken: the previous one was still busy (policy "skip")
     waited_s: float = 0.0  # fall-behind policy "wait": time the step spent waiting
     allocations: int = 0  # slot (re)allocations; stays flat after warm-up
     offered_taken: int = 0  # slots that were an offered file (a warm spare's), not new memory
     last_stall_s: float = 0.0
     last_step: Optional[int] = None
+    last_seal_s: float = 0.0  # from the end of the copy to sealed, of the newest snapshot
+
+    @property
+    def requested(self) -> int:
+        """Snapshots that were due: taken or skipped."""
+        return self.snapshots + self.skipped
 
 
 class SnapshotEngine:
@@ -77,11 +93,12 @@ class SnapshotEngine:
     def __init__(self, directory: Path, *, mode: str = "sync", on_fall_behind: str = "wait",
                  identity: Optional[dict[str, Any]] = None,
                  on_complete: Optional[Callable[[int, Path], None]] = None,
-                 gated: bool = False) -> None:
+                 gated: bool = False, seal_threads: int = 1, on_sealing: str = "wait") -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.mode = mode
         self.on_fall_behind = on_fall_behind
+        self.on_sealing = on_sealing
         self.identity = dict(identity or {})
         self.on_complete = on_complete
         # Gated (multi-node): a new snapshot may only replace the older slot once the
@@ -92,6 +109,11 @@ class SnapshotEngine:
         self.stats = EngineStats()
         self._cond = threading.Condition()
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="memckpt-snapshot")
+        # hash a seal's chunks and verify restores (the seal's own thread only waits)
+        self.hashers = cf.ThreadPoolExecutor(max_workers=max(1, seal_threads),
+                                             thread_name_prefix="memckpt-hash")
+        self.seal_threads = max(1, seal_threads)
+        self._skip_logged = 0.0
         self._inflight: Optional[cf.Future] = None  # background copy + seal of the newest slot
         self._reserving: Optional[cf.Future] = None  # the other slot, mapped after an install
         self._copy_done = threading.Event()
@@ -111,7 +133,7 @@ class SnapshotEngine:
             if not slot.path.exists():
                 continue
             try:
-                region = RamRegion.open(slot.path)
+                region = RamRegion.open(slot.path, pin=self._pin)
                 header, layout, cap = fmt.read_header(region.array, str(slot.path))
             except MemckptError:
                 continue  # torn or foreign: this slot is simply free
@@ -129,6 +151,7 @@ class SnapshotEngine:
         rank moving here has nothing newer). Returns the steps now held, newest first."""
         if len(files) > len(self.slots):
             raise MemckptError(f"{len(files)} shard files for {len(self.slots)} slots")
+        self._await_reserve()
         self.wait()
         with self._cond:
             if any(slot.readers for slot in self.slots):
@@ -257,12 +280,48 @@ class SnapshotEngine:
                         target = self._newest  # the newest failed: overwrite it, keep the older
                     self._newest = target
                     break
-                if (policy or self.on_fall_behind) == "skip":
-                    self.stats.skipped += 1
+                sealing = self._inflight is not None and not self._inflight.done()
+                # gated (several ranks): ranks skipping on their own would hold different
+                # steps and none would commit, so only failure.on_fall_behind applies there
+                if policy is None and sealing and not gated and self.on_sealing == "skip" or \
+                        (policy or self.on_fall_behind) == "skip":
+                    self._skipped(step, sealing)
                     return None
                 self._cond.wait(timeout=0.05)
         self.stats.waited_s += time.perf_counter() - t0
         return target
+
+    def _skipped(self, step: int, sealing: bool) -> None:
+        self.stats.skipped += 1
+        now = time.monotonic()
+        if now - self._skip_logged >= SKIP_LOG_INTERVAL_S:
+            self._skip_logged = now
+            why = "still being sealed" if sealing else "not yet committed or being read"
+            log.info("memckpt: snapshot of step %d skipped: the previous one is %s "
+                     "(%d of %d due snapshots landed so far; engine.on_sealing='wait' takes "
+                     "every one, at the cost of step time)", step, why, self.stats.landed,
+                     self.stats.requested)
+
+    def prepare(self, captured: Captured) -> None:
+        """Map, populate (and pin) the slots that hold nothing yet, sized for ``captured``,
+        in the background: the first snapshot then copies into memory that is ready
+        instead of allocating it on the training thread. Slots holding a snapshot are
+        left alone."""
+        self._await_reserve()
+        layout = fmt.Layout.of(captured.tensors)
+        cap = fmt.header_capacity_for(
+            layout, meta_hint=len(json.dumps(captured.meta, separators=(",", ":"))))
+        free = [slot for slot in self.slots if slot.region is None]
+
+        def run() -> None:
+            for slot in free:
+                self._map_slot(slot, layout, cap)
+        if free:
+            self._reserving = self._pool.submit(run)
+
+    def wait_prepared(self) -> None:
+        """Until slots being prepared in the background (:meth:`prepare`) are mapped."""
+        self._await_reserve()
 
     def _prepare(self, slot: Slot, captured: Captured) -> None:
         layout = fmt.Layout.of(captured.tensors)
@@ -342,8 +401,12 @@ class SnapshotEngine:
                 self._copy(slot, background)
             finally:
                 self._copy_done.set()
+            t0 = time.perf_counter()
             header = dict(self.identity, meta=meta, created_at=time.time())
-            fmt.seal(slot.region.array, slot.layout, slot.header_capacity, step, header)
+            fmt.seal(slot.region.array, slot.layout, slot.header_capacity, step, header,
+                     self.map_fn)
+            self.stats.last_seal_s = time.perf_counter() - t0
+            self.stats.landed += 1
             slot.step, slot.complete = step, True
             if self.on_complete is not None:
                 self.on_complete(step, slot.path)
@@ -353,6 +416,13 @@ class SnapshotEngine:
         finally:
             with self._cond:
                 self._cond.notify_all()
+
+    def map_fn(self, fn: Callable[[Any], Any], items: Any) -> Iterator[Any]:
+        """``map`` over the hashing threads, in order (a seal's or a check's chunks)."""
+        items = list(items)
+        if self.seal_threads == 1 or len(items) < 2:
+            return map(fn, items)
+        return self.hashers.map(fn, items)
 
     def _raise_background_error(self) -> None:
         if self._error is not None:
@@ -411,6 +481,12 @@ class SnapshotEngine:
             return sorted((s.step for s in self.slots if s.complete and s.step is not None),
                           reverse=True)
 
+    def path_of(self, step: int) -> Path:
+        """The file of the slot holding ``step``'s complete snapshot (the directory if none)."""
+        with self._cond:
+            return next((s.path for s in self.slots if s.complete and s.step == step),
+                        self.directory)
+
     @contextmanager
     def reading(self, step: Optional[int] = None, verify: bool = True) -> Iterator[fmt.Shard]:
         """Pin a complete snapshot (newest, or ``step``) so it is not overwritten while read."""
@@ -422,7 +498,10 @@ class SnapshotEngine:
             slot = max(cands, key=lambda s: s.step)
             slot.readers += 1
         try:
-            yield fmt.open_shard(slot.region.array, str(slot.path), verify=verify)
+            shard = fmt.open_shard(slot.region.array, str(slot.path), verify=False)
+            if verify:
+                fmt.verify_data(shard, str(slot.path), map_fn=self.map_fn)
+            yield shard
         finally:
             with self._cond:
                 slot.readers -= 1
@@ -431,9 +510,11 @@ class SnapshotEngine:
     def close(self, unlink: bool = False) -> None:
         """Finish background work and release the slots (``unlink`` deletes them)."""
         try:
+            self._await_reserve()
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self.hashers.shutdown(wait=True)
             self.drop_offered()
             for slot in self.slots:
                 if slot.region is not None:

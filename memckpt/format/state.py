@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import ChainMap
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -117,6 +118,9 @@ class LoadMemory:
 
     before_copy: Callable[[Iterable[torch.Tensor]], object] = lambda tensors: None
     clone: Callable[[torch.Tensor], torch.Tensor] = torch.clone
+    # the optimizer state's, when it differs (a GPU restore hands torch the pinned views to
+    # copy to the device itself, with no host clone between)
+    optimizer_clone: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 def _local_alias(t: torch.Tensor, name: str, dtensors: dict[str, Any]) -> torch.Tensor:
@@ -322,9 +326,10 @@ class TrainState:
         """
         kinds = set(CONTENT_KINDS if content is None else content)
         dtensors: Mapping[str, Any] = meta.get("dtensors", {})
-        tensors = dict(tensors)
-        for alias, target in meta.get("aliases", {}).items():
-            tensors[alias] = _tensor(tensors, target)
+        # not copied into a dict: a mapping that verifies each tensor on first look-up
+        # (memckpt.engine.restore) loads the tensors verified so far while the rest verify
+        tensors = ChainMap({alias: _tensor(tensors, target)
+                            for alias, target in meta.get("aliases", {}).items()}, tensors)
         if "model" in kinds:
             self._check_names("model", meta["models"], self.models)
             for mname, m in self.models.items():
@@ -347,7 +352,8 @@ class TrainState:
             for oname, opt in self.optimizers.items():
                 local = _local_optimizer(opt)
                 self._load_optimizer(oname, local, meta["optimizers"][oname], tensors, names,
-                                     memory.clone if clone else _as_is, dtensors)
+                                     (memory.optimizer_clone or memory.clone) if clone
+                                     else _as_is, dtensors)
                 if local is not opt:  # ZeRO: its own groups feed the shard's at every step
                     for outer, inner in zip(opt.param_groups, local.param_groups):
                         outer.update({k: v for k, v in inner.items() if k != "params"})

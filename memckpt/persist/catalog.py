@@ -205,7 +205,7 @@ class CheckpointStore:
         source = f"rank {rank}'s shard of step {step}"
         h, layout, cap = fmt.read_header(region, source)
         size = fmt.data_offset(cap) + layout.data_len  # a slot may be larger than its shard
-        if verify and fmt.checksum(region[fmt.data_offset(cap): size]) != h["data_xxh3"]:
+        if verify and fmt.data_digest(region[fmt.data_offset(cap): size], h) != h["data_xxh3"]:
             raise ChecksumError(f"{source}: data checksum mismatch: refusing to persist a corrupt shard")
         if int(h["step"]) != step:
             raise ChecksumError(f"rank {rank}'s shard holds step {h['step']}, not step {step}")

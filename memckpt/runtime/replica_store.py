@@ -100,7 +100,7 @@ def peek_step(path: Path) -> Optional[int]:
             if len(head) < fmt.PREFIX.size:
                 return None
             magic, version, state, cap, hlen, hsum, off, _, step = fmt.PREFIX.unpack(head)
-            if (magic != fmt.MAGIC or version != fmt.FORMAT_VERSION or state != fmt.STATE_COMPLETE
+            if (magic != fmt.MAGIC or version not in fmt.READ_VERSIONS or state != fmt.STATE_COMPLETE
                     or hlen > cap or off != fmt.PREFIX.size + cap):
                 return None
             blob = f.read(hlen)

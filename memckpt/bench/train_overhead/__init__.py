@@ -1,0 +1,1 @@
+"""``memckpt bench train-overhead``: what a snapshot every step costs a training loop."""
