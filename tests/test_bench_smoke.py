@@ -9,7 +9,7 @@ import pytest
 
 from memckpt import cli
 from memckpt.bench.common import parse_size
-from memckpt.bench.snapshot import METHODS
+from memckpt.bench.snapshot.command import METHODS
 
 
 @pytest.fixture

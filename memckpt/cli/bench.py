@@ -14,7 +14,7 @@ from typing import Callable
 
 # name -> (module with `add_arguments(parser)` and `main(args) -> int`, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "snapshot": ("memckpt.bench.snapshot",
+    "snapshot": ("memckpt.bench.snapshot.command",
                  "per-step stall of a snapshot: memckpt (sync, overlap) vs memcpy vs torch.save"),
     "train-overhead": ("memckpt.bench.train_overhead.command",
                        "a compute-bound loop with a snapshot every step: step time vs none, per "

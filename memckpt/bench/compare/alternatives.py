@@ -53,7 +53,7 @@ from memckpt.bench.recovery import workload as rjob
 from memckpt.bench.foreign_load import Quiet
 from memckpt.bench.recovery.bench_actors import ColdWorker
 from memckpt.bench.recovery.measure import WORLD_SIZE
-from memckpt.bench.snapshot_measure import build_state, matmul_unit, measure_memcpy
+from memckpt.bench.snapshot.measure import build_state, matmul_unit, measure_memcpy
 from memckpt.util.netutil import free_port
 
 PLAIN_METHODS = ("none", "memcpy", "memckpt-local", "torch.save", "dcp-async")

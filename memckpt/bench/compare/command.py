@@ -58,7 +58,7 @@ from memckpt.bench.compare.measure import (SELECTABLE, measure_recovery, measure
 from memckpt.bench.compare.report import report
 from memckpt.bench.compare.rows import PARTS, derive
 from memckpt.bench.foreign_load import Quiet
-from memckpt.bench.snapshot_measure import calibrate_compute
+from memckpt.bench.snapshot.measure import calibrate_compute
 from memckpt.errors import ConfigError
 
 DEFAULT_SIZES = "100M,1G"

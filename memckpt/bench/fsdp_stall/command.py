@@ -28,7 +28,7 @@ from typing import Optional
 from memckpt.bench.common import parse_size, positive_int, standalone, write_rows
 from memckpt.bench.fsdp_stall.measure import measure
 from memckpt.bench.fsdp_stall.report import report
-from memckpt.bench.snapshot_measure import DEFAULT_LAYERS
+from memckpt.bench.snapshot.measure import DEFAULT_LAYERS
 
 DEFAULT_SIZE = "512M"
 DEFAULT_RANKS = 2

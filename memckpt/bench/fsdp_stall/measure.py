@@ -16,7 +16,7 @@ from typing import Any
 from memckpt.bench.common import machine_info
 from memckpt.bench.foreign_load import Quiet
 from memckpt.bench.fsdp_stall.rows import Row
-from memckpt.bench.snapshot_measure import build_state, measure_memckpt_sync, measure_memcpy
+from memckpt.bench.snapshot.measure import build_state, measure_memckpt_sync, measure_memcpy
 
 
 class _Lockstep(Quiet):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from memckpt.bench.common import finish_report, human_bytes, human_s, machine_line
-from memckpt.bench.snapshot_report import BUSY_THRESHOLD
+from memckpt.bench.snapshot.report import BUSY_THRESHOLD
 
 # On every rank the median memckpt stall is at most 1.3x the median memcpy of its local bytes
 TARGET = 1.3

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from memckpt.bench.common import machine_info
 from memckpt.bench.reshard.rows import Row
-from memckpt.bench.snapshot_measure import peak_rss, reset_peak_rss, rss_bytes
+from memckpt.bench.snapshot.measure import peak_rss, reset_peak_rss, rss_bytes
 
 WRITERS = 4
 LAYERS = 8

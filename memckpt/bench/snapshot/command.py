@@ -41,12 +41,12 @@ from typing import Any, Callable, Optional
 from memckpt.bench.common import (GIB, disk_dir, machine_info, parse_sizes, positive_int,
                                   rows_from_child, standalone, usable_dir, write_rows)
 from memckpt.bench.foreign_load import DISCARD_THRESHOLD, QUIET_THRESHOLD, Quiet
-from memckpt.bench.snapshot_measure import (DEFAULT_LAYERS, build_state, measure_first_snapshot,
+from memckpt.bench.snapshot.measure import (DEFAULT_LAYERS, build_state, measure_first_snapshot,
                                             measure_memckpt_overlap, measure_restore,
                                             measure_memckpt_sync, measure_memcpy,
                                             measure_save_buffer, measure_save_disk, peak_rss,
                                             reset_peak_rss, rss_bytes)
-from memckpt.bench.snapshot_report import report
+from memckpt.bench.snapshot.report import report
 from memckpt.util.fsutil import fs_type
 
 METHODS = ("memcpy", "memckpt", "memckpt-overlap", "torch.save-buffer", "torch.save-disk",
@@ -219,12 +219,12 @@ def _run_in_subprocess(label: str, repeats: Optional[int], args: argparse.Namesp
         argv += ["--wait-quiet", str(args.wait_quiet)]
     if args.layers != DEFAULT_LAYERS:
         argv += ["--layers", str(args.layers)]
-    return rows_from_child("memckpt.bench.snapshot", argv, "--rows-out",
+    return rows_from_child("memckpt.bench.snapshot.command", argv, "--rows-out",
                            f"the measurement of size {label}")
 
 
 def _cli(argv: Optional[list[str]] = None) -> int:
-    """``python -m memckpt.bench.snapshot``, ``benchmarks/bench_snapshot.py``."""
+    """``python -m memckpt.bench.snapshot.command``, ``benchmarks/bench_snapshot.py``."""
     return standalone("memckpt bench snapshot", __doc__, add_arguments, main, argv)
 
 

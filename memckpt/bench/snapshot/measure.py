@@ -1,4 +1,4 @@
-"""The methods ``memckpt bench snapshot`` times on one state (see :mod:`memckpt.bench.snapshot`):
+"""The methods ``memckpt bench snapshot`` times on one state (see :mod:`memckpt.bench.snapshot.command`):
 a raw memcpy, memckpt's snapshot in sync and overlap mode, torch.save into a buffer and to
 disk; the state they run on, and the process's memory figures they record."""
 

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from memckpt.bench.snapshot_measure import build_state
+from memckpt.bench.snapshot.measure import build_state
 from memckpt.checkpointer import Checkpointer
 from memckpt.config import Config, EngineConfig
 from memckpt.format.state import TrainState
