@@ -72,7 +72,7 @@ class Checkpointer:
             self.persister = Persister(
                 config.persistence, rank, lambda s: self.engine.reading(s, verify=False),
                 self.directory / "staging.bin",
-                folder_for=lambda tier, step: self.persister.stores[tier].folder_for(step),
+                folder_for=self._folder_for,
                 on_written=self._commit, on_event=self._event, world_size=world_size)
 
     def _sealed(self, step: int, path: Path) -> None:
@@ -82,7 +82,12 @@ class Checkpointer:
         if self._on_sealed is not None:
             self._on_sealed(step, path)
 
+    def _folder_for(self, tier: int, step: int) -> str:
+        assert self.persister is not None  # only the persister calls it
+        return self.persister.stores[tier].folder_for(step)
+
     def _commit(self, tier: int, step: int, entry) -> None:
+        assert self.persister is not None  # only the persister calls it
         store = self.persister.stores[tier]
         store.commit(step, self.world_size, [entry], self.config.fingerprint(),
                      job=self.config.job_name)
@@ -224,7 +229,7 @@ class Checkpointer:
                 for reason in reasons:
                     self._event("checkpoint_skipped", reason=reason)
                     log.warning("memckpt: %s", reason)
-                if tier is None:
+                if tier is None or manifest is None:  # None together: nothing to resume
                     return None, folders
             else:
                 (tier, manifest), first = first, None

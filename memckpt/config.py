@@ -86,7 +86,7 @@ class WorkersConfig:
         _positive_int("workers.min_workers", self.min_workers)
         _bool("workers.grow", self.grow)
         _positive_int("workers.size_multiple", self.size_multiple)
-        if self.min_workers > self.num_workers:
+        if self.floor > self.num_workers:
             _fail("workers.min_workers", self.min_workers,
                   f"it must be <= workers.num_workers={self.num_workers} (the job never runs "
                   "more ranks than num_workers)")
@@ -99,7 +99,7 @@ class WorkersConfig:
                   "the same number of ranks")
         step = self.size_step
         for name, value in (("workers.num_workers", self.num_workers),
-                            ("workers.min_workers", self.min_workers)):
+                            ("workers.min_workers", self.floor)):
             if value % step:
                 _fail(name, value,
                       f"every world size must be a multiple of {step} (whole nodes of "
@@ -116,12 +116,18 @@ class WorkersConfig:
         return math.lcm(self.workers_per_node, self.size_multiple)
 
     @property
+    def floor(self) -> int:
+        """``min_workers`` once set (construction fills None with ``num_workers``)."""
+        assert self.min_workers is not None
+        return self.min_workers
+
+    @property
     def elastic(self) -> bool:
-        return self.min_workers < self.num_workers
+        return self.floor < self.num_workers
 
     def sizes(self) -> tuple[int, ...]:
         """Every world size the job may run at, largest first (num_workers alone unless elastic)."""
-        return tuple(range(self.num_workers, self.min_workers - 1, -self.size_step))
+        return tuple(range(self.num_workers, self.floor - 1, -self.size_step))
 
 
 @dataclass(frozen=True)

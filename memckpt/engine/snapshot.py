@@ -57,6 +57,17 @@ class Slot:
     readers: int = 0
     views: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    @property
+    def mem(self) -> RamRegion:
+        """The mapped region; only asked for once the slot was prepared or found."""
+        assert self.region is not None, f"{self.path} is not mapped"
+        return self.region
+
+    @property
+    def age(self) -> int:
+        """The step held, -1 for none: newer snapshots compare greater."""
+        return -1 if self.step is None else self.step
+
 
 SKIP_LOG_INTERVAL_S = 30.0  # a skipped snapshot is logged at most this often
 
@@ -140,7 +151,7 @@ class SnapshotEngine:
             slot.region, slot.layout, slot.header_capacity = region, layout, cap
             slot.step, slot.complete = int(header["step"]), True
             slot.views = fmt.tensor_views(region.tensor, layout, cap)
-            if self._newest is None or slot.step > self.slots[self._newest].step:
+            if self._newest is None or slot.age > self.slots[self._newest].age:
                 self._newest = i
 
     def adopt(self, files: list[Path]) -> list[int]:
@@ -182,7 +193,7 @@ class SnapshotEngine:
         slot = self.slots[target]
         try:
             self._prepare(slot, captured)
-            fmt.mark_writing(slot.region.array)
+            fmt.mark_writing(slot.mem.array)
             slot.complete, slot.step = False, None
             meta_blob = captured.meta
             background = [(n, t) for n, t in captured.tensors
@@ -223,8 +234,8 @@ class SnapshotEngine:
         def into(nbytes: int) -> np.ndarray:
             if slot.region is None or slot.region.size != nbytes:
                 self._map_file(slot, nbytes)
-            fmt.mark_writing(slot.region.array)
-            return slot.region.array
+            fmt.mark_writing(slot.mem.array)
+            return slot.mem.array
 
         try:
             received = receive(into)
@@ -236,7 +247,7 @@ class SnapshotEngine:
                     self._newest = 1 - target
                 self._cond.notify_all()
             raise
-        slot.views = fmt.tensor_views(slot.region.tensor, slot.layout, slot.header_capacity)
+        slot.views = fmt.tensor_views(slot.mem.tensor, slot.layout, slot.header_capacity)
         with self._cond:
             slot.step, slot.complete = step, True
             self._cond.notify_all()
@@ -335,7 +346,7 @@ class SnapshotEngine:
         """Map ``slot``'s file sized for ``layout`` with a header of ``cap`` bytes."""
         self._map_file(slot, fmt.region_size(layout, cap))
         slot.layout, slot.header_capacity = layout, cap
-        slot.views = fmt.tensor_views(slot.region.tensor, layout, cap)
+        slot.views = fmt.tensor_views(slot.mem.tensor, layout, cap)
 
     def offer_files(self, paths: list[Path]) -> None:
         """Let the next slots this engine must create from nothing take ``paths`` instead,
@@ -403,7 +414,8 @@ class SnapshotEngine:
                 self._copy_done.set()
             t0 = time.perf_counter()
             header = dict(self.identity, meta=meta, created_at=time.time())
-            fmt.seal(slot.region.array, slot.layout, slot.header_capacity, step, header,
+            assert slot.layout is not None  # _prepare laid the slot out
+            fmt.seal(slot.mem.array, slot.layout, slot.header_capacity, step, header,
                      self.map_fn)
             self.stats.last_seal_s = time.perf_counter() - t0
             self.stats.landed += 1
@@ -442,10 +454,10 @@ class SnapshotEngine:
         with self._cond:
             for slot in self.slots:
                 if slot.complete and slot.step is not None and doomed(slot.step):
-                    fmt.mark_writing(slot.region.array)
+                    fmt.mark_writing(slot.mem.array)
                     slot.complete, slot.step = False, None
             done = [i for i, s in enumerate(self.slots) if s.complete]
-            self._newest = max(done, key=lambda i: self.slots[i].step) if done else None
+            self._newest = max(done, key=lambda i: self.slots[i].age) if done else None
 
     def abort(self, error: BaseException) -> None:
         """Fail the snapshot the training thread waits in (and every later one) with
@@ -495,10 +507,10 @@ class SnapshotEngine:
             if not cands:
                 raise NoSnapshotError(f"no complete snapshot{'' if step is None else f' of step {step}'}"
                                       f" in {self.directory}")
-            slot = max(cands, key=lambda s: s.step)
+            slot = max(cands, key=lambda s: s.age)
             slot.readers += 1
         try:
-            shard = fmt.open_shard(slot.region.array, str(slot.path), verify=False)
+            shard = fmt.open_shard(slot.mem.array, str(slot.path), verify=False)
             if verify:
                 fmt.verify_data(shard, str(slot.path), map_fn=self.map_fn)
             yield shard

@@ -329,7 +329,8 @@ class TrainState:
         # not copied into a dict: a mapping that verifies each tensor on first look-up
         # (memckpt.engine.restore) loads the tensors verified so far while the rest verify
         tensors = ChainMap({alias: _tensor(tensors, target)
-                            for alias, target in meta.get("aliases", {}).items()}, tensors)
+                            for alias, target in meta.get("aliases", {}).items()},
+                           tensors)  # type: ignore[arg-type]  # only read: ChainMap writes to its first map
         if "model" in kinds:
             self._check_names("model", meta["models"], self.models)
             for mname, m in self.models.items():

@@ -185,7 +185,8 @@ class HFSnapshots(TrainerCallback):
         if data.get("steps_per_epoch") != steps_per_epoch or data.get("seed") != self.data_seed():
             raise StateError(
                 f"memckpt's snapshot of step {self.restored_step} was taken with "
-                f"{data.get('steps_per_epoch')} optimizer steps per epoch and data seed {data.get('seed')}, this run has "
+                f"{data.get('steps_per_epoch')} optimizer steps per epoch and data seed "
+                f"{data.get('seed')}, this run has "
                 f"{steps_per_epoch} and {self.data_seed()}: the dataset, batch size or seed changed; "
                 "restore them, or give the run a new job_name to start fresh")
         opt = torch_optimizer(self.trainer.optimizer)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -188,9 +189,8 @@ class WorkerContext:
                 conn = StoreConnection(ray.get(self.spec.stores[node].address.remote()))
                 t1 = time.perf_counter()
                 try:
-                    shard = self.ckpt.install(
-                        instr.step, lambda into, conn=conn: self._fetch(conn, instr.step, into),
-                        source)  # verified
+                    shard = self.ckpt.install(instr.step, partial(self._fetch, conn, instr.step),
+                                              source)  # verified
                     # install = slot allocation + fetch (timed in _fetch) + verification
                     self.restore_seconds.update(connect_s=t1 - t0,
                                                 install_s=time.perf_counter() - t1)

@@ -120,7 +120,8 @@ class Runtime:
         cfg, plane = self.config, self.plane
         self.run_dir.mkdir(parents=True, exist_ok=True)
         t_start = time.time()
-        gen, g, decision = 0, None, Decision(Action.WAIT)
+        gen, decision = 0, Decision(Action.WAIT)
+        g: Optional[Generation] = None
         self.state = State.STARTING
         try:  # from the first actor on: a failed start (too few nodes) tears down too
             plane.start_coordinator(self.run_dir)
@@ -143,8 +144,10 @@ class Runtime:
                         g = self._start_generation(gen, assignment, holders, restore, committed)
                         self._fire_during("restore", g)
                     elif self.state is State.RUNNING:
+                        assert g is not None  # STARTING made it
                         decision = self._monitor(g, restarts=gen - self._growths)
                     else:  # RECOVERING
+                        assert g is not None  # a failure of a running generation
                         plan, restore = self.recovery.recover(
                             g, self._failure, assignment, holders)
                         assignment, holders, committed = plan.assignment, plan.holders, plan.step
@@ -156,11 +159,14 @@ class Runtime:
                         self._fire_during("start", g)
                 except DiedDuringRecovery as lost:
                     g = lost.generation or g
+                    assert g is not None  # deaths are found in a generation that ran
                     interrupted = decision = self._died_during(g, lost, gen - self._growths)
                 self.state = next_state(self.state, decision if self.state is State.RUNNING
                                         else interrupted)
             if self.state is State.FAILED:
+                assert decision.error is not None  # FAILED follows a RAISE, which carries it
                 raise decision.error
+            assert g is not None
             return self._finish(g, t_start, decision.step if decision.action is Action.STOP
                                 else None)
         except BaseException as e:
@@ -241,7 +247,8 @@ class Runtime:
         base = Observation(pending=(), restarts=restarts, max_restarts=cfg.failure.max_restarts)
         while True:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
-            died, unloadable = (), None
+            died: tuple[int, ...] = ()
+            unloadable: Optional[tuple[int, str]] = None
             for ref in ready:
                 rank = pending.pop(ref)
                 try:
@@ -482,7 +489,7 @@ class Runtime:
             return summary
         self._event("job_finished", final_digest=digest, recoveries=len(recoveries))
         self._say(f"finished: {len(losses)} steps, {len(recoveries)} recoveries, "
-                  f"final digest {digest[:16]}")
+                  f"final digest {(digest or 'none')[:16]}")
         return summary
 
 

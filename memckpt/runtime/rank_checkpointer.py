@@ -80,4 +80,4 @@ class RankCheckpointer(Checkpointer):
     def newest_layout(self) -> Optional[fmt.Layout]:
         """The layout of the newest complete snapshot (what a restore of it creates)."""
         slots = [s for s in self.engine.slots if s.complete and s.layout is not None]
-        return max(slots, key=lambda s: s.step).layout if slots else None
+        return max(slots, key=lambda s: s.age).layout if slots else None

@@ -57,7 +57,7 @@ class Recovery:
         for reason in reasons:
             self.plane.say(f"skipping persisted checkpoint: {reason}")
             self.plane.event("checkpoint_skipped", reason=reason, why=why)
-        return None if manifest is None else (tier, manifest)
+        return None if tier is None or manifest is None else (tier, manifest)
 
     @staticmethod
     def persisted_instructions(found: tuple[int, Any], ranks) -> Restore:
@@ -120,12 +120,13 @@ class Recovery:
                 plan = self.resize(g, assignment, cap, failure["what"])
                 self._record_resize(g, failure, plan, t0, t_killed, cap)
                 return plan, self.resize_instructions(plan)
-        plan, persisted = self._plan(assignment, holders, cap)
-        self._record_plan(g, failure, plan, t0, t_killed, cap)
+        planned, persisted = self._plan(assignment, holders, cap)
+        self._record_plan(g, failure, planned, t0, t_killed, cap)
         if persisted:
-            return plan, self.persisted_instructions(persisted, plan.assignment)
-        return plan, {r: RestoreInstruction(plan.step, plan.sources[r], placed=r in plan.placed)
-                      for r in plan.assignment if plan.sources[r]}
+            return planned, self.persisted_instructions(persisted, planned.assignment)
+        return planned, {r: RestoreInstruction(planned.step, planned.sources[r],
+                                               placed=r in planned.placed)
+                         for r in planned.assignment if planned.sources[r]}
 
     # -- elastic ----------------------------------------------------------------------------------
     def _room(self, cap: dict[str, int]) -> int:

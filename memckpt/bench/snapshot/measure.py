@@ -228,7 +228,8 @@ def measure_first_snapshot(state, repeats: int, quiet: Quiet,
                            ram_root: Optional[str]) -> dict[str, Any]:
     """The first snapshot of a job: cold (its slot mapped, populated, pinned on the step),
     and after restore() prepared both slots in the background (waited for, untimed)."""
-    cold, warm = [], []
+    cold: list[float] = []
+    warm: list[float] = []
     for prepared, out in ((False, cold), (True, warm)):
         while len(out) < repeats:
             ckpt = _ckpt("sync", ram_root)

@@ -76,7 +76,8 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[bool, str]]:
                            f"{size}: memckpt sync stall {r['ratio_to_memcpy']:.2f} × memcpy (target ≤ 1.3)"))
         if method == "memckpt-overlap":
             checks.append((r["ratio_to_memcpy"] <= 0.3,
-                           f"{size}: overlap visible stall {r['ratio_to_memcpy']:.2f} × memcpy (target ≤ 0.3)"))
+                           f"{size}: overlap visible stall {r['ratio_to_memcpy']:.2f} × memcpy "
+                           "(target ≤ 0.3)"))
         if method == "torch.save-disk" and r["target_bytes"] == GIB and (size, "memckpt") in by:
             x = r["stall_s"] / by[(size, "memckpt")]["stall_s"]
             checks.append((x >= 10, f"{size}: torch.save-disk / memckpt = {x:.1f} × (target ≥ 10)"))

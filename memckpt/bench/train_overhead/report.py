@@ -9,7 +9,7 @@ from memckpt.bench.train_overhead.rows import Row
 def report(rows: list[Row]) -> str:
     if not rows:
         return "no rows measured"
-    lines = [f"| loop | state | step time | overhead | snapshots landed |",
+    lines = ["| loop | state | step time | overhead | snapshots landed |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         over = "–" if r.overhead is None else f"{100 * r.overhead:+.0f}%"
