@@ -16,6 +16,7 @@ def assert_reads_as_a_story(stdout: str) -> list[str]:
     """The demo's output: under 60 lines; first what will happen and about how long; then
     placement, progress, the fault, the plan, the recovery, the comparison; last the
     recovery's phases beside the model's step time. No progress line repeats itself."""
+    print(stdout)  # shown with pytest -rP: the output a user reads
     out = stdout.splitlines()
     assert len(out) < 60, stdout
     assert out[0].startswith("memckpt demo (about ") and " min on 2 cores)" in out[0], out[0]
