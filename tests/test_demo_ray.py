@@ -108,8 +108,9 @@ def test_elastic_demo_shrinks_and_grows_back(tmp_path):
     assert "resized from 3 to 2 ranks" in res.stdout
     out = res.stdout.splitlines()
     assert len(out) < 60 and out[0].startswith("memckpt demo (about "), res.stdout
-    # the node's loss is a failure; growing back is planned, and never called one
-    assert [line for line in out if "fail" in line.lower()] == \
+    # the node's loss is a failure; growing back is planned, and never called one (Ray's
+    # own "(raylet)" retry notices are Ray's, not the story's)
+    assert [line for line in out if "fail" in line.lower() and "(raylet)" not in line] == \
         [next(line for line in out if "failure detected" in line)], res.stdout
     assert any("resizing as planned: nodes with room appeared" in line for line in out)
     assert out[-3].startswith("planned resize from 2 to 3 ranks after step "), res.stdout

@@ -90,7 +90,6 @@ def _elastic_demo(steps: int, kill_at: int, size: str, seed: int) -> dict:
     """3 one-rank nodes, no room to spare: a node dies, the job goes on with 2 ranks from
     RAM; a node is added back and the job grows to 3. ``memckpt report`` draws it."""
     import threading
-    import time
 
     import memckpt
     from memckpt.demo.job import GPTJob
@@ -113,21 +112,28 @@ def _elastic_demo(steps: int, kill_at: int, size: str, seed: int) -> dict:
                 done["error"] = e
 
         runner = threading.Thread(target=train, name="memckpt-demo-job")
-        runner.start()
-        # Ray adds nodes from the main thread only; the job runs in another
-        while runner.is_alive() and not _resized(run_dir):
-            time.sleep(0.2)
-        if runner.is_alive():
-            time.sleep(ELASTIC_ADD_AFTER_S)
-            print("adding a node with room for a rank", flush=True)
-            cluster.add_node()
-        runner.join()
+        with drill_notices("node"):  # Ray's notice of the node's death reads as the drill
+            runner.start()
+            _add_node_back(runner, run_dir, cluster)
+            runner.join()
     if "error" in done:
         raise done["error"]
     result = done["result"]
     result["run_dir"] = str(run_dir)
     result["step_s"] = step_time_s(run_dir)
     return result
+
+
+def _add_node_back(runner: Any, run_dir: Path, cluster: Any) -> None:
+    """Once the job has shrunk, wait a little and add a node with room for a rank."""
+    import time
+    # Ray adds nodes from the main thread only; the job runs in another
+    while runner.is_alive() and not _resized(run_dir):
+        time.sleep(0.2)
+    if runner.is_alive():
+        time.sleep(ELASTIC_ADD_AFTER_S)
+        print("adding a node with room for a rank", flush=True)
+        cluster.add_node()
 
 
 def step_time_s(run_dir: Path) -> Optional[float]:
