@@ -52,7 +52,7 @@ class DemoError(MemckptError):
 
 # Measured on a 2-core machine: a child process's start (torch imported), a step per size.
 CHILD_START_S = 8.0
-STEP_S = {"tiny": 0.05, "mini": 0.25, "small": 1.0}
+STEP_S = {"tiny": 0.05, "mini": 0.6, "small": 2.0}
 
 
 def estimate_s(steps: int, size: str) -> float:
