@@ -84,21 +84,88 @@ def test_report_of_a_run_with_a_worker_killed(cluster, tmp_path, capsys):
     assert "1 failure(s)" in capsys.readouterr().out
 
 
-def test_world_size_over_the_steps_of_an_elastic_run(tmp_path):
-    """A resized run's events give the world size from each step on, and the picture."""
+def drawn_texts(fig) -> list:
+    """Every text the figure shows (titles, axis labels, the tick labels inside the axes'
+    limits, annotations, legends) with its extent in pixels."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    shown = list(fig.texts)
+    for ax in fig.axes:
+        shown += [ax.title, ax._left_title, ax._right_title, ax.xaxis.label, ax.yaxis.label]
+        shown += list(ax.texts)
+        if ax.get_legend():
+            shown += list(ax.get_legend().get_texts())
+        for lim, labels, i in ((ax.get_xlim(), ax.get_xticklabels(), 0),
+                               (ax.get_ylim(), ax.get_yticklabels(), 1)):
+            lo, hi = sorted(lim)
+            shown += [t for t in labels if lo <= t.get_position()[i] <= hi]
+    return [(t.get_text(), t.get_window_extent(renderer)) for t in shown
+            if t.get_visible() and t.get_text().strip()]
+
+
+def assert_readable(fig) -> None:
+    """No two texts overlap (labels, ticks, titles, legends), and all lie in the figure."""
+    texts = drawn_texts(fig)
+    for text, box in texts:
+        assert 0 <= box.x0 and box.x1 <= WIDTH_PX and 0 <= box.y0 and box.y1 <= HEIGHT_PX, \
+            f"{text!r} leaves the {WIDTH_PX}x{HEIGHT_PX} figure: {box}"
+    for i, (a, abox) in enumerate(texts):
+        for b, bbox in texts[i + 1:]:
+            assert not abox.overlaps(bbox), f"{a!r} overlaps {b!r}"
+
+
+def test_world_size_over_the_steps_of_an_elastic_run(tmp_path, capsys):
+    """A resized run's events give the world size from each step on; the picture tells the
+    node's loss as a failure and the growth back as a planned resize, not a failure, with
+    no label over another, everything inside the figure, and whole ranks on the size axis."""
     from memckpt.cli.report import draw, load_timeline
     lines = [{"time": 1.0, "event": "job_started", "world_size": 3},
-             {"time": 5.0, "event": "failure_detected", "what": "node lost", "gen": 0},
+             {"time": 5.0, "event": "failure_detected", "what": "node lost", "gen": 0,
+              "reached_step": 5},
              {"time": 6.0, "event": "resized", "from_world_size": 3, "to_world_size": 2,
               "step": 4, "why": "node lost", "gen": 1, "sources": {}},
+             {"time": 8.5, "event": "resize_started",
+              "what": "nodes with room appeared: growing to 3 ranks", "gen": 1},
              {"time": 9.0, "event": "resized", "from_world_size": 2, "to_world_size": 3,
-              "step": 8, "why": "nodes with room appeared", "gen": 2, "sources": {}}]
+              "step": 8, "why": "nodes with room appeared", "gen": 2, "sources": {}},
+             {"time": 9.5, "event": "recovery_finished", "gen": 2, "phases_s": {"total": 2.5}}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (tmp_path / "losses.jsonl").write_text(
         "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 11)))
     t = load_timeline(tmp_path)
     assert [(w["from_step"], w["world_size"]) for w in t["world_sizes"]] == \
         [(1, 3), (5, 2), (9, 3)]
-    assert [r["resumed_step"] for r in t["recoveries"]] == [4, 8]
-    draw(t, tmp_path / "t.png")
-    assert (tmp_path / "t.png").stat().st_size > 0
+    assert [(r["resumed_step"], r["planned"]) for r in t["recoveries"]] == [(4, False),
+                                                                          (8, True)]
+    assert [f["what"] for f in t["failures"]] == ["node lost"]
+    assert [(r["from_step"], r["to_step"]) for r in t["rollbacks"]] == [(5, 5)]
+    fig = draw(t, tmp_path / "t.png")
+    assert png_size(tmp_path / "t.png") == (WIDTH_PX, HEIGHT_PX)
+    texts = [text for text, _ in drawn_texts(fig)]
+    assert any("1 failure(s), 1 recovery(ies), 1 planned resize(s)" in x for x in texts), texts
+    assert "grown to 3 ranks after step 8, back in 2.5 s" in texts
+    assert sum("node lost" in x for x in texts) == 1  # the growth is no failure label
+    size_axis = [ax for ax in fig.axes if ax.get_ylabel() == "world size (ranks)"]
+    assert size_axis, "no world size axis"
+    ticks = [x for x in size_axis[0].get_yticks() if 0 <= x <= 4]
+    assert ticks and all(float(x).is_integer() for x in ticks), ticks
+    assert_readable(fig)
+    assert main(["report", str(tmp_path)]) == 0
+    assert "1 failure(s), 1 recovery(ies), 1 planned resize(s)" in capsys.readouterr().out
+
+
+def test_labels_of_many_incidents_do_not_overlap(tmp_path):
+    """Failures close together (a rank dying twice in a few steps): each label has its
+    own row, whatever the steps."""
+    from memckpt.cli.report import draw, load_timeline
+    events = [{"time": 1.0, "event": "job_started", "world_size": 3}]
+    for k, step in enumerate((6, 7, 8, 20)):
+        events += [{"time": 10.0 + k, "event": "failure_detected", "gen": k,
+                    "what": f"rank {k % 3}'s worker died", "reached_step": step},
+                   {"time": 10.5 + k, "event": "recovery_plan", "gen": k,
+                    "resumed_step": step - 1, "sources": {}}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(x) + "\n" for x in events))
+    (tmp_path / "losses.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 5.0 / s}) + "\n" for s in range(1, 25)))
+    fig = draw(load_timeline(tmp_path), tmp_path / "t.png")
+    assert_readable(fig)

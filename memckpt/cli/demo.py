@@ -19,8 +19,10 @@ from memckpt.demo.single_process import DEFAULT_SIZE, DEFAULT_STEPS, default_kil
 
 FAULTS = ("worker", "node", "store", "coordinator", "cluster", "none")
 MODELS = ("ddp", "fsdp")  # memckpt.demo.job.GPTJob, FSDPJob
-RAY_STEPS = 30
+RAY_STEPS = 20  # the README command: about 1.5 minutes on 2 cores
+ELASTIC_STEPS = 40  # room for a node to be added back and the job to grow
 
+RAY_SIZE = "tiny"  # the multi-node demo's default: 3 ranks share 2 cores
 SIZES = ("tiny", "mini", "small")  # memckpt.demo.model.PRESETS, without importing torch here
 
 
@@ -52,17 +54,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="multi-node demo: skip the uninterrupted reference run")
     parser.add_argument("--steps", type=_positive_int, default=None, metavar="N",
                         help=f"training steps (default {DEFAULT_STEPS} local, "
-                             f"{RAY_STEPS} multi-node)")
+                             f"{RAY_STEPS} multi-node, {ELASTIC_STEPS} --elastic)")
     parser.add_argument("--kill-at", type=_positive_int, default=None, metavar="K",
                         help="SIGKILL the training process right after step K, 1 <= K < N "
-                             f"(default: about a third in, {default_kill_at(DEFAULT_STEPS)} "
-                             f"of {DEFAULT_STEPS})")
+                             "(default: --local about a third in, "
+                             f"{default_kill_at(DEFAULT_STEPS)} of {DEFAULT_STEPS}; multi-node "
+                             "half way; --elastic a quarter)")
     parser.add_argument("--summary", metavar="PATH",
                         help="also write the result (losses, digests, recoveries) as JSON")
     parser.add_argument("--size", choices=SIZES, default=None,
                         help=f"model preset: tiny ~0.1M, mini ~4M, small ~14M parameters "
-                             f"(default {DEFAULT_SIZE})")
-    parser.add_argument("--tiny", action="store_true", help="same as --size tiny (fast)")
+                             f"(default tiny multi-node, {DEFAULT_SIZE} --local; mini is about "
+                             "10x slower a step on 2 cores, small 30x)")
+    parser.add_argument("--tiny", action="store_true", help="same as --size tiny")
     parser.add_argument("--seed", type=int, default=0, help="model, data and shuffle seed")
     parser.add_argument("--model", choices=MODELS, default="ddp",
                         help="multi-node demo: train the GPT with DDP + ZeRO (default) or "
@@ -73,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _validate(args: argparse.Namespace) -> None:
     parser: argparse.ArgumentParser = args._demo_parser
     if args.steps is None:
-        args.steps = DEFAULT_STEPS if args.local else RAY_STEPS
+        args.steps = (DEFAULT_STEPS if args.local else
+                      ELASTIC_STEPS if args.elastic else RAY_STEPS)
     if args.steps < 2:
         parser.error(f"argument --steps: {args.steps} is too few: the demo needs at least 2 steps")
     if args.kill_at is not None and not 1 <= args.kill_at <= args.steps - 1:
@@ -112,7 +117,7 @@ def _run_local(args: argparse.Namespace) -> int:
 
 def _run_ray(args: argparse.Namespace) -> int:
     from memckpt.demo.ray_demo import run_ray_demo
-    size = "tiny" if args.tiny else (args.size or "mini")
+    size = "tiny" if args.tiny else (args.size or RAY_SIZE)
     return run_ray_demo(fault=args.fault, steps=args.steps, kill_at=args.kill_at, size=size,
                         summary=args.summary, compare=args.compare, seed=args.seed,
                         s3=args.s3, model=args.model, elastic=args.elastic)

@@ -37,8 +37,9 @@ def main(args: argparse.Namespace) -> int:
     draw(timeline, out)
     data.write_text(json.dumps(timeline, indent=1))
     f, r = len(timeline["failures"]), len(timeline["recoveries"])
-    print(f"{out}: {len(timeline['steps'])} steps, {f} failure(s), {r} recovery(ies); "
-          f"data in {data}")
+    planned = sum(1 for rec in timeline["recoveries"] if rec.get("planned"))
+    print(f"{out}: {len(timeline['steps'])} steps, {f} failure(s), {r - planned} recovery(ies)"
+          + (f", {planned} planned resize(s)" if planned else "") + f"; data in {data}")
     return 0
 
 
@@ -93,8 +94,9 @@ def _world_sizes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _incidents(events: list[dict[str, Any]]
                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """Failures (``failure_detected``: the step the job had reached), recoveries
-    (``recovery_plan``: the resumed step; ``recovery_finished``: its phases) and
-    rollbacks: the steps resumed step + 1 .. reached step, which the job redoes."""
+    (``recovery_plan``: the resumed step; ``recovery_finished``: its phases; ``resized``:
+    ``planned`` when it grew the job, which is no failure) and rollbacks: the steps resumed
+    step + 1 .. reached step, which the job redoes."""
     failures: list[dict[str, Any]] = []
     recoveries: list[dict[str, Any]] = []
     rollbacks: list[dict[str, Any]] = []
@@ -107,13 +109,16 @@ def _incidents(events: list[dict[str, Any]]
         elif e["event"] in ("recovery_plan", "resized"):
             done = finished.get(e.get("gen"), {})
             resumed = e["resumed_step"] if e["event"] == "recovery_plan" else e["step"]
+            planned = e["event"] == "resized" and \
+                (e.get("to_world_size") or 0) > (e.get("from_world_size") or 0)
             rec = {"time": e["time"], "resumed_step": resumed, "gen": e.get("gen"),
-                   "what": e.get("what"), "sources": e.get("sources"),
+                   "what": e.get("what", e.get("why")), "sources": e.get("sources"),
                    "dead_nodes": e.get("dead_nodes", e.get("lost_nodes")),
-                   "finished_at": done.get("time"),
+                   "finished_at": done.get("time"), "planned": planned,
+                   "world_size": e.get("to_world_size"),
                    "phases_s": done.get("phases_s")}
             recoveries.append(rec)
-            reached = failures[-1]["step"] if failures else None
+            reached = failures[-1]["step"] if failures and not planned else None
             if reached is not None and rec["resumed_step"] is not None \
                     and reached > rec["resumed_step"]:
                 rollbacks.append({"from_step": rec["resumed_step"] + 1, "to_step": reached,
@@ -122,63 +127,108 @@ def _incidents(events: list[dict[str, Any]]
 
 
 # -- drawing ----------------------------------------------------------------------------------
-def draw(timeline: dict[str, Any], out: Path) -> None:
-    """A ``WIDTH_PX`` x ``HEIGHT_PX`` PNG (fixed size: no tight bounding box)."""
+def draw(timeline: dict[str, Any], out: Path) -> Any:
+    """A ``WIDTH_PX`` x ``HEIGHT_PX`` PNG (fixed size: no tight bounding box); returns the
+    matplotlib ``Figure`` drawn. Each event label has a row of its own (failures from the
+    top of the loss panel down, resumes and resizes from its bottom up), so no two overlap;
+    the legends sit above the panels, outside the data."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise MemckptError("memckpt report needs matplotlib: pip install matplotlib") from None
     fig = Figure(figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI)
     FigureCanvasAgg(fig)
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     steps = timeline["steps"]
-    t0 = timeline["job_started"]
+    failures = [f for f in timeline["failures"] if f["step"] is not None]
+    recoveries = [r for r in timeline["recoveries"] if r["resumed_step"] is not None]
     with_loss = [s for s in steps if s["loss"] is not None]
     top.plot([s["step"] for s in with_loss], [s["loss"] for s in with_loss], ".-",
              color="tab:blue", label="loss")
     for ax in (top, bottom):
+        lab = ax is top
         for i, rb in enumerate(timeline["rollbacks"]):
             ax.axvspan(rb["from_step"] - 0.5, rb["to_step"] + 0.5, color="tab:orange", alpha=0.25,
-                       label="redone after resume" if i == 0 and ax is top else None)
-        for i, f in enumerate(timeline["failures"]):
-            if f["step"] is not None:
-                ax.axvline(f["step"] + 0.5, color="tab:red", ls="--",
-                           label="failure" if i == 0 and ax is top else None)
-        for i, r in enumerate(timeline["recoveries"]):
+                       label="redone after resume" if i == 0 and lab else None)
+        for i, f in enumerate(failures):
+            ax.axvline(f["step"] + 0.5, color="tab:red", ls="--",
+                       label="failure" if i == 0 and lab else None)
+        resumed = [r for r in recoveries if not r.get("planned")]
+        for i, r in enumerate(resumed):
             ax.axvline(r["resumed_step"], color="tab:green", ls=":",
-                       label="resumed at" if i == 0 and ax is top else None)
-    for f in timeline["failures"]:
-        if f["step"] is not None:
-            top.annotate(f"{f['what']}\nat +{f['time'] - t0:.1f} s", (f["step"] + 0.5, 1.0),
-                         xycoords=("data", "axes fraction"), xytext=(4, -4),
-                         textcoords="offset points", va="top", fontsize=8, color="tab:red")
-    for r in timeline["recoveries"]:
-        total = (r.get("phases_s") or {}).get("total")
-        took = f", back in {total:.1f} s" if total is not None else ""
-        top.annotate(f"resume at step {r['resumed_step']}{took}", (r["resumed_step"], 0.0),
-                     xycoords=("data", "axes fraction"), xytext=(-4, 4),
-                     textcoords="offset points", ha="right", fontsize=8, color="tab:green")
+                       label="resumed at" if i == 0 and lab else None)
+        for i, r in enumerate(r for r in recoveries if r.get("planned")):
+            ax.axvline(r["resumed_step"] + 0.5, color="tab:purple", ls="-.",
+                       label="planned resize" if i == 0 and lab else None)
+    last_step = steps[-1]["step"] if steps else 1
+    _label_rows(top, [(f["step"] + 0.5, _failure_label(f, timeline["job_started"]), "tab:red")
+                      for f in failures], last_step, from_top=True)
+    _label_rows(top, [(r["resumed_step"] + (0.5 if r.get("planned") else 0.0),
+                       _recovery_label(r), "tab:purple" if r.get("planned") else "tab:green")
+                      for r in recoveries], last_step, from_top=False)
     top.set_ylabel("loss")
+    handles, labels = top.get_legend_handles_labels()
     sizes = timeline.get("world_sizes") or []
+    right = 0.98
     if len(sizes) > 1 and steps:  # an elastic job resized: its world size over the steps
         ws = top.twinx()
         xs = [s["from_step"] - 0.5 for s in sizes] + [steps[-1]["step"] + 0.5]
         ys = [s["world_size"] for s in sizes] + [sizes[-1]["world_size"]]
-        ws.step(xs, ys, where="post", color="tab:purple", lw=2, label="world size (ranks)")
+        ws.step(xs, ys, where="post", color="tab:purple", lw=2, alpha=0.5,
+                label="world size (ranks)")
         ws.set_ylabel("world size (ranks)", color="tab:purple")
         ws.set_ylim(0, max(ys) + 1)
-        ws.legend(loc="lower left", fontsize=8)
-    top.set_title(f"{Path(timeline['run_dir']).name}: {len(steps)} steps, "
-                  f"{len(timeline['failures'])} failure(s), "
-                  f"{len(timeline['recoveries'])} recovery(ies)")
-    top.legend(loc="upper right", fontsize=8)
+        ws.yaxis.set_major_locator(MaxNLocator(integer=True))  # a count of ranks
+        h, lb = ws.get_legend_handles_labels()
+        handles, labels, right = handles + h, labels + lb, 0.93
+    planned = sum(1 for r in recoveries if r.get("planned"))
+    fig.suptitle(f"{Path(timeline['run_dir']).name}: {len(steps)} steps, "
+                 f"{len(timeline['failures'])} failure(s), "
+                 f"{len(recoveries) - planned} recovery(ies)"
+                 + (f", {planned} planned resize(s)" if planned else ""),
+                 x=0.07, y=0.985, ha="left", fontsize=11)
+    if handles:
+        top.legend(handles, labels, loc="lower right", bbox_to_anchor=(1.0, 1.0),
+                   ncol=len(handles), fontsize=8, frameon=False, borderaxespad=0.2)
     _draw_stalls(bottom, steps)
     bottom.set_xlabel("step")
     if not steps:
         top.text(0.5, 0.5, "no steps recorded yet", transform=top.transAxes, ha="center")
-    fig.subplots_adjust(left=0.07, right=0.98, top=0.95, bottom=0.08, hspace=0.08)
+    fig.subplots_adjust(left=0.07, right=right, top=0.9, bottom=0.08, hspace=0.15)
     fig.savefig(out, dpi=DPI)
+    return fig
+
+
+LABEL_ROW = 0.055  # axes fraction per label row (one line of 8 pt text in the loss panel)
+
+
+def _failure_label(f: dict[str, Any], t0: float) -> str:
+    return f"{f['what']} (+{f['time'] - t0:.1f} s)"
+
+
+def _recovery_label(r: dict[str, Any]) -> str:
+    total = (r.get("phases_s") or {}).get("total")
+    took = f", back in {total:.1f} s" if total is not None else ""
+    if r.get("planned"):
+        return f"grown to {r.get('world_size')} ranks after step {r['resumed_step']}{took}"
+    ranks = f" on {r['world_size']} ranks" if r.get("world_size") else ""
+    return f"resumed at step {r['resumed_step']}{ranks}{took}"
+
+
+def _label_rows(ax: Any, labels: list[tuple[float, str, str]], last_step: int,
+                from_top: bool) -> None:
+    """One line of text per label, each on its own row (so none can overlap another),
+    left of its line in the right half of the panel and right of it in the left half."""
+    for i, (x, text, color) in enumerate(labels):
+        y = 1.0 - LABEL_ROW * (i + 0.5) if from_top else LABEL_ROW * (i + 0.5)
+        right_half = x > (last_step + 1) / 2
+        ax.annotate(text, (x, y), xycoords=("data", "axes fraction"),
+                    xytext=(-4 if right_half else 4, 0), textcoords="offset points",
+                    ha="right" if right_half else "left", va="center", fontsize=8,
+                    color=color, bbox={"boxstyle": "round,pad=0.15", "fc": "white",
+                                       "ec": "none", "alpha": 0.8})
 
 
 def _draw_stalls(ax: Any, steps: list[dict[str, Any]]) -> None:
@@ -193,7 +243,8 @@ def _draw_stalls(ax: Any, steps: list[dict[str, Any]]) -> None:
         positive = [v for s in with_stall for v in s["stall_ms"] if v > 0]
         if positive and max(positive) > 50 * min(positive):
             ax.set_yscale("log")  # a first snapshot (buffer allocation) would flatten the rest
-        ax.legend(loc="upper right", fontsize=8, ncol=min(ranks + 1, 6))
+        ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False,
+                  ncol=min(ranks + 1, 6), borderaxespad=0.2)  # above the panel, off the data
     else:
         ax.text(0.5, 0.5, "no snapshot stalls recorded (steps.jsonl)", transform=ax.transAxes,
                 ha="center")

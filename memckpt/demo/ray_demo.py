@@ -63,6 +63,7 @@ def drill_notices(fault: str) -> Iterator[None]:
 
 ELASTIC_GLOBAL_BATCH = 12  # 2 micro batches of 2 per rank at 3 ranks, 3 at 2
 ELASTIC_ADD_AFTER_S = 3.0  # the elastic demo adds a node back this long after the loss
+ELASTIC_STEP_DELAY_S = 0.3  # stretches its steps: the node is added while the job trains
 
 
 def demo_config(job_name: str, nodes: int = 3, replicas: int = 1, persist: tuple = (),
@@ -89,7 +90,6 @@ def _elastic_demo(steps: int, kill_at: int, size: str, seed: int) -> dict:
     """3 one-rank nodes, no room to spare: a node dies, the job goes on with 2 ranks from
     RAM; a node is added back and the job grows to 3. ``memckpt report`` draws it."""
     import threading
-    import time
 
     import memckpt
     from memckpt.demo.job import GPTJob
@@ -98,7 +98,7 @@ def _elastic_demo(steps: int, kill_at: int, size: str, seed: int) -> dict:
     from memckpt.runtime.local_cluster import local_cluster
 
     job = GPTJob(steps=steps, size=size, seed=seed, batch_size=2,
-                 global_batch=ELASTIC_GLOBAL_BATCH, step_delay_s=0.3)
+                 global_batch=ELASTIC_GLOBAL_BATCH, step_delay_s=ELASTIC_STEP_DELAY_S)
     run_dir = default_run_dir(ELASTIC_JOB)
     done: dict[str, Any] = {}
     with local_cluster(nodes=3, cpus_per_node=1) as cluster:
@@ -112,25 +112,71 @@ def _elastic_demo(steps: int, kill_at: int, size: str, seed: int) -> dict:
                 done["error"] = e
 
         runner = threading.Thread(target=train, name="memckpt-demo-job")
-        runner.start()
-        # Ray adds nodes from the main thread only; the job runs in another
-        while runner.is_alive() and not _resized(run_dir):
-            time.sleep(0.2)
-        if runner.is_alive():
-            time.sleep(ELASTIC_ADD_AFTER_S)
-            print("adding a node with room for a rank", flush=True)
-            cluster.add_node()
-        runner.join()
+        with drill_notices("node"):  # Ray's notice of the node's death reads as the drill
+            runner.start()
+            _add_node_back(runner, run_dir, cluster)
+            runner.join()
     if "error" in done:
         raise done["error"]
     result = done["result"]
-    for rec in result["recoveries"]:
-        r = rec.get("resized") or {}
-        print(f"resized from {r.get('from')} to {r.get('to')} ranks at step "
-              f"{rec['resumed_step']} ({rec['what']}); chunks read from RAM: {rec['sources']}",
-              flush=True)
     result["run_dir"] = str(run_dir)
+    result["step_s"] = step_time_s(run_dir)
     return result
+
+
+def _add_node_back(runner: Any, run_dir: Path, cluster: Any) -> None:
+    """Once the job has shrunk, wait a little and add a node with room for a rank."""
+    import time
+    # Ray adds nodes from the main thread only; the job runs in another
+    while runner.is_alive() and not _resized(run_dir):
+        time.sleep(0.2)
+    if runner.is_alive():
+        time.sleep(ELASTIC_ADD_AFTER_S)
+        print("adding a node with room for a rank", flush=True)
+        cluster.add_node()
+
+
+def step_time_s(run_dir: Path) -> Optional[float]:
+    """The median time between consecutive steps of one generation (``steps.jsonl``): what a
+    training step of the demo's model takes on this machine."""
+    path = run_dir / "steps.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    gaps = sorted(b["time"] - a["time"] for a, b in zip(rows, rows[1:])
+                  if a["gen"] == b["gen"] and b["step"] == a["step"] + 1)
+    return gaps[len(gaps) // 2] if gaps else None
+
+
+def recovery_lines(result: dict) -> list[str]:
+    """The demo's closing lines: each recovery's phases, then the model's step time beside
+    them, so the reader sees which part is memckpt's and which the model's own."""
+    out = []
+    for rec in result["recoveries"]:
+        ph = rec["phases_s"]
+        r = rec.get("resized") or {}
+        planned = bool(r) and (r.get("to") or 0) > (r.get("from") or 0)
+        head = (f"planned resize from {r['from']} to {r['to']} ranks after step "
+                f"{rec['resumed_step']}" if planned else
+                f"recovery from '{rec['what']}' (resumed at step {rec['resumed_step']}"
+                + (f", {r['from']} -> {r['to']} ranks" if r else "") + ")")
+        parts = " + ".join(f"{k} {ph[k]:.2f}" for k in ("detect", "stop", "plan", "resume")
+                           if ph.get(k) is not None)
+        # a planned resize has no fault: its recorded total starts at the resume, so the
+        # line adds its phases instead
+        shown = [ph[k] for k in ("stop", "plan", "resume") if ph.get(k) is not None]
+        whole = sum(shown) if planned else ph.get("total")
+        total = f"{whole:.1f} s = " if whole is not None else ""
+        load = ph.get("fetch_and_load_max")
+        out.append(f"{head}: {total}{parts} s"
+                   + (f" (of the resume, loading the state from RAM: {load:.2f} s; the rest "
+                      "is restarting workers, the process group and one training step)"
+                      if load is not None and ph.get("resume") is not None else ""))
+    step = result.get("step_s")
+    if step is not None:
+        out.append(f"for scale: one training step of this model takes {step:.2f} s here "
+                   "(3 ranks sharing this machine's cores)")
+    return out
 
 
 def _resized(run_dir: Path) -> bool:
@@ -207,10 +253,55 @@ def _whole_cluster_drill(job, kill_at: int, run_root: Path, s3: Optional[str]) -
 
 
 PARALLELISM = {"ddp": "DDP + ZeRO", "fsdp": "FSDP2 (every block fully_shard-ed)"}
+WHAT_DIES = {
+    "worker": "rank 1's worker process is SIGKILLed",
+    "node": "rank 1's node is removed (its raylet, workers and replica store killed)",
+    "store": "the replica store on rank 1's node is SIGKILLed",
+    "coordinator": "the coordinator is SIGKILLed",
+    "cluster": "every node is lost (a persisted tier keeps the state), then a new cluster "
+               "resumes",
+}
+# Measured on a 2-core machine, tiny model: starting the 3-node cluster, a generation of
+# workers (torch imported, process group), a recovery; a step of 3 ranks per model size.
+START_S, GENERATION_S, RECOVERY_S = 25.0, 20.0, 12.0
+STEP_S = {"tiny": 0.3, "mini": 3.5, "small": 10.0}
 
 
-def run_ray_demo(fault: str = "worker", steps: int = 30, kill_at: Optional[int] = None,
-                 size: str = "mini", summary: Optional[str] = None, compare: bool = True,
+def estimate_s(fault: str, steps: int, size: str, compare: bool, elastic: bool) -> float:
+    """About how long the demo takes on a 2-core machine (the first line says it)."""
+    runs = 2 if compare and fault != "none" and not elastic else 1
+    total = START_S + runs * (GENERATION_S + steps * STEP_S.get(size, 1.0))
+    if fault != "none":
+        total += RECOVERY_S
+    if fault == "cluster":
+        total += START_S + GENERATION_S
+    if elastic:
+        total += START_S / 2 + RECOVERY_S + steps * ELASTIC_STEP_DELAY_S  # grown back
+    return total
+
+
+def plan_line(fault: str, steps: int, kill_at: int, size: str, model: str, compare: bool,
+              elastic: bool) -> str:
+    """The demo's first line: what will happen, and about how long it takes."""
+    from memckpt.demo.model import PRESETS, count_parameters
+    minutes = max(0.5, round(estimate_s(fault, steps, size, compare, elastic) / 30) / 2)
+    params = count_parameters(PRESETS[size]) / 1e6
+    line = (f"memckpt demo (about {minutes:g} min on 2 cores): a 3-node local Ray cluster "
+            f"trains GPT '{size}' ({params:.2f}M params, {PARALLELISM[model]} over gloo) for "
+            f"{steps} steps, snapshotting to RAM every step with 1 replica on the next node")
+    if elastic:
+        return line + (f"; after step {kill_at} rank 1's node is removed with no room to "
+                       "spare: the job goes on with 2 ranks from RAM, then grows back to 3 "
+                       "when a node is added")
+    if fault == "none":
+        return line + "; no fault (the uninterrupted reference run)"
+    line += f"; after step {kill_at} {WHAT_DIES[fault]} and the job recovers"
+    return line + ("; then an uninterrupted run of the same job shows the result is "
+                   "bit-identical" if compare else "")
+
+
+def run_ray_demo(fault: str = "worker", steps: int = 20, kill_at: Optional[int] = None,
+                 size: str = "tiny", summary: Optional[str] = None, compare: bool = True,
                  seed: int = 0, s3: Optional[str] = None, model: str = "ddp",
                  elastic: bool = False) -> int:
     import memckpt
@@ -220,15 +311,15 @@ def run_ray_demo(fault: str = "worker", steps: int = 30, kill_at: Optional[int] 
     # The job's DDP uses find_unused_parameters=True for exact resume; silence torch's
     # C++ note about it in the workers (they inherit this environment through the raylets).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    kill_at = kill_at or max(1, steps // 2)
+    kill_at = kill_at or max(1, steps // (4 if elastic else 2))
     job = (FSDPJob if model == "fsdp" else GPTJob)(steps=steps, size=size, seed=seed)
     run_root = Path(tempfile.mkdtemp(prefix="memckpt-demo-"))
-    print(f"memckpt demo: 3-node local Ray cluster, GPT '{size}' with {PARALLELISM[model]} "
-          f"over gloo, {steps} steps, snapshot every step, ring placement (1 replica on the "
-          f"next node); fault: {fault}" + (f" at step {kill_at}" if fault != "none" else ""), flush=True)
+    print(plan_line(fault, steps, kill_at, size, model, compare, elastic), flush=True)
     try:
         if elastic:
             result = _elastic_demo(steps, kill_at, size, seed)
+            for line in recovery_lines(result):
+                print(line, flush=True)
             if summary:
                 Path(summary).write_text(json.dumps(result, indent=1, default=str))
             sizes = [r.get("resized", {}).get("to") for r in result["recoveries"]]
@@ -240,15 +331,12 @@ def run_ray_demo(fault: str = "worker", steps: int = 30, kill_at: Optional[int] 
                 with drill_notices(fault):
                     result = memckpt.run(job, demo_config("demo"), run_dir=run_root / "faulted",
                                          injector=injector_for(fault, kill_at, cluster))
-            for rec in result["recoveries"]:
-                ph = rec["phases_s"]
-                print(f"recovered from '{rec['what']}': resumed at step {rec['resumed_step']}, "
-                      f"sources {rec['sources']}, phases "
-                      + ", ".join(f"{k} {v:.2f}s" for k, v in ph.items() if v is not None),
-                      flush=True)
+            result["step_s"] = step_time_s(run_root / ("resumed" if fault == "cluster"
+                                                       else "faulted"))
             if compare and fault != "none":
                 while len(cluster.nodes) < 3:  # the reference needs the full cluster back
                     cluster.add_node()
+                print("now the same job uninterrupted, to compare (quietly)", flush=True)
                 ref = memckpt.run(job, demo_config("demo-reference"),
                                   run_dir=run_root / "reference", quiet=True)
                 # a run resumed from the persisted tier reports the steps it trained
@@ -261,6 +349,8 @@ def run_ray_demo(fault: str = "worker", steps: int = 30, kill_at: Optional[int] 
                 print(f"against an uninterrupted run: losses identical: "
                       f"{'yes' if same_losses else 'NO'}; final digest identical: "
                       f"{'yes' if same_digest else 'NO'}", flush=True)
+            for line in recovery_lines(result):
+                print(line, flush=True)
         if summary:
             Path(summary).parent.mkdir(parents=True, exist_ok=True)  # as the local demo does
             Path(summary).write_text(json.dumps(result, indent=1, default=str))

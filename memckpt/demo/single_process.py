@@ -50,6 +50,16 @@ class DemoError(MemckptError):
     """A demo run did not behave (a child crashed, hung, or restored nothing)."""
 
 
+# Measured on a 2-core machine: a child process's start (torch imported), a step per size.
+CHILD_START_S = 8.0
+STEP_S = {"tiny": 0.05, "mini": 0.6, "small": 2.0}
+
+
+def estimate_s(steps: int, size: str) -> float:
+    """About how long the local demo takes on 2 cores: three children, twice the steps."""
+    return 3 * CHILD_START_S + 2 * steps * STEP_S.get(size, 1.0)
+
+
 def default_kill_at(steps: int) -> int:
     """Roughly a third of the way in (step 7 of 20)."""
     return min(steps - 1, max(1, round(steps * 0.35)))
@@ -287,9 +297,12 @@ def run_local(steps: int = DEFAULT_STEPS, kill_at: Optional[int] = None,
     common = ["--size", size, "--steps", str(steps), "--seed", str(seed),
               "--batch-size", str(batch_size)]
     t_start = time.perf_counter()
-    say(f"memckpt demo (local): GPT '{size}' {params / 1e6:.2f}M params, {steps} steps, "
-        f"AdamW + warm-up/cosine LR, shuffled resumable sampler, dropout {cfg.dropout}; "
-        "snapshot to RAM every step")
+    minutes = max(0.5, round(estimate_s(steps, size) / 30) / 2)
+    say(f"memckpt demo (local, about {minutes:g} min on 2 cores, no Ray): GPT '{size}' "
+        f"{params / 1e6:.2f}M params, {steps} steps, AdamW + warm-up/cosine LR, shuffled "
+        f"resumable sampler, dropout {cfg.dropout}, a snapshot to RAM every step; trained "
+        f"once uninterrupted, then again with the process SIGKILLed after step {kill_at} and "
+        "a new one restoring from RAM, and the two compared bit for bit")
 
     root = Path(tempfile.mkdtemp(prefix=f"memckpt-demo-{os.getpid()}-", dir=_ram_base()))
     logs = root / "logs"

@@ -31,6 +31,7 @@ from memckpt.runtime import actors
 from memckpt.runtime.control_plane import ControlPlane, alive_node_ids, eligible_nodes
 from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE
 from memckpt.policy.failure import Action, Decision, Observation, State, decide, next_state
+from memckpt.policy.progress import ProgressKey, progress_due
 from memckpt.runtime.faults import Fault, FaultInjector, kill_node, send_signal, send_signals
 from memckpt.runtime.pool import PING_S, Generation, WorkerPool
 from memckpt.runtime.recovery import GRACE_S, DiedDuringRecovery, Recovery, Restore
@@ -58,6 +59,7 @@ class Runtime:
         self._newest = -1  # the newest step any rank reported (arms the faults `during`)
         self.state = State.STARTING
         self._last_print = 0.0
+        self._printed: Optional[ProgressKey] = None  # what the last progress line showed
         self.control = Control(config.stop_file)
         self._stop: Optional[tuple[int, str, float]] = None  # (step, action, requested at)
         self._failure: dict[str, Any] = {}  # the failure being recovered from (Recovery.detected)
@@ -380,9 +382,9 @@ class Runtime:
         self.pool.prefault_spares(prog["committed"])
         if self.recovery.check_resumed(prog["min_step"], g.gen):
             self.pool.top_up_spares()
-        now = time.time()
-        if not self.quiet and now - self._last_print > 1.0 and prog["max_step"] >= 0:
-            self._last_print = now
+        now, key = time.time(), ProgressKey(g.gen, prog["max_step"], prog["committed"])
+        if not self.quiet and progress_due(self._printed, key, now - self._last_print):
+            self._last_print, self._printed = now, key
             self._say(progress_line(g.gen, prog))
         pending = self.ray.get(self.coordinator.pending_faults.remote())
         for fault in self.injector.faults:
@@ -494,7 +496,8 @@ class Runtime:
 
 
 def progress_line(gen: int, prog: dict[str, Any]) -> str:
-    """The driver's once-a-second line, from ``Coordinator.progress()``."""
+    """The driver's progress line, from ``Coordinator.progress()`` (printed when the step,
+    the committed step or the generation changes, at most once a second)."""
     def num(v: Optional[float], fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
     return (f"gen {gen} step {prog['max_step']} loss {num(prog['last_loss'], '.4f')} "

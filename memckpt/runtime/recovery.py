@@ -85,9 +85,15 @@ class Recovery:
         t = time.time()
         since = self.records[-1]["detected_at"] if self.records else 0.0
         fault_time = self.plane.fault_time(since)
-        self.plane.say(f"failure detected: {decision.what}")
-        self.plane.event("failure_detected", what=decision.what, ranks=sorted(decision.died),
-                         gen=g.gen)
+        if decision.grow_to:  # a planned resize (growing back), never called a failure
+            self.plane.say(f"every rank stopped at a committed step; resizing as planned: "
+                           f"{decision.what}")
+            self.plane.event("resize_started", what=decision.what, to_world_size=decision.grow_to,
+                             gen=g.gen)
+        else:
+            self.plane.say(f"failure detected: {decision.what}")
+            self.plane.event("failure_detected", what=decision.what,
+                             ranks=sorted(decision.died), gen=g.gen)
         return {"what": decision.what, "died": sorted(decision.died), "grow_to": decision.grow_to,
                 "hung": sorted(decision.hung), "detected_at": t, "fault_at": fault_time}
 
