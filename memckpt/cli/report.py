@@ -3,7 +3,8 @@
 Reads the run folder the coordinator and runtime write (``events.jsonl``,
 ``losses.jsonl``, ``steps.jsonl``) of a finished or running job. Top panel: loss
 per step, failures, resumes and the steps redone after each resume (shaded), and
-the world size over the steps when an elastic job resized; bottom panel: each step's snapshot stall (every rank, and the slowest).
+the world size over the steps when an elastic job resized; bottom panel: each step's snapshot
+stall (every rank, and the slowest).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ def load_train_fn(spec: str) -> Callable[..., Any]:
             raise ConfigError(f"TRAIN={spec!r} is invalid: {target} does not exist")
         mod_name = f"memckpt_user_{path.stem}"
         mspec = importlib.util.spec_from_file_location(mod_name, path)
+        assert mspec is not None and mspec.loader is not None  # a .py file that exists
         module = importlib.util.module_from_spec(mspec)
         sys.modules[mod_name] = module
         mspec.loader.exec_module(module)

@@ -50,6 +50,7 @@ class GPTJob:
         # first iteration would sum gradients in a different order (last-bit differences).
         net = DDP(model, find_unused_parameters=True) if distributed else model
         groups = _param_groups(model)
+        opt: torch.optim.Optimizer
         if distributed and self.zero:
             opt = ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=self.lr,
                                           betas=(0.9, 0.95))

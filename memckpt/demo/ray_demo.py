@@ -54,7 +54,7 @@ def drill_notices(fault: str) -> Iterator[None]:
         yield
         return
     out = sys.stdout
-    sys.stdout = _DrillNotices(out, fault)  # type: ignore[assignment]
+    sys.stdout = _DrillNotices(out, fault)
     try:
         yield
     finally:
@@ -212,7 +212,7 @@ def _wait_until_persisted(tiers: tuple[str, ...], timeout_s: float = 45.0) -> No
     deadline = time.monotonic() + timeout_s
     while True:
         pending = [s.uri for s in stores
-                   if not any(c.complete and c.step > 0 for c in s.list_checkpoints())]
+                   if not any(c.complete and (c.step or 0) > 0 for c in s.list_checkpoints())]
         if not pending:
             return
         if time.monotonic() > deadline:

@@ -256,7 +256,11 @@ def _spawn(name: str, child_args: list[str], logs: Path, lockstep: bool = False)
 
 
 def _watchdog(run: _Run, timeout: float) -> threading.Timer:
-    timer = threading.Timer(timeout, lambda: run.proc.poll() is None and run.proc.kill())
+    def stop() -> None:
+        if run.proc.poll() is None:
+            run.proc.kill()
+
+    timer = threading.Timer(timeout, stop)
     timer.daemon = True
     timer.start()
     return timer
