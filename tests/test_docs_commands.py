@@ -49,7 +49,7 @@ PIP_ALLOWED = {
 }
 PYTHON_MODULES_ALLOWED = {"pytest"}
 # Other programs a shell block may use; memckpt, ray, pip and python are checked apart.
-PROGRAMS_ALLOWED = {"cluster/local-cluster.sh", "kubectl", "export", "echo", "cat"}
+PROGRAMS_ALLOWED = {"cluster/local-cluster.sh", "kubectl", "export", "echo", "cat", "ruff", "mypy"}
 REPO_DIRS = ("examples/", "cluster/", "tests/", "docs/", "benchmarks/", "memckpt/", ".ci/")
 # Pages written alongside this one on other branches: a link to one is checked once it exists.
 PENDING_PAGES: set[str] = set()
