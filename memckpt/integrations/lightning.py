@@ -77,6 +77,9 @@ class MemckptCallback(Callback):
         self.last = -1
         self.epoch = 0  # the loop's epoch
         self.batch_end = 0  # batches of this epoch the loop has finished
+        # the train loader's, read at each batch; a capture before the first (restore() sizes
+        # the snapshot slots from one) has finished no batch, so it needs none
+        self.batch_size = 0
 
     # -- what a snapshot holds -------------------------------------------------------------------
     def state(self, trainer: Any, module: Any) -> TrainState:
