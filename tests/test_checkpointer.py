@@ -324,7 +324,7 @@ def test_overlap_snapshot_holds_parameters_as_of_snapshot_time(ram_root):
                     for n, p in model.named_parameters()}
     assert ckpt.step(state, 1)
     # registered after memckpt's own pre-hook, so it runs after that one
-    opt.register_step_pre_hook(lambda *_: copy_done_at_update.append(ckpt.engine._copy_done.is_set()))
+    opt.register_step_pre_hook(lambda *_: copy_done_at_update.append(ckpt.engine._copy_done.landed()))
     step()  # its optimizer.step mutates every parameter right away
     assert copy_done_at_update == [True]
     ckpt.wait()

@@ -24,7 +24,10 @@ KILL_AT, UPTO = 6, 10
 
 
 def _run(*args: str, kill_after: int | None = None) -> None:
-    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    # the job imports memckpt from this checkout also where it is not installed
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     p = subprocess.Popen([sys.executable, str(JOB), *args], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env)
     if kill_after is None:
@@ -96,3 +99,31 @@ def test_corrupt_chunk_is_refused_on_the_cuda_restore(where, tmp_path):
     assert [e["step"] for e in again.events if e["event"] == "snapshot_skipped"] == [2]
     again.close(unlink=True)
     subprocess.run(["rm", "-rf", root])
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_the_seal_behind_the_device_copy_seals_the_final_bytes(mode, tmp_path):
+    """The seal hashes each chunk once the side stream's copy wrote it (CUDA events): a
+    chunk hashed too early would not verify. The copy is made slow to land (a busy
+    compute stream it waits for), so the seal starts well before the bytes are in."""
+    from memckpt.engine.snapshot import SnapshotEngine
+    from memckpt.format.state import Captured
+    tensors = [(f"model/w{i}", torch.randn(8 << 20, device="cuda")) for i in range(8)]  # 256 MiB
+    captured = Captured(tensors=tensors, meta={}, stable=frozenset(
+        n for n, _ in tensors) if mode == "overlap" else frozenset())
+    engine = SnapshotEngine(tmp_path, mode=mode, seal_threads=8)
+    try:
+        for step in (1, 2, 3):
+            busy = torch.randn(4096, 4096, device="cuda")
+            for _ in range(20):  # queued ahead of the copy, which waits for the compute stream
+                busy = busy @ busy / 4096
+            for _, t in tensors:
+                t.add_(1.0)
+            assert engine.snapshot(captured, step)
+            engine.wait_copy()
+            engine.wait()
+            with engine.reading(step) as shard:  # verifies every chunk
+                for name, t in tensors:
+                    assert torch.equal(shard.tensors[name], t.cpu()), (step, name)
+    finally:
+        engine.close(unlink=True)

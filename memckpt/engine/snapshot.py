@@ -38,6 +38,7 @@ import torch
 
 from memckpt.format import shard as fmt
 from memckpt.engine.buffers import RamRegion, remove_path
+from memckpt.engine.landing import Landing, all_landed
 from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError
 from memckpt.format.state import Captured
 
@@ -127,8 +128,7 @@ class SnapshotEngine:
         self._skip_logged = 0.0
         self._inflight: Optional[cf.Future] = None  # background copy + seal of the newest slot
         self._reserving: Optional[cf.Future] = None  # the other slot, mapped after an install
-        self._copy_done = threading.Event()
-        self._copy_done.set()
+        self._copy_done = Landing.done()  # the background copy (overlap mode)
         self._error: Optional[BaseException] = None
         self._aborted: Optional[BaseException] = None  # raised by every later snapshot
         self._newest: Optional[int] = None  # index of the slot written last (maybe in flight)
@@ -200,15 +200,19 @@ class SnapshotEngine:
                           if self.mode == "overlap" and n in captured.stable]
             foreground = [(n, t) for n, t in captured.tensors
                           if not (self.mode == "overlap" and n in captured.stable)]
-            self._copy(slot, foreground)
+            landed = self._copy(slot, foreground)
         except BaseException:
             with self._cond:
                 if slot.complete:  # failed before touching the slot: the other is still newest
                     self._newest = 1 - target
                 self._cond.notify_all()
             raise
-        self._copy_done.clear()
-        self._inflight = self._pool.submit(self._finish, target, background, step, meta_blob)
+        copy_done = self._copy_done = Landing()
+        # the seal starts now and hashes each chunk once it landed, while this thread waits
+        # for the foreground copy (on a GPU: the device-to-host copy on the side stream)
+        self._inflight = self._pool.submit(self._finish, target, landed, copy_done, background,
+                                           step, meta_blob)
+        landed.wait()
         self.stats.snapshots += 1
         self.stats.last_step = step
         self.stats.last_stall_s = time.perf_counter() - t0
@@ -391,32 +395,50 @@ class SnapshotEngine:
         slot.region = RamRegion.reuse_or_create(slot.path, nbytes, pin=self._pin)
         self.stats.allocations += 1
 
-    def _copy(self, slot: Slot, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        if self._stream is not None and any(t.is_cuda for _, t in tensors):
-            # Device-to-host into pinned memory on a side stream, after the compute
-            # stream's pending writes to these tensors.
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                for name, t in tensors:
-                    slot.views[name].copy_(t, non_blocking=True)
-            self._stream.synchronize()
-            return
-        with torch.no_grad():
-            for name, t in tensors:
-                slot.views[name].copy_(t)
+    def _copy(self, slot: Slot, tensors: list[tuple[str, torch.Tensor]],
+              landing: Optional[Landing] = None) -> Landing:
+        """Copy ``tensors`` into ``slot``; returns (or completes ``landing`` with) what
+        landed where. A GPU tensor's copy is only queued: it lands later (see Landing)."""
+        landing = landing or Landing()
+        assert slot.layout is not None  # _prepare laid the slot out
+        where = {e.name: (e.offset, e.offset + e.nbytes) for e in slot.layout.entries}
+        spans: list[tuple[int, int, Any]] = []
+        try:
+            with torch.no_grad():
+                if self._stream is not None and any(t.is_cuda for _, t in tensors):
+                    # Device-to-host into pinned memory on a side stream, after the compute
+                    # stream's pending writes to these tensors; an event after each tensor
+                    # tells the seal which bytes are in (the host tensors land at once).
+                    self._stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(self._stream):
+                        for name, t in tensors:
+                            slot.views[name].copy_(t, non_blocking=True)
+                            event = None
+                            if t.is_cuda:
+                                # blocking: a waiting thread sleeps instead of spinning (up to
+                                # seal_threads of them wait while the training thread runs)
+                                event = torch.cuda.Event(blocking=True)
+                                event.record(self._stream)
+                            spans.append((*where[name], event))
+                else:
+                    for name, t in tensors:
+                        slot.views[name].copy_(t)
+                        spans.append((*where[name], None))
+        finally:
+            landing.queued(spans)
+        return landing
 
-    def _finish(self, index: int, background: list, step: int, meta: dict[str, Any]) -> None:
+    def _finish(self, index: int, landed: Landing, copy_done: Landing, background: list,
+                step: int, meta: dict[str, Any]) -> None:
         slot = self.slots[index]
         try:
-            try:
-                self._copy(slot, background)
-            finally:
-                self._copy_done.set()
+            # completes copy_done even when the copy fails: wait_copy() never hangs
+            self._copy(slot, background, copy_done)
             t0 = time.perf_counter()
             header = dict(self.identity, meta=meta, created_at=time.time())
             assert slot.layout is not None  # _prepare laid the slot out
             fmt.seal(slot.mem.array, slot.layout, slot.header_capacity, step, header,
-                     self.map_fn)
+                     self.map_fn, ready=all_landed([landed, copy_done]))
             self.stats.last_seal_s = time.perf_counter() - t0
             self.stats.landed += 1
             slot.step, slot.complete = step, True
@@ -474,7 +496,7 @@ class SnapshotEngine:
 
     def wait_copy(self) -> None:
         """Block until the in-flight copy has read every tensor (safe to mutate them)."""
-        self._copy_done.wait()
+        self._copy_done.wait()  # on a GPU: the side stream's copy done (GIL released)
 
     def wait(self) -> None:
         """Block until the in-flight snapshot is sealed; re-raise a background error."""

@@ -35,7 +35,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import xxhash
@@ -111,16 +111,30 @@ def checksums(data: np.ndarray | memoryview, chunk_bytes: int) -> tuple[str, lis
 MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], Iterator[Any]]
 
 
+# ``ready(start, end)`` blocks until the data bytes in [start, end) are in place (a copy
+# still landing, see memckpt.engine.landing); the seal hashes a batch of chunks after it.
+Ready = Callable[[int, int], None]
+
+
 def chunk_digests(data: np.ndarray | memoryview, chunk_bytes: int,
-                  map_fn: MapFn = map) -> list[str]:
-    """xxh3-64 of each ``chunk_bytes`` chunk of ``data``, computed through ``map_fn``."""
+                  map_fn: MapFn = map, ready: Optional[Ready] = None) -> list[str]:
+    """xxh3-64 of each ``chunk_bytes`` chunk of ``data``, computed through ``map_fn``, each
+    batch once ``ready`` says its bytes have landed."""
     view = memoryview(data).cast("B")
-    parts = [view[off: off + chunk_bytes] for off in range(0, len(view), chunk_bytes)]
-    return [d for batch in map_fn(_checksum_all, batched(parts)) for d in batch]
+    offsets = range(0, len(view), chunk_bytes)
+    runs = [(ready, view, chunk_bytes, run) for run in batched(offsets)]
+    return [d for batch in map_fn(_checksum_run, runs) for d in batch]
 
 
-def _checksum_all(parts: Sequence[memoryview]) -> list[str]:
-    return [checksum(p) for p in parts]
+def _checksum_run(job: tuple[Optional[Ready], memoryview, int, Sequence[int]]) -> list[str]:
+    # each hashing thread waits for its own batch to land: tried on an H200, one thread
+    # waiting and handing batches over sealed 4 GiB later (1.39x the copy, not 1.28x)
+    ready, view, chunk_bytes, run = job
+    if not run:
+        return []
+    if ready is not None:
+        ready(run[0], min(run[-1] + chunk_bytes, len(view)))
+    return [checksum(view[off: off + chunk_bytes]) for off in run]
 
 
 def batched(items: Sequence[Any], batches: int = HASH_BATCHES) -> list[Sequence[Any]]:
@@ -267,13 +281,13 @@ def accept_received(region: np.ndarray, source: str, step: int,
 
 
 def seal(region: np.ndarray, layout: Layout, header_capacity: int, step: int,
-         header: Mapping[str, Any], map_fn: MapFn = map) -> str:
+         header: Mapping[str, Any], map_fn: MapFn = map, ready: Optional[Ready] = None) -> str:
     """Checksum the data (its chunks through ``map_fn``: a thread pool's ``map`` hashes
-    them in parallel), write the header, then flag the region complete. Returns the
-    data digest."""
+    them in parallel, each batch once ``ready`` says it landed), write the header, then
+    flag the region complete. Returns the data digest."""
     off = data_offset(header_capacity)
     size = chunk_bytes_for(layout.data_len)
-    chunks = chunk_digests(region[off: off + layout.data_len], size, map_fn)
+    chunks = chunk_digests(region[off: off + layout.data_len], size, map_fn, ready)
     digest = digest_of_chunks(chunks)
     body = dict(header, step=step, tensors=layout.to_json(), data_len=layout.data_len,
                 data_xxh3=digest, chunk_bytes=size, chunk_xxh3=chunks, format=FORMAT_VERSION)
