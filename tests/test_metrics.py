@@ -85,7 +85,9 @@ def test_metrics_reach_prometheus(cluster, tmp_path):
     def complete(s: dict) -> bool:  # Ray's agents export every few seconds
         return (total(s, "ray_memckpt_failures_total") >= 1
                 and all(total(s, "ray_memckpt_replicated_bytes_total", rank=r) > 0 for r in "012")
-                and total(s, "ray_memckpt_snapshot_stall_seconds_count") >= 3 * JOB.steps)
+                and total(s, "ray_memckpt_snapshot_stall_seconds_count") >= 3 * JOB.steps
+                and all(total(s, "ray_memckpt_snapshots_landed_total", rank=r) >= JOB.steps - 1
+                        for r in "012"))
 
     seen: list[dict] = []
 
@@ -101,3 +103,7 @@ def test_metrics_reach_prometheus(cluster, tmp_path):
         # every step, including the redone one, observed once per rank
         assert total(samples, "ray_memckpt_snapshot_stall_seconds_count", rank=rank) >= JOB.steps
         assert total(samples, "ray_memckpt_snapshot_stall_seconds_sum", rank=rank) > 0
+        # "wait" (the default): every due snapshot landed (a step's report may precede its
+        # seal, hence the last one may be missing), none skipped
+        assert total(samples, "ray_memckpt_snapshots_landed_total", rank=rank) >= JOB.steps - 1
+        assert total(samples, "ray_memckpt_snapshots_skipped_total", rank=rank) == 0

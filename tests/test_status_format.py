@@ -9,7 +9,8 @@ STATUS = {
     "assignment": {"0": "nodeA" + "a" * 20, "1": "nodeB" + "b" * 20},
     "holders": {"0": ["standbyS" + "s" * 20], "1": ["standbyS" + "s" * 20]},
     "metrics": {"0": {"step": 8, "stall_s": 0.0123, "time": 99.0},
-                "1": {"step": 8, "stall_s": 0.0101, "time": 100.0}},
+                "1": {"step": 8, "stall_s": 0.0101, "time": 100.0, "landed": 6.0,
+                      "requested": 8.0}},
 }
 
 
@@ -21,6 +22,9 @@ def test_status_shows_placement_progress_and_the_standby_holder():
     assert ("holding replicas, running no rank (take over a dead node's ranks): standbySssss"
             in lines)
     assert "  rank 0: step 8, snapshot stall 12.3 ms, last report 1.0s ago" in lines
+    # a rank that did not land every due snapshot says so
+    assert "  rank 1: step 8, snapshot stall 10.1 ms, snapshots landed 6 of 8, last report " \
+        "0.0s ago" in lines
 
 
 def test_no_standby_line_when_every_holder_runs_ranks():

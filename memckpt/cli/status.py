@@ -39,8 +39,12 @@ def format_status(job: str, s: dict, now: float) -> str:
             lines.append(f"pending growth: to {el['pending_growth']} ranks at the next "
                          "committed step (nodes with room appeared)")
     for rank, m in sorted(s["metrics"].items(), key=lambda kv: int(kv[0])):
+        landed = ""
+        if m.get("requested"):  # a user who asked for every step sees what they got
+            landed = (f", snapshots landed {int(m.get('landed', 0))} of "
+                      f"{int(m['requested'])}")
         lines.append(f"  rank {rank}: step {m.get('step')}, snapshot stall "
-                     f"{1000 * m.get('stall_s', 0):.1f} ms, last report "
+                     f"{1000 * m.get('stall_s', 0):.1f} ms{landed}, last report "
                      f"{now - m.get('time', now):.1f}s ago")
     return "\n".join(lines)
 

@@ -324,7 +324,8 @@ class WorkerContext:
         stats = self.ckpt.stats
         report.update(stall_s=stall, replicate_s=self.replicator.last_seconds,
                       committed=float(self.ckpt.committed or 0),
-                      skipped=float(stats.skipped), waited_s=stats.waited_s,
+                      skipped=float(stats.skipped), landed=float(stats.landed),
+                      requested=float(stats.requested), waited_s=stats.waited_s,
                       replicated_bytes=float(self.replicator.bytes_sent),
                       replica_filled_bytes=float(self.replicator.bytes_filled))
         self.spec.coordinator.report.remote(self.rank, self.generation, step, report)

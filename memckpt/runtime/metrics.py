@@ -17,6 +17,11 @@ STALL_BUCKETS_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "memckpt_snapshot_stall_seconds": (
         "histogram", "time a training step spent in its snapshot (the local copy)", ("rank",)),
+    "memckpt_snapshots_landed": (
+        "counter", "snapshots sealed (restorable) of those due", ("rank",)),
+    "memckpt_snapshots_skipped": (
+        "counter", "due snapshots skipped (the previous one still sealing or not yet "
+        "committed)", ("rank",)),
     "memckpt_replicated_bytes": (
         "counter", "snapshot bytes sent to peer replica stores", ("rank",)),
     "memckpt_replication_lag_steps": (
@@ -56,22 +61,28 @@ class JobMetrics:
                 m = classes[kind](name, desc, tag_keys=("job",) + tags)
             m.set_default_tags({"job": job})
             self._m[name] = m
-        self._sent: dict[int, float] = {}  # rank -> the cumulative byte count last reported
+        # (report key, rank) -> the cumulative count last reported
+        self._sent: dict[tuple[str, int], float] = {}
         self._pending_failure: Optional[str] = None
 
     def step(self, rank: int, report: Mapping[str, float]) -> None:
-        """One rank's per-step report (``stall_s``; ``replicated_bytes`` is cumulative
-        per worker process, so a replaced worker starts again from 0)."""
+        """One rank's per-step report (``stall_s``; ``replicated_bytes``, ``landed`` and
+        ``skipped`` are cumulative per worker process, so a replaced worker starts again
+        from 0)."""
         tags = {"rank": str(rank)}
         if "stall_s" in report:
             self._m["memckpt_snapshot_stall_seconds"].observe(report["stall_s"], tags=tags)
-        sent = report.get("replicated_bytes")
-        if sent is not None:
-            last = self._sent.get(rank, 0.0)
-            delta = sent - last if sent >= last else sent
-            self._sent[rank] = sent
+        for key, name in (("replicated_bytes", "memckpt_replicated_bytes"),
+                          ("landed", "memckpt_snapshots_landed"),
+                          ("skipped", "memckpt_snapshots_skipped")):
+            count = report.get(key)
+            if count is None:
+                continue
+            last = self._sent.get((key, rank), 0.0)
+            delta = count - last if count >= last else count
+            self._sent[(key, rank)] = count
             if delta > 0:
-                self._m["memckpt_replicated_bytes"].inc(delta, tags=tags)
+                self._m[name].inc(delta, tags=tags)
 
     def progress(self, newest_step: int, committed: Optional[int]) -> None:
         self._m["memckpt_committed_step"].set(committed if committed is not None else -1)
