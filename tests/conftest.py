@@ -130,3 +130,12 @@ def held_replica(store, rank: int, step: int):
 
     from memckpt.runtime.replica_store import scan
     return np.fromfile(scan(store.replicas)[rank][step], dtype=np.uint8)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With MEMCKPT_TEST_TIMES=<file>, each test phase's seconds are appended to that file
+    as it ends (where the suite's time goes, readable while it still runs)."""
+    path = os.environ.get("MEMCKPT_TEST_TIMES")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{time.time():.0f} {report.duration:8.2f} {report.when:8} {report.nodeid}\n")

@@ -83,7 +83,7 @@ class EngineStats:
     offered_taken: int = 0  # slots that were an offered file (a warm spare's), not new memory
     last_stall_s: float = 0.0
     last_step: Optional[int] = None
-    last_seal_s: float = 0.0  # from the end of the copy to sealed, of the newest snapshot
+    last_seal_s: float = 0.0  # the seal of the newest snapshot (on a GPU it runs behind the copy)
 
     @property
     def requested(self) -> int:
