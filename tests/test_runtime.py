@@ -35,8 +35,13 @@ def config(name: str, **failure) -> memckpt.Config:
         failure=memckpt.FailureConfig(**policy))
 
 
+_REFERENCE: dict[str, dict] = {}  # run once per session: test_multi_failure's drills share it
+
+
 @pytest.fixture(scope="module")
 def reference(cluster, tmp_path_factory):
+    if "run" in _REFERENCE:
+        return _REFERENCE["run"]
     result = memckpt.run(JOB, config("reference"), run_dir=tmp_path_factory.mktemp("ref"),
                          quiet=True)
     assert result["recoveries"] == []
@@ -44,6 +49,7 @@ def reference(cluster, tmp_path_factory):
     # DDP's parameters are identical on every rank: each holder filled part of every
     # replica from its own rank's copy (so every drill below runs with that path on)
     assert all(r["filled_bytes"] > 0 for r in result["replication"].values()), result["replication"]
+    _REFERENCE["run"] = result
     return result
 
 
