@@ -23,3 +23,12 @@ def test_the_public_names_resolve():
     for name in memckpt.__all__:
         assert getattr(memckpt, name) is not None, name
     assert memckpt.TrainState.__module__ == "memckpt.format.state"
+
+
+def test_the_command_line_starts_without_torch():
+    # `memckpt --help`, `status`, `kill`, `checkpoints ls`: one line back in about a second,
+    # not after the 3-4 s torch takes to import (the benchmarks import it when they run)
+    code = ("import sys\nfrom memckpt.cli import main\ntry:\n    main(['--help'])\n"
+            "except SystemExit:\n    pass\nsys.exit('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr or "torch was imported"

@@ -23,7 +23,6 @@ from statistics import median
 from typing import Optional
 
 from memckpt.bench.common import machine_info, parse_size, positive_int, standalone, write_rows
-from memckpt.bench.train_overhead.measure import measure
 from memckpt.bench.train_overhead.report import report
 from memckpt.bench.train_overhead.rows import Row
 
@@ -61,6 +60,7 @@ def main(args: argparse.Namespace) -> int:
                   "run it on a CUDA machine or use --device cpu", file=sys.stderr)
             return 2
     try:
+        from memckpt.bench.train_overhead.measure import measure  # torch: not for --help
         measured = measure(args.size, args.device, args.steps, args.compute_ms / 1e3,
                            args.ram_root, args.seal_threads, _say)
     except (MemoryError, RuntimeError, OSError) as e:
