@@ -170,6 +170,11 @@ class StorageBackend(abc.ABC):
         """Where the tier is, for messages: the root, and for a remote store its endpoint."""
         return self.describe()
 
+    def prepare(self) -> None:
+        """Set up what the first request needs, before training starts (no request is sent;
+        an error is left for the first request to report, as any storage error)."""
+        return None  # a local folder needs nothing
+
     @abc.abstractmethod
     def put(self, key: str, data: Data) -> None:
         """Store ``data`` under ``key`` atomically (replacing any previous object)."""

@@ -62,6 +62,8 @@ class Persister:
                  on_event: Callable[..., None], world_size: Optional[int] = None) -> None:
         self.tiers = tuple(tiers)
         self.stores = [CheckpointStore(t) for t in self.tiers]
+        for store in self.stores:  # on the constructing thread, before the first step
+            store.backend.prepare()
         self.rank, self.reader, self.staging_path = rank, reader, staging
         self.folder_for, self.on_written, self.on_event = folder_for, on_written, on_event
         self.world_size = world_size  # a committed step of another world size is never touched
