@@ -400,10 +400,10 @@ class SnapshotEngine:
         """Copy ``tensors`` into ``slot``; returns (or completes ``landing`` with) what
         landed where. A GPU tensor's copy is only queued: it lands later (see Landing)."""
         landing = landing or Landing()
-        assert slot.layout is not None  # _prepare laid the slot out
-        where = {e.name: (e.offset, e.offset + e.nbytes) for e in slot.layout.entries}
         spans: list[tuple[int, int, Any]] = []
         try:
+            assert slot.layout is not None  # _prepare laid the slot out
+            where = {e.name: (e.offset, e.offset + e.nbytes) for e in slot.layout.entries}
             with torch.no_grad():
                 if self._stream is not None and any(t.is_cuda for _, t in tensors):
                     # Device-to-host into pinned memory on a side stream, after the compute
