@@ -37,8 +37,10 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def build(out: str, accum: int = 1, callbacks: Optional[list[TrainerCallback]] = None) -> Trainer:
-    """The Trainer as any script would make it: nothing memckpt here."""
+def build(out: str, accum: int = 1, callbacks: Optional[list[TrainerCallback]] = None,
+          samples: int = 24) -> Trainer:
+    """The Trainer as any script would make it: nothing memckpt here. Under several ranks
+    (DDP), each optimizer step takes 4 samples per rank."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2,
                                        n_head=2, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
@@ -47,7 +49,7 @@ def build(out: str, accum: int = 1, callbacks: Optional[list[TrainerCallback]] =
         num_train_epochs=2, learning_rate=1e-3, warmup_steps=2, logging_steps=1,
         eval_strategy="steps", eval_steps=4, per_device_eval_batch_size=8, save_strategy="no",
         report_to=[], seed=0, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
-    return Trainer(model=model, args=args, train_dataset=Tokens(24, 1), eval_dataset=Tokens(8, 2),
+    return Trainer(model=model, args=args, train_dataset=Tokens(samples, 1), eval_dataset=Tokens(8, 2),
                    callbacks=callbacks)
 
 

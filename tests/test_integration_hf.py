@@ -69,6 +69,48 @@ def test_sigkilled_trainer_resumes_bit_identical(ram_root, tmp_path, accum, kill
         assert_same(tmp_path / "again", tmp_path / "ref")
 
 
+def ddp_config(name: str) -> memckpt.Config:
+    return memckpt.Config(
+        job_name=name,
+        workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
+        placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
+        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+                                      max_restarts=3, collective_timeout_s=30.0))
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_ddp_trainer_under_memckpt_run_survives_a_killed_worker(full_cluster, tmp_path):
+    """Three ranks, DDP under the Trainer (gloo), memckpt attached to ``memckpt.run``'s
+    context; rank 1's worker SIGKILLed at step 5 of 12 (mid-epoch: an epoch is 6 steps)."""
+    import ray
+    sys.path.insert(0, str(ROOT / "examples"))
+
+    import _hf_ray_job
+    import hf_trainer
+    for module in (_hf_ray_job, hf_trainer):  # the workers cannot import tests/ or examples/
+        ray.cloudpickle.register_pickle_by_value(module)
+    from memckpt.runtime.faults import FaultInjector
+
+    ref = memckpt.run(_hf_ray_job.HFRankJob(str(tmp_path / "ref"), samples=72),
+                      ddp_config("hf-ddp-ref"), run_dir=tmp_path / "ref-run", quiet=True)
+    inj = FaultInjector().kill_worker(rank=1, at_step=5)
+    got = memckpt.run(_hf_ray_job.HFRankJob(str(tmp_path / "run"), samples=72),
+                      ddp_config("hf-ddp"), run_dir=tmp_path / "run-run", injector=inj, quiet=True)
+    assert ref["recoveries"] == [] and [r["world_size"] for r in ref["results"]] == [3, 3, 3]
+    (rec,) = got["recoveries"]
+    assert rec["died_ranks"] == [1] and rec["resumed_step"] == 4
+    assert [r["resumed_from"] for r in got["results"]] == [4, 4, 4]
+    for rank, (mine, theirs) in enumerate(zip(got["results"], ref["results"])):
+        log = [e for e in mine["log_history"] if "train_loss" not in e]  # the summary is per run
+        ref_log = [e for e in theirs["log_history"] if "train_loss" not in e]
+        assert [e["step"] for e in log] == [e["step"] for e in ref_log]
+        assert log == ref_log, f"rank {rank}'s losses differ from the uninterrupted run"
+    assert len([e for e in ref_log if "eval_loss" in e]) == 3  # steps 4, 8 and 12
+    # parameters, optimizer state and scheduler on every rank, bit for bit
+    assert got["final_digest"] == ref["final_digest"]
+
+
 def tiny_trainer(tmp_path: Path, **kwargs) -> transformers.Trainer:
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
     sys.path.insert(0, str(ROOT / "examples"))

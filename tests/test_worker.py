@@ -12,7 +12,7 @@ import weakref
 import pytest
 
 from memckpt.errors import GenerationEnded
-from memckpt.runtime.worker import release_frames
+from memckpt.runtime.worker import launcher_env, release_frames
 
 
 class _Model:
@@ -66,3 +66,26 @@ def test_settled_imports_are_frozen_and_later_garbage_is_still_collected():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) > 10_000  # torch's import-time objects, at least
+
+
+def test_each_generation_gets_torchruns_variables_for_its_rank():
+    """What accelerate and Lightning read to join the worker's process group."""
+    env = launcher_env(2, 3, ("10.0.0.7", 29411))
+    assert env == {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                   "GROUP_RANK": "2", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29411"}
+
+
+def test_a_survivor_forgets_accelerates_cached_rank():
+    pytest.importorskip("accelerate")
+    code = textwrap.dedent("""
+        import os
+        from accelerate.state import PartialState
+        from memckpt.runtime.worker import reset_framework_state
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="-1")
+        assert PartialState(cpu=True).num_processes == 1
+        reset_framework_state()
+        assert PartialState._shared_state == {}
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -32,7 +32,31 @@ from memckpt.format.state import restore_allocations
 # WorkerContext, WorkerSpec, RestoreInstruction and StopTraining live in their own modules;
 # importable from here as before.
 __all__ = ["RestoreInstruction", "StopTraining", "Worker", "WorkerContext", "WorkerSpec",
-           "release_frames", "settle_imports", "warm_torch"]
+           "launcher_env", "release_frames", "reset_framework_state", "settle_imports",
+           "warm_torch"]
+
+
+def launcher_env(rank: int, world_size: int, master: tuple[str, int]) -> dict[str, str]:
+    """The variables torchrun sets, for this generation's rank: frameworks that read them
+    (accelerate under the Hugging Face Trainer, Lightning) then join the process group the
+    worker already made instead of launching or initialising their own. Ray gives each
+    worker its own devices, so the local rank is 0 in a local world of 1 (as one torchrun
+    node per rank), and the node's group rank is the rank."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(rank), "MASTER_ADDR": master[0],
+            "MASTER_PORT": str(master[1])}
+
+
+def reset_framework_state() -> None:
+    """Forget the rank and process group a framework cached in this process: a survivor
+    runs the next generation, maybe as another rank of another world size. accelerate keeps
+    both in a process-wide singleton (the Hugging Face Trainer resets it itself; a loop
+    that makes its own ``Accelerator`` does not)."""
+    import sys
+
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def release_frames(exc: Optional[BaseException]) -> None:
@@ -185,6 +209,8 @@ class Worker:
         self.coordinator.register.remote(spec.rank, spec.gen, self.info())
         self._running.set()
         torch.set_num_threads(max(1, int(spec.config.workers.cpus_per_worker)))
+        os.environ.update(launcher_env(spec.rank, spec.world_size, master))
+        reset_framework_state()
         backend = spec.config.workers.backend
         if backend == "auto":
             gpu = torch.cuda.is_available() and spec.config.workers.gpus_per_worker
