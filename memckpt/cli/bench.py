@@ -36,6 +36,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                 "+ DCP load"),
     "reshard": ("memckpt.bench.reshard.command",
                 "restore FSDP2 state of 4 ranks into 2 and 3 (disk, RAM) vs dcp.load of the same"),
+    "trainer": ("memckpt.bench.trainer.command",
+                "the Hugging Face Trainer: save_steps=1 vs memckpt every step; "
+                "resume_from_checkpoint vs memckpt's resume"),
 }
 
 

@@ -120,6 +120,8 @@ class HFSnapshots(TrainerCallback):
                 "loop": {"tr_loss": float(loss) if loss is not None else 0.0,
                          "total_loss": getattr(t, "_total_loss_scalar", 0.0),
                          "last_logged": getattr(t, "_globalstep_last_logged", 0),
+                         # the run's first step: its summary's train_loss averages from there
+                         "initial_step": getattr(t, "_initial_global_step", 0),
                          "flos": float(getattr(t, "current_flos", 0.0))},
                 "data": {"seed": self.data_seed(), "steps_per_epoch": self.steps_per_epoch,
                          "world_size": t.args.world_size}}
@@ -228,6 +230,7 @@ class HFSnapshots(TrainerCallback):
             t._tr_loss = torch.tensor(loop["tr_loss"], device=args.device)
             t._total_loss_scalar = loop["total_loss"]
             t._globalstep_last_logged = loop["last_logged"]
+            t._initial_global_step = loop.get("initial_step", 0)
             t.current_flos = loop["flos"]
 
     # -- taking snapshots -----------------------------------------------------------------------

@@ -1,0 +1,177 @@
+"""The Hugging Face Trainer's own checkpoint every step vs memckpt's snapshot every step.
+
+A GPT-2 built from its config (4 layers, sized so model + AdamW state is about each size),
+trained by ``transformers.Trainer`` on the CPU (or the first GPU), measured in the same run:
+
+  step      none          no checkpoint: the step time the others are compared with
+            hf-save       TrainingArguments(save_strategy="steps", save_steps=1): the Trainer's
+                          own checkpoint folder every step (safetensors + optimizer.pt ...)
+            memckpt       memckpt.integrations.hf.attach, a snapshot every step
+  resume    hf-resume     a fresh process: train(resume_from_checkpoint=<last folder>)
+            memckpt       a fresh process after the memckpt run was SIGKILLed: train() resumes
+                          from the RAM snapshot by itself
+
+Per step: the time the step blocked in the checkpoint call (``blocking``: _save_checkpoint,
+or memckpt's step) and the whole step time (medians after the first step). Per resume: the
+restore part (the Trainer's _load_* hooks, or memckpt's restore) and the time from the
+process's start to its first resumed step (interpreter, imports and model build included:
+both pay them). The Trainer's folder is read back from the page cache it was just written
+through, the most favourable case for it.
+
+Each measurement is a fresh process. Sizes are binary: 100M = 100 MiB, 1G = 1 GiB. Needs the
+``hf`` extra (transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from memckpt.bench.common import (disk_dir, human_bytes, human_s, machine_info, machine_line,
+                                  finish_report, parse_sizes, positive_int, ram_dir,
+                                  rows_from_child, standalone, write_rows)
+
+DEFAULT_SIZES = "100M,1G"
+CHILD = "memckpt.bench.trainer.measure"
+BLOCKING_TARGET, RESTORE_TARGET = 10.0, 3.0  # x lower blocking at >= 1 GiB; x faster restore
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
+                        metavar="LIST", help=f"state sizes, comma-separated (default {DEFAULT_SIZES})")
+    parser.add_argument("--steps", type=positive_int, default=5, metavar="N",
+                        help="optimizer steps per run (default 5; the first is warm-up)")
+    parser.add_argument("--dir", metavar="DIR", default=None,
+                        help="directory for the Trainer's checkpoint folders (default: a temp dir "
+                             "on local disk)")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help="also write the rows as a JSON list to PATH")
+
+
+def _say(msg: str) -> None:
+    print(f"[bench trainer] {msg}", file=sys.stderr, flush=True)
+
+
+def _child(phase: str, size: int, steps: int, directory: Path, ram: Path,
+           method: str = "memckpt") -> Any:
+    args = ["--phase", phase, "--method", method, "--size", str(size), "--steps", str(steps),
+            "--dir", str(directory), "--ram-root", str(ram)]
+    if phase != "snapshot-and-kill":
+        return rows_from_child(CHILD, args, "--out", f"bench trainer {phase} {method}")
+    out = directory / "killed.json"  # the child writes it, then SIGKILLs itself
+    done = subprocess.run([sys.executable, "-m", CHILD, *args, "--out", str(out)])
+    if done.returncode != -9 or not out.is_file():
+        raise RuntimeError(f"bench trainer: the memckpt run ended with {done.returncode}, "
+                           "not SIGKILL after its last snapshot")
+    import json
+    return json.loads(out.read_text())
+
+
+def measure_size(label: str, size: int, steps: int, base: Optional[str]) -> list[dict[str, Any]]:
+    from memckpt.bench.trainer.measure import steady
+    directory, ram = disk_dir(base, "memckpt-bench-trainer-"), ram_dir("memckpt-bench-trainer-")
+    try:
+        _say(f"{label}: no checkpoint, then the Trainer's save_steps=1 ({steps} steps each)")
+        runs = _child("steps", size, steps, directory, ram)
+        _say(f"{label}: memckpt every step, then SIGKILL")
+        runs.append(_child("snapshot-and-kill", size, steps, directory, ram))
+        rows = []
+        none_s = steady(runs[0]["step_s"])
+        for r in runs:
+            step_s = steady(r["step_s"])
+            rows.append({"benchmark": "step", "size": label, "method": r["method"],
+                         "state_bytes": r["state_bytes"], "step_s": step_s,
+                         "blocking_s": steady(r["blocking_s"]) if r["blocking_s"] else 0.0,
+                         "overhead_s": step_s - none_s, "steps": len(r["step_s"])})
+        for method in ("hf-save", "memckpt"):
+            _say(f"{label}: resume by {method} in a fresh process")
+            started = time.time()
+            r = _child("resume", size, steps, directory, ram, method)
+            rows.append({"benchmark": "resume", "size": label,
+                         "method": "hf-resume" if method == "hf-save" else "memckpt",
+                         "state_bytes": r["state_bytes"], "restore_s": r["restore_s"],
+                         "to_first_step_s": r["first_step_at"] - started,
+                         "resumed_step": r["resumed_step"]})
+        return rows
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(ram, ignore_errors=True)
+
+
+def _pick(rows: list[dict[str, Any]], bench: str, size: str, method: str) -> dict[str, Any]:
+    return next(r for r in rows if (r["benchmark"], r["size"], r["method"]) == (bench, size, method))
+
+
+def ratios(rows: list[dict[str, Any]]) -> None:
+    """Each memckpt row against the Trainer's own, in place."""
+    for size in {r["size"] for r in rows}:
+        hf, mc = _pick(rows, "step", size, "hf-save"), _pick(rows, "step", size, "memckpt")
+        mc["x_lower_blocking"] = hf["blocking_s"] / max(mc["blocking_s"], 1e-9)
+        hf_r, mc_r = _pick(rows, "resume", size, "hf-resume"), _pick(rows, "resume", size, "memckpt")
+        mc_r["x_faster_restore"] = hf_r["restore_s"] / max(mc_r["restore_s"], 1e-9)
+        mc_r["x_faster_to_first_step"] = hf_r["to_first_step_s"] / mc_r["to_first_step_s"]
+
+
+def report(rows: list[dict[str, Any]], machine: dict[str, Any]) -> str:
+    text = [machine_line(machine, threads=True), "",
+            "| size | per step | step time | blocked in checkpoint | vs the Trainer's save |",
+            "| --- | --- | --- | --- | --- |"]
+    for r in (r for r in rows if r["benchmark"] == "step"):
+        x = f"{r['x_lower_blocking']:.0f}x lower" if "x_lower_blocking" in r else ""
+        text.append(f"| {human_bytes(r['state_bytes'])} | {r['method']} | {human_s(r['step_s'])} | "
+                    f"{human_s(r['blocking_s'])} | {x} |")
+    text += ["", "| size | resume | restore part | process start to first resumed step | restore vs "
+                 "the Trainer's |", "| --- | --- | --- | --- | --- |"]
+    for r in (r for r in rows if r["benchmark"] == "resume"):
+        x = f"{r['x_faster_restore']:.1f}x faster" if "x_faster_restore" in r else ""
+        text.append(f"| {human_bytes(r['state_bytes'])} | {r['method']} (step {r['resumed_step']}) | "
+                    f"{human_s(r['restore_s'])} | {human_s(r['to_first_step_s'])} | {x} |")
+    checks = []
+    for r in rows:
+        if r.get("state_bytes", 0) < 0.9 * 2**30 or r["method"] != "memckpt":
+            continue
+        if r["benchmark"] == "step":
+            checks.append((r["x_lower_blocking"] >= BLOCKING_TARGET,
+                           f"{human_bytes(r['state_bytes'])}: blocking per step "
+                           f"{r['x_lower_blocking']:.0f}x lower than save_steps=1 (target >= "
+                           f"{BLOCKING_TARGET:.0f}x)"))
+        else:
+            checks.append((r["x_faster_restore"] >= RESTORE_TARGET,
+                           f"{human_bytes(r['state_bytes'])}: restore {r['x_faster_restore']:.1f}x "
+                           f"faster than resume_from_checkpoint (target >= {RESTORE_TARGET:.0f}x)"))
+    return finish_report(text, rows, None, lambda r: r["method"], checks)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("memckpt bench trainer needs transformers: pip install 'memckpt[hf]'", file=sys.stderr)
+        return 2
+    machine = machine_info()
+    rows: list[dict[str, Any]] = []
+    for label, size in args.sizes:
+        try:
+            rows += measure_size(label, size, args.steps, args.dir)
+        except RuntimeError as e:
+            print(f"memckpt bench trainer: {e}", file=sys.stderr)
+            return 1
+    ratios(rows)
+    for r in rows:
+        r["machine"] = machine
+    write_rows(args.json, rows)
+    print(report(rows, machine))
+    return 0
+
+
+def _cli(argv: Optional[list[str]] = None) -> int:
+    return standalone("memckpt bench trainer", __doc__, add_arguments, main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(_cli())
