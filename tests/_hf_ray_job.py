@@ -1,12 +1,16 @@
 """Helper module for tests/test_integration_hf.py (not a test module): the Hugging Face
-Trainer of examples/hf_trainer.py as ``memckpt.run``'s training function, one Trainer per
-rank (DDP over gloo under the Trainer), memckpt attached to the run's context.
+Trainer of examples/hf_trainer.py as each rank's training (DDP over gloo under the Trainer),
+memckpt attached to the rank's context: ``memckpt.run``'s, or ``memckpt.ray_train.context()``
+inside a ``TorchTrainer`` (:func:`ray_train_loop`).
 
 The workers cannot import tests/ or examples/: the test registers this module and
 examples/hf_trainer.py with Ray's pickle-by-value."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
 from typing import Any
 
 from hf_trainer import build
@@ -17,17 +21,35 @@ VOLATILE = ("_runtime", "_per_second")  # wall-clock figures in the Trainer's lo
 
 
 class HFRankJob:
-    """Each rank's ``trainer.train()``; returns the Trainer's log (without wall-clock
-    figures) and the step memckpt resumed from."""
+    """One rank's ``trainer.train()``. Returns (and writes to ``<out>/rank<r>.json``) the
+    Trainer's log without wall-clock figures, a hash of the final parameters, and the step
+    memckpt resumed from."""
 
-    def __init__(self, out: str, samples: int) -> None:
-        self.out, self.samples = out, samples
+    def __init__(self, out: str, samples: int, ray_train: bool = False) -> None:
+        self.out, self.samples, self.ray_train = out, samples, ray_train
 
     def __call__(self, ctx: Any) -> dict[str, Any]:
         trainer = build(f"{self.out}/rank{ctx.rank}", samples=self.samples)
+        if self.ray_train:  # as Ray Train's guide has it
+            from ray.train.huggingface.transformers import prepare_trainer
+            trainer = prepare_trainer(trainer)
         hooks = attach(trainer, ctx)
         trainer.train()
-        log = [{k: v for k, v in entry.items() if not k.endswith(VOLATILE)}
-               for entry in trainer.state.log_history]
-        return {"log_history": log, "resumed_from": hooks.restored_step,
-                "world_size": trainer.args.world_size}
+        weights = hashlib.sha256()
+        for name, tensor in trainer.model.state_dict().items():
+            weights.update(name.encode())
+            weights.update(tensor.detach().contiguous().numpy().tobytes())
+        result = {"log_history": [{k: v for k, v in entry.items() if not k.endswith(VOLATILE)}
+                                  for entry in trainer.state.log_history],
+                  "weights": weights.hexdigest(), "resumed_from": hooks.restored_step,
+                  "world_size": trainer.args.world_size}
+        Path(self.out, f"rank{ctx.rank}.json").write_text(json.dumps(result))
+        return result
+
+
+def ray_train_loop(cfg: dict[str, Any]) -> None:
+    """The ``TorchTrainer``'s ``train_loop_per_worker``."""
+    from memckpt.ray_train import context
+    ctx = context()
+    cfg["job"](ctx)
+    ctx.finish()

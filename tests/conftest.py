@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
 from typing import Callable, TypeVar, Union
 
@@ -139,3 +140,34 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if path:
         with open(path, "a") as f:
             f.write(f"{time.time():.0f} {report.duration:8.2f} {report.when:8} {report.nodeid}\n")
+
+
+# -- a job's coordinator, for drills that act at a step (Ray Train's runs, mostly) --
+def coordinator(name: str):
+    import ray
+    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+    return ray.get_actor(coordinator_name(name), namespace=COORDINATOR_NAMESPACE)
+
+
+def status_at(name: str, step: int) -> dict | None:
+    """The run's coordinator status once it has seen ``step`` reached; None before (or before
+    the coordinator has started)."""
+    import ray
+    try:
+        coord = coordinator(name)
+        if ray.get(coord.progress.remote())["max_step"] >= step:
+            return ray.get(coord.status.remote())
+    except (ValueError, ray.exceptions.RayError):
+        pass  # not started yet
+    return None
+
+
+def when_step(name: str, step: int, action) -> threading.Thread:
+    """In the background: once the run's coordinator sees ``step`` reached, ``action(status)``."""
+
+    def watch() -> None:
+        action(wait_for(lambda: status_at(name, step), 300, f"{name} to reach step {step}"))
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t

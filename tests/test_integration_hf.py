@@ -71,45 +71,115 @@ def test_sigkilled_trainer_resumes_bit_identical(ram_root, tmp_path, accum, kill
         assert_same(tmp_path / "again", tmp_path / "ref")
 
 
-def ddp_config(name: str) -> memckpt.Config:
+def ddp_config(name: str, ram_root: str | None = None) -> memckpt.Config:
+    extra = {"ram_root": ram_root} if ram_root else {}
     return memckpt.Config(
-        job_name=name,
+        job_name=name, **extra,
         workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
         failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
                                       max_restarts=3, collective_timeout_s=30.0))
 
 
-@pytest.mark.ray
-@pytest.mark.timeout(900)
-def test_ddp_trainer_under_memckpt_run_survives_a_killed_worker(full_cluster, tmp_path):
-    """Three ranks, DDP under the Trainer (gloo), memckpt attached to ``memckpt.run``'s
-    context; rank 1's worker SIGKILLed at step 5 of 12 (mid-epoch: an epoch is 6 steps)."""
+SAMPLES = 72  # 3 ranks x 4 per step: 6 optimizer steps an epoch, 12 in all
+
+
+@pytest.fixture(scope="module")
+def ddp_job(cluster):
+    """The 3-rank job module, shipped to the workers (which cannot import tests/ or
+    examples/)."""
     import ray
     sys.path.insert(0, str(ROOT / "examples"))
 
     import _hf_ray_job
     import hf_trainer
-    for module in (_hf_ray_job, hf_trainer):  # the workers cannot import tests/ or examples/
+    for module in (_hf_ray_job, hf_trainer):
         ray.cloudpickle.register_pickle_by_value(module)
-    from memckpt.runtime.faults import FaultInjector
+    return _hf_ray_job
 
-    ref = memckpt.run(_hf_ray_job.HFRankJob(str(tmp_path / "ref"), samples=72),
-                      ddp_config("hf-ddp-ref"), run_dir=tmp_path / "ref-run", quiet=True)
-    inj = FaultInjector().kill_worker(rank=1, at_step=5)
-    got = memckpt.run(_hf_ray_job.HFRankJob(str(tmp_path / "run"), samples=72),
-                      ddp_config("hf-ddp"), run_dir=tmp_path / "run-run", injector=inj, quiet=True)
+
+@pytest.fixture(scope="module")
+def ddp_reference(ddp_job, tmp_path_factory):
+    """The uninterrupted 3-rank run under memckpt.run: every rank's result, the run summary."""
+    tmp = tmp_path_factory.mktemp("hf-ddp-ref")
+    ref = memckpt.run(ddp_job.HFRankJob(str(tmp / "out"), SAMPLES), ddp_config("hf-ddp-ref"),
+                      run_dir=tmp / "run", quiet=True)
     assert ref["recoveries"] == [] and [r["world_size"] for r in ref["results"]] == [3, 3, 3]
+    assert len([e for e in ref["results"][0]["log_history"] if "eval_loss" in e]) == 3  # 4, 8, 12
+    return ref
+
+
+def assert_same_ranks(got: list[dict], want: list[dict]) -> None:
+    """Every rank's log (losses, grad norms, learning rates, evaluations, the summary) and
+    final parameters equal the uninterrupted run's, bit for bit."""
+    assert len(got) == len(want) == 3
+    for rank, (mine, theirs) in enumerate(zip(got, want)):
+        assert [e.get("step") for e in mine["log_history"]] == \
+            [e.get("step") for e in theirs["log_history"]]
+        assert mine["log_history"] == theirs["log_history"], f"rank {rank}'s log differs"
+        assert mine["weights"] == theirs["weights"], f"rank {rank}'s parameters differ"
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_ddp_trainer_under_memckpt_run_survives_a_killed_worker(ddp_job, ddp_reference, full_cluster,
+                                                               tmp_path):
+    """DDP under the Trainer (gloo), memckpt attached to ``memckpt.run``'s context; rank 1's
+    worker SIGKILLed at step 5 of 12 (mid-epoch: an epoch is 6 steps)."""
+    from memckpt.runtime.faults import FaultInjector
+    inj = FaultInjector().kill_worker(rank=1, at_step=5)
+    got = memckpt.run(ddp_job.HFRankJob(str(tmp_path / "out"), SAMPLES), ddp_config("hf-ddp"),
+                      run_dir=tmp_path / "run", injector=inj, quiet=True)
     (rec,) = got["recoveries"]
     assert rec["died_ranks"] == [1] and rec["resumed_step"] == 4
     assert [r["resumed_from"] for r in got["results"]] == [4, 4, 4]
-    for rank, (mine, theirs) in enumerate(zip(got["results"], ref["results"])):
-        log, ref_log = mine["log_history"], theirs["log_history"]
-        assert [e["step"] for e in log] == [e["step"] for e in ref_log]
-        assert log == ref_log, f"rank {rank}'s losses differ from the uninterrupted run"
-    assert len([e for e in ref_log if "eval_loss" in e]) == 3  # steps 4, 8 and 12
+    assert_same_ranks(got["results"], ddp_reference["results"])
     # parameters, optimizer state and scheduler on every rank, bit for bit
-    assert got["final_digest"] == ref["final_digest"]
+    assert got["final_digest"] == ddp_reference["final_digest"]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_trainer_inside_ray_train_survives_a_lost_node(ddp_job, ddp_reference, full_cluster,
+                                                       tmp_path, ram_root):
+    """The same Trainer inside Ray Train (``TorchTrainer`` + ``prepare_trainer`` + memckpt's
+    callback): the node of rank 1 removed at step 5; Ray Train restarts the group and every
+    rank resumes from RAM (rank 1 from its peer's replica), ending equal to the run above."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from conftest import when_step
+    from memckpt.ray_train import MemckptCallback
+    name, removed = "hf-rt-node", []
+
+    def remove(status: dict) -> None:
+        node = status["workers"]["1"]["node_id"]
+        removed.append(node)
+        full_cluster.remove_node(node)
+
+    watcher = when_step(name, 5, remove)
+    out = tmp_path / "out"
+    out.mkdir()
+    trainer = TorchTrainer(
+        ddp_job.ray_train_loop, train_loop_config={"job": ddp_job.HFRankJob(str(out), SAMPLES,
+                                                                            ray_train=True)},
+        scaling_config=ray.train.ScalingConfig(num_workers=3, resources_per_worker={"CPU": 1},
+                                               placement_strategy="SPREAD"),
+        run_config=ray.train.RunConfig(
+            name=name, storage_path=str(tmp_path / "storage"),
+            failure_config=ray.train.FailureConfig(max_failures=3),
+            callbacks=[MemckptCallback(ddp_config(name, ram_root), run_dir=tmp_path / "run")]))
+    result = trainer.fit()
+    watcher.join(5)
+    assert result.error is None and len(removed) == 1
+    got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    assert all(r["resumed_from"] > 0 for r in got)  # from memckpt's RAM, not from step 0
+    assert_same_ranks(got, ddp_reference["results"])
+    ev = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    (plan,) = [e for e in ev if e["event"] == "recovery_plan"]
+    assert plan["dead_nodes"] == removed
+    restored = [e for e in ev if e["event"] == "restored" and e["gen"] == 1]
+    assert len(restored) == 3 and all(e["source"].startswith(("local:", "peer:")) for e in restored)
 
 
 def tiny_trainer(tmp_path: Path, **kwargs) -> transformers.Trainer:

@@ -22,7 +22,7 @@ import pytest
 
 import memckpt
 from memckpt.demo.job import GPTJob
-from conftest import wait_for
+from conftest import coordinator, status_at, wait_for, when_step
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -132,36 +132,6 @@ def test_sigkill_worker_restores_from_own_nodes_ram(full_cluster, reference, tmp
     # every rank from RAM (its own node's slot or a peer's store), none from storage_path
     assert all(e["source"].startswith(("local:", "peer:")) for e in restored), restored
     assert_clean(ram_root)
-
-
-def coordinator(name: str):
-    import ray
-    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
-    return ray.get_actor(coordinator_name(name), namespace=COORDINATOR_NAMESPACE)
-
-
-def status_at(name: str, step: int) -> dict | None:
-    """The run's coordinator status once it has seen ``step`` reached; None before (or before
-    the coordinator has started)."""
-    import ray
-    try:
-        coord = coordinator(name)
-        if ray.get(coord.progress.remote())["max_step"] >= step:
-            return ray.get(coord.status.remote())
-    except (ValueError, ray.exceptions.RayError):
-        pass  # not started yet
-    return None
-
-
-def when_step(name: str, step: int, action) -> threading.Thread:
-    """In the background: once the run's coordinator sees ``step`` reached, ``action(status)``."""
-
-    def watch() -> None:
-        action(wait_for(lambda: status_at(name, step), 300, f"{name} to reach step {step}"))
-
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    return t
 
 
 @pytest.mark.chaos
