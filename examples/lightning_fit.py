@@ -5,7 +5,8 @@ at the next batch after the process is killed. The memckpt lines are marked.
 
 A small dropout MLP on a fixed regression set in a shuffled order, AdamW with a per-step LR
 schedule, two epochs. Kill it (``kill -9``) while it trains and run the same command again.
-tests/test_integration_lightning.py runs this script's ``build``.
+tests/test_integration_lightning.py runs this script's ``build`` (and, with 3 ranks under
+``memckpt.run``, ``build`` and ``trainer_for(..., num_nodes=ctx.world_size)`` on every rank).
 """
 
 from __future__ import annotations
@@ -40,17 +41,23 @@ class Net(L.LightningModule):
                                  "interval": "step"}}
 
 
-def build() -> tuple[Net, DataLoader, memckpt.ResumableSampler]:
+def build(samples: int = 40) -> tuple[Net, DataLoader, memckpt.ResumableSampler]:
     g = torch.Generator().manual_seed(7)
-    data = TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g))
+    data = TensorDataset(torch.randn(samples, 8, generator=g), torch.randn(samples, 1, generator=g))
     L.seed_everything(0, verbose=False)
     sampler = memckpt.ResumableSampler(len(data), seed=3)  # in place of shuffle=True
     return Net(), DataLoader(data, batch_size=4, sampler=sampler), sampler
 
 
-def trainer_for(callbacks: list, accum: int = 1) -> L.Trainer:
+def trainer_for(callbacks: list, accum: int = 1, num_nodes: int = 1) -> L.Trainer:
+    """``num_nodes``: ``ctx.world_size`` under ``memckpt.run`` (DDP over its process group, a
+    device per rank; find_unused_parameters keeps DDP's gradient buckets in one layout, for a
+    bit-identical resume). The ResumableSampler, not Lightning's DistributedSampler, deals
+    the data to the ranks."""
     return L.Trainer(max_epochs=2, accumulate_grad_batches=accum, callbacks=callbacks,
-                     accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                     accelerator="cpu", devices=1, num_nodes=num_nodes,
+                     strategy="ddp_find_unused_parameters_true" if num_nodes > 1 else "auto",
+                     use_distributed_sampler=False, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False)
 
 

@@ -16,6 +16,23 @@ The data position is the sampler's: Lightning restarts a plain DataLoader's epoc
 first batch, so the train DataLoader must draw from a :class:`memckpt.ResumableSampler` (its
 order is a function of seed and epoch; its position is taken from the loop's own batch count,
 not from the DataLoader's prefetching iterator).
+
+Several ranks (DDP) under ``memckpt.run``: make the Trainer inside the training function, one
+device per rank, and pass ``ctx`` as the target::
+
+    def train(ctx):
+        trainer = L.Trainer(devices=1, num_nodes=ctx.world_size,
+                            strategy="ddp_find_unused_parameters_true",  # one bucket layout
+                            use_distributed_sampler=False,  # the ResumableSampler deals the data
+                            callbacks=[MemckptCallback(ctx, sampler)], ...)
+        trainer.fit(model, loader)
+
+Lightning then joins the process group memckpt made (the worker sets ``LOCAL_RANK``,
+``GROUP_RANK``, ``MASTER_ADDR``... as torchrun would) instead of launching processes, and the
+callback deals the sampler to the ranks (a sampler made with the default ``world_size=1``
+takes the Trainer's rank and world size at ``setup``). ``find_unused_parameters=True`` keeps
+DDP's gradient buckets in one layout: without it DDP re-buckets after its first step, and a
+resumed generation's first step sums the gradients in another order (its last bits differ).
 """
 
 from __future__ import annotations
@@ -25,6 +42,8 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 from memckpt.errors import StateError
 from memckpt.format.data import ResumableSampler
@@ -122,14 +141,56 @@ class MemckptCallback(Callback):
     # -- Lightning hooks ---------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.saver is None:
+            self.check_ranks(trainer)
             self.saver = Saver(self.target, trainer.global_rank, trainer.world_size, who=WHERE)
             self.every = self.saver.config.snapshot_every
         self.position = LoopPosition(self, trainer)
+
+    def check_ranks(self, trainer: Any) -> None:
+        """The Trainer must run the rank of memckpt's context (where it has one), and the
+        sampler deal the data to the Trainer's ranks: one it was made with ``world_size=1``
+        takes them here, before the loader's first iterator."""
+        rank, world = trainer.global_rank, trainer.world_size
+        ctx_rank = getattr(self.target, "rank", None)  # a context's; a Config has none
+        ctx_world = getattr(self.target, "world_size", None)
+        if isinstance(ctx_rank, int) and isinstance(ctx_world, int) and \
+                (rank, world) != (ctx_rank, ctx_world):
+            raise StateError(f"{WHERE}: the Trainer runs rank {rank} of {world}, memckpt's context is "
+                             f"rank {ctx_rank} of {ctx_world}; make the Trainer with devices=1, "
+                             "num_nodes=ctx.world_size (DDP over the process group memckpt.run made)")
+        s = self.sampler
+        if s.world_size == 1 and world > 1:
+            s.rank, s.world_size = rank, world
+        elif (s.rank, s.world_size) != (rank, world):
+            raise StateError(f"{WHERE}: the ResumableSampler deals rank {s.rank} of {s.world_size}, the "
+                             f"Trainer runs rank {rank} of {world}; make it with rank=trainer.global_rank, "
+                             "world_size=trainer.world_size, or leave both out (the callback sets them)")
+
+    def check_loader(self, trainer: Any) -> None:
+        """The train DataLoader must draw from this callback's sampler: Lightning replaces a
+        custom sampler with its DistributedSampler under DDP unless told not to."""
+        loader = trainer.train_dataloader
+        if not isinstance(loader, DataLoader):  # several train loaders: not checked
+            return
+        if any(s is self.sampler for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None))):
+            return
+        if trainer.world_size > 1 and isinstance(loader.sampler, torch.utils.data.DistributedSampler):
+            raise StateError(f"{WHERE}: Lightning replaced the train DataLoader's ResumableSampler with "
+                             "its DistributedSampler; make the Trainer with use_distributed_sampler=False "
+                             "(the ResumableSampler deals the data to the ranks)")
+        raise StateError(f"{WHERE}: the train DataLoader draws from {type(loader.sampler).__name__}, not "
+                         "from the ResumableSampler given to MemckptCallback; pass the loader's sampler")
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Lightning built its optimizers: load the newest snapshot, then hand the loop its
         progress counters as its own checkpoint restore would."""
         assert self.saver is not None and self.position is not None
+        ddp = getattr(trainer.strategy, "model", None)
+        if isinstance(ddp, DistributedDataParallel) and not ddp.find_unused_parameters and \
+                trainer.is_global_zero:
+            log.warning("memckpt: DDP without find_unused_parameters re-buckets gradients after its "
+                        "first step, so a resumed run's first step is not bit-identical; pass "
+                        "Trainer(strategy=\"ddp_find_unused_parameters_true\")")
         self.restored_step = self.last = 0
         step = self.saver.restore(self.state(trainer, pl_module))
         if not step:
@@ -151,6 +212,9 @@ class MemckptCallback(Callback):
         self.rng = rng_state()
         log.warning("memckpt: resumed from the RAM snapshot of step %d (job %r)", step,
                     self.saver.config.job_name)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.check_loader(trainer)  # the loaders are set up, no batch drawn yet
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.pending = None  # the resumed epoch's iterator started where the snapshot was
