@@ -21,7 +21,8 @@ def test_trainer_bench_rows_and_report(tmp_path, capsys):
     rows = json.loads(out.read_text())
     step = {r["method"]: r for r in rows if r["benchmark"] == "step"}
     resume = {r["method"]: r for r in rows if r["benchmark"] == "resume"}
-    assert set(step) == {"none", "hf-save", "memckpt"} and set(resume) == {"hf-resume", "memckpt"}
+    assert set(step) == {"none", "hf-save", "memckpt"}
+    assert set(resume) == {"hf-resume", "hf-resume-warm", "memckpt"}
     assert step["none"]["blocking_s"] == 0 and step["hf-save"]["blocking_s"] > 0
     assert step["memckpt"]["blocking_s"] > 0
     assert step["memckpt"]["x_lower_blocking"] == pytest.approx(
@@ -30,6 +31,8 @@ def test_trainer_bench_rows_and_report(tmp_path, capsys):
         assert r["resumed_step"] == 2 and 0 < r["restore_s"] < r["to_first_step_s"]
     assert resume["memckpt"]["x_faster_restore"] == pytest.approx(
         resume["hf-resume"]["restore_s"] / resume["memckpt"]["restore_s"])
+    assert resume["memckpt"]["x_faster_restore_warm"] == pytest.approx(
+        resume["hf-resume-warm"]["restore_s"] / resume["memckpt"]["restore_s"])
     assert len({r["state_bytes"] for r in rows}) == 1 and rows[0]["state_bytes"] > 2**20
     printed = capsys.readouterr().out
     assert printed.startswith("machine:") and "| size | per step |" in printed

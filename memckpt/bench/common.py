@@ -144,6 +144,20 @@ def ram_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
+def evict_from_page_cache(path: Path) -> int:
+    """Flush a file (or every file under a folder) to disk and drop its pages from the page
+    cache, so the next read comes from the disk as after a reboot or on another machine.
+    Returns the bytes evicted."""
+    total = 0
+    for f in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        total += f.stat().st_size
+    return total
+
+
 def rows_from_child(module: str, args: list[str], out_flag: str, what: str) -> Any:
     """Run ``python -m module args out_flag FILE`` with this memckpt first on PYTHONPATH (a
     fresh process: its memory is returned afterwards) and return the JSON it wrote to FILE.

@@ -7,7 +7,11 @@ trained by ``transformers.Trainer`` on the CPU (or the first GPU), measured in t
             hf-save       TrainingArguments(save_strategy="steps", save_steps=1): the Trainer's
                           own checkpoint folder every step (safetensors + optimizer.pt ...)
             memckpt       memckpt.integrations.hf.attach, a snapshot every step
-  resume    hf-resume     a fresh process: train(resume_from_checkpoint=<last folder>)
+  resume    hf-resume     a fresh process: train(resume_from_checkpoint=<last folder>), the
+                          folder read from the disk (its pages dropped from the page cache, as
+                          after a reboot or on a replacement node)
+            hf-resume-warm  the same, read from the page cache it was just written through
+                          (a process restarted on the same node soon after the save)
             memckpt       a fresh process after the memckpt run was SIGKILLed: train() resumes
                           from the RAM snapshot by itself
 
@@ -15,8 +19,7 @@ Per step: the time the step blocked in the checkpoint call (``blocking``: _save_
 or memckpt's step) and the whole step time (medians after the first step). Per resume: the
 restore part (the Trainer's _load_* hooks, or memckpt's restore) and the time from the
 process's start to its first resumed step (interpreter, imports and model build included:
-both pay them). The Trainer's folder is read back from the page cache it was just written
-through, the most favourable case for it.
+both pay them).
 
 Each measurement is a fresh process. Sizes are binary: 100M = 100 MiB, 1G = 1 GiB. Needs the
 ``hf`` extra (transformers).
@@ -32,13 +35,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from memckpt.bench.common import (disk_dir, human_bytes, human_s, machine_info, machine_line,
-                                  finish_report, parse_sizes, positive_int, ram_dir,
+from memckpt.bench.common import (disk_dir, machine_info, parse_sizes, positive_int, ram_dir,
                                   rows_from_child, standalone, write_rows)
+from memckpt.bench.trainer.report import ratios, report
 
 DEFAULT_SIZES = "100M,1G"
 CHILD = "memckpt.bench.trainer.measure"
-BLOCKING_TARGET, RESTORE_TARGET = 10.0, 3.0  # x lower blocking at >= 1 GiB; x faster restore
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,12 +90,12 @@ def measure_size(label: str, size: int, steps: int, base: Optional[str]) -> list
                          "state_bytes": r["state_bytes"], "step_s": step_s,
                          "blocking_s": steady(r["blocking_s"]) if r["blocking_s"] else 0.0,
                          "overhead_s": step_s - none_s, "steps": len(r["step_s"])})
-        for method in ("hf-save", "memckpt"):
+        for method in ("hf-save-warm", "hf-save", "memckpt"):
             _say(f"{label}: resume by {method} in a fresh process")
             started = time.time()
             r = _child("resume", size, steps, directory, ram, method)
             rows.append({"benchmark": "resume", "size": label,
-                         "method": "hf-resume" if method == "hf-save" else "memckpt",
+                         "method": method.replace("hf-save", "hf-resume"),
                          "state_bytes": r["state_bytes"], "restore_s": r["restore_s"],
                          "to_first_step_s": r["first_step_at"] - started,
                          "resumed_step": r["resumed_step"]})
@@ -101,50 +103,6 @@ def measure_size(label: str, size: int, steps: int, base: Optional[str]) -> list
     finally:
         shutil.rmtree(directory, ignore_errors=True)
         shutil.rmtree(ram, ignore_errors=True)
-
-
-def _pick(rows: list[dict[str, Any]], bench: str, size: str, method: str) -> dict[str, Any]:
-    return next(r for r in rows if (r["benchmark"], r["size"], r["method"]) == (bench, size, method))
-
-
-def ratios(rows: list[dict[str, Any]]) -> None:
-    """Each memckpt row against the Trainer's own, in place."""
-    for size in {r["size"] for r in rows}:
-        hf, mc = _pick(rows, "step", size, "hf-save"), _pick(rows, "step", size, "memckpt")
-        mc["x_lower_blocking"] = hf["blocking_s"] / max(mc["blocking_s"], 1e-9)
-        hf_r, mc_r = _pick(rows, "resume", size, "hf-resume"), _pick(rows, "resume", size, "memckpt")
-        mc_r["x_faster_restore"] = hf_r["restore_s"] / max(mc_r["restore_s"], 1e-9)
-        mc_r["x_faster_to_first_step"] = hf_r["to_first_step_s"] / mc_r["to_first_step_s"]
-
-
-def report(rows: list[dict[str, Any]], machine: dict[str, Any]) -> str:
-    text = [machine_line(machine, threads=True), "",
-            "| size | per step | step time | blocked in checkpoint | vs the Trainer's save |",
-            "| --- | --- | --- | --- | --- |"]
-    for r in (r for r in rows if r["benchmark"] == "step"):
-        x = f"{r['x_lower_blocking']:.0f}x lower" if "x_lower_blocking" in r else ""
-        text.append(f"| {human_bytes(r['state_bytes'])} | {r['method']} | {human_s(r['step_s'])} | "
-                    f"{human_s(r['blocking_s'])} | {x} |")
-    text += ["", "| size | resume | restore part | process start to first resumed step | restore vs "
-                 "the Trainer's |", "| --- | --- | --- | --- | --- |"]
-    for r in (r for r in rows if r["benchmark"] == "resume"):
-        x = f"{r['x_faster_restore']:.1f}x faster" if "x_faster_restore" in r else ""
-        text.append(f"| {human_bytes(r['state_bytes'])} | {r['method']} (step {r['resumed_step']}) | "
-                    f"{human_s(r['restore_s'])} | {human_s(r['to_first_step_s'])} | {x} |")
-    checks = []
-    for r in rows:
-        if r.get("state_bytes", 0) < 0.9 * 2**30 or r["method"] != "memckpt":
-            continue
-        if r["benchmark"] == "step":
-            checks.append((r["x_lower_blocking"] >= BLOCKING_TARGET,
-                           f"{human_bytes(r['state_bytes'])}: blocking per step "
-                           f"{r['x_lower_blocking']:.0f}x lower than save_steps=1 (target >= "
-                           f"{BLOCKING_TARGET:.0f}x)"))
-        else:
-            checks.append((r["x_faster_restore"] >= RESTORE_TARGET,
-                           f"{human_bytes(r['state_bytes'])}: restore {r['x_faster_restore']:.1f}x "
-                           f"faster than resume_from_checkpoint (target >= {RESTORE_TARGET:.0f}x)"))
-    return finish_report(text, rows, None, lambda r: r["method"], checks)
 
 
 def main(args: argparse.Namespace) -> int:

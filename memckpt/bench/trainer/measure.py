@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import memckpt
+from memckpt.bench.common import evict_from_page_cache
 from memckpt.integrations.hf import attach
 
 SEQ, VOCAB, LAYERS, HEAD = 32, 256, 4, 64
@@ -131,7 +132,11 @@ def run_steps(method: str, size: int, steps: int, directory: Path, ram_root: str
 
 
 def resume(method: str, size: int, steps: int, directory: Path, ram_root: str) -> dict[str, Any]:
-    """One more step after ``steps``, resumed by ``method``."""
+    """One more step after ``steps``, resumed by ``method``: memckpt, or the Trainer from its
+    last folder read from the disk (``hf-save``: its pages dropped from the page cache first)
+    or from the page cache it was written through (``hf-save-warm``)."""
+    if method == "hf-save":
+        evict_from_page_cache(directory / "hf-save" / f"checkpoint-{steps}")
     trainer, clock = build(str(directory / method), size, steps + 1, save=False)
     loads: list[float] = []
     folder: Optional[str] = None
@@ -151,7 +156,7 @@ def resume(method: str, size: int, steps: int, directory: Path, ram_root: str) -
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--phase", choices=("steps", "snapshot-and-kill", "resume"), required=True)
-    p.add_argument("--method", choices=("hf-save", "memckpt"), default="memckpt")
+    p.add_argument("--method", choices=("hf-save", "hf-save-warm", "memckpt"), default="memckpt")
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--dir", required=True)
