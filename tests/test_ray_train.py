@@ -23,6 +23,7 @@ import pytest
 import memckpt
 from memckpt.demo.job import GPTJob
 from conftest import coordinator, status_at, wait_for, when_step
+import test_runtime
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -108,16 +109,14 @@ def assert_clean(ram_root: str) -> None:
 
 @pytest.fixture(scope="module")
 def reference(cluster, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reference")
-    ram = str(tmp / "ram")
-    result, loss, digest, ev = fit(config("rt-reference", ram), tmp)
-    assert result.error is None
-    assert len(loss) == JOB.steps
-    assert not [e for e in ev if e["event"] == "recovery_plan"]
-    (gen0,) = [e for e in ev if e["event"] == "generation_started"]
-    assert len(set(gen0["assignment"].values())) == 3  # 3 workers on 3 nodes
-    assert_clean(ram)
-    return loss, digest
+    """(per-step losses, every rank's digest) of the uninterrupted run: the same job and
+    world size under ``memckpt.run`` (test_runtime's reference, run once per session), which a
+    TorchTrainer run without faults matches bit for bit. So every drill below also shows
+    that Ray Train's path ends where memckpt's own driver does."""
+    assert JOB == test_runtime.JOB
+    run = test_runtime.uninterrupted_run(tmp_path_factory)
+    assert len(run["losses"]) == JOB.steps and len(run["rank_digests"]) == 3
+    return run["losses"], run["rank_digests"]
 
 
 def test_sigkill_worker_restores_from_own_nodes_ram(full_cluster, reference, tmp_path, ram_root):

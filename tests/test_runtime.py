@@ -35,11 +35,17 @@ def config(name: str, **failure) -> memckpt.Config:
         failure=memckpt.FailureConfig(**policy))
 
 
-_REFERENCE: dict[str, dict] = {}  # run once per session: test_multi_failure's drills share it
+# run once per session: test_multi_failure's and test_ray_train's drills share it
+_REFERENCE: dict[str, dict] = {}
 
 
 @pytest.fixture(scope="module")
 def reference(cluster, tmp_path_factory):
+    return uninterrupted_run(tmp_path_factory)
+
+
+def uninterrupted_run(tmp_path_factory) -> dict:
+    """JOB's run without faults on the session's cluster, once per session."""
     if "run" in _REFERENCE:
         return _REFERENCE["run"]
     result = memckpt.run(JOB, config("reference"), run_dir=tmp_path_factory.mktemp("ref"),
