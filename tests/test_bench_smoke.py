@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+import subprocess
 
 import pytest
 
@@ -103,3 +105,24 @@ def test_bench_needs_a_benchmark(memckpt_main, capsys):
                                            ("100MB", 100 * 2**20), ("1048576", 2**20)])
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
+
+
+def test_evicting_a_folder_keeps_its_bytes_and_counts_them(tmp_path):
+    """The benchmarks' cold reads: every file under a folder (or one file) flushed and dropped
+    from the page cache, its contents unchanged."""
+    from memckpt.bench.common import evict_from_page_cache
+    (tmp_path / "sub").mkdir()
+    files = {tmp_path / "a.bin": b"x" * 5000, tmp_path / "sub" / "b.bin": b"y" * 123}
+    for path, data in files.items():
+        path.write_bytes(data)
+    assert evict_from_page_cache(tmp_path) == 5123
+    assert evict_from_page_cache(tmp_path / "a.bin") == 5000
+    assert all(path.read_bytes() == data for path, data in files.items())
+    from memckpt.util.fsutil import fs_type
+    # util-linux's fincore: the files' pages in the page cache, now none (a RAM filesystem
+    # keeps its pages: they are the files)
+    if shutil.which("fincore") and fs_type(tmp_path) not in ("tmpfs", "ramfs"):
+        evict_from_page_cache(tmp_path)
+        resident = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES",
+                                   *map(str, files)], capture_output=True, text=True, check=True)
+        assert [int(n) for n in resident.stdout.split()] == [0, 0]

@@ -49,6 +49,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable, Iterator, Optional
 
+from memckpt.bench.common import evict_from_page_cache
 from memckpt.bench.recovery import workload as rjob
 from memckpt.bench.foreign_load import Quiet
 from memckpt.bench.recovery.bench_actors import ColdWorker
@@ -393,15 +394,7 @@ class DCPWorker(ColdWorker):
         msd, osd = get_state_dict(model, opt)
         shutil.rmtree(path, ignore_errors=True)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path, no_dist=True)
-        total = 0
-        for f in Path(path).rglob("*"):
-            if f.is_file():
-                with open(f, "rb+") as fh:
-                    os.fsync(fh.fileno())
-                    if hasattr(os, "posix_fadvise"):
-                        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-                total += f.stat().st_size
-        return total
+        return evict_from_page_cache(Path(path))
 
     def restore_and_step(self, path: str, master: tuple[str, int], rank: int, world: int,
                          d: int, n: int, compute_iters: int) -> dict[str, Any]:

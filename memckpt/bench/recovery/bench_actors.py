@@ -17,8 +17,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from memckpt.bench.common import evict_from_page_cache
 from memckpt.bench.recovery.workload import (all_reduce_mean, build_state, compute_inputs,
                                         compute_loss)
 from memckpt.util.netutil import free_port
@@ -61,13 +63,8 @@ class ColdWorker:
         import torch
         model, opt = build_state(d, n, fresh=True, seed=seed)
         self.model, self.opt = model, opt
-        with open(path, "wb") as f:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        return os.path.getsize(path)
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        return evict_from_page_cache(Path(path))
 
     def train(self, master: tuple[str, int], rank: int, world: int, kill_at: Optional[int],
               marker: str, compute_iters: int, max_steps: int = 10_000,
