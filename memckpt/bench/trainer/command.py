@@ -28,6 +28,7 @@ Each measurement is a fresh process. Sizes are binary: 100M = 100 MiB, 1G = 1 Gi
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,7 @@ from typing import Any, Optional
 
 from memckpt.bench.common import (disk_dir, machine_info, parse_sizes, positive_int, ram_dir,
                                   rows_from_child, standalone, write_rows)
-from memckpt.bench.trainer.report import ratios, report
+from memckpt.bench.trainer.report import ratios, report, steady
 
 DEFAULT_SIZES = "100M,1G"
 CHILD = "memckpt.bench.trainer.measure"
@@ -66,16 +67,15 @@ def _child(phase: str, size: int, steps: int, directory: Path, ram: Path,
     if phase != "snapshot-and-kill":
         return rows_from_child(CHILD, args, "--out", f"bench trainer {phase} {method}")
     out = directory / "killed.json"  # the child writes it, then SIGKILLs itself
-    done = subprocess.run([sys.executable, "-m", CHILD, *args, "--out", str(out)])
+    done = subprocess.run([sys.executable, "-m", CHILD, *args, "--out", str(out)],
+                          stdout=subprocess.DEVNULL)  # the Trainer's prints; errors go to stderr
     if done.returncode != -9 or not out.is_file():
         raise RuntimeError(f"bench trainer: the memckpt run ended with {done.returncode}, "
                            "not SIGKILL after its last snapshot")
-    import json
     return json.loads(out.read_text())
 
 
 def measure_size(label: str, size: int, steps: int, base: Optional[str]) -> list[dict[str, Any]]:
-    from memckpt.bench.trainer.measure import steady
     directory, ram = disk_dir(base, "memckpt-bench-trainer-"), ram_dir("memckpt-bench-trainer-")
     try:
         _say(f"{label}: no checkpoint, then the Trainer's save_steps=1 ({steps} steps each)")

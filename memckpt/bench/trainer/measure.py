@@ -21,7 +21,6 @@ import os
 import signal
 import time
 from pathlib import Path
-from statistics import median
 from typing import Any, Callable, Optional
 
 import torch
@@ -174,11 +173,6 @@ def main() -> None:
     else:
         result = resume(a.method, a.size, a.steps, directory, a.ram_root)
     Path(a.out).write_text(json.dumps(result))
-
-
-def steady(values: list[float], skip: int = 1) -> float:
-    """The median after the first ``skip`` (warm-up: the first step allocates and compiles)."""
-    return float(median(values[skip:] if len(values) > skip else values))
 
 
 if __name__ == "__main__":

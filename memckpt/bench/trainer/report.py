@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from statistics import median
 from typing import Any
 
 from memckpt.bench.common import finish_report, human_bytes, human_s, machine_line
 
 BLOCKING_TARGET, RESTORE_TARGET = 10.0, 3.0  # x lower blocking at >= 1 GiB; x faster restore
+
+
+def steady(values: list[float], skip: int = 1) -> float:
+    """The median after the first ``skip`` (warm-up: the first step allocates and compiles)."""
+    return float(median(values[skip:] if len(values) > skip else values))
 
 
 def _pick(rows: list[dict[str, Any]], bench: str, size: str, method: str) -> dict[str, Any]:
