@@ -86,15 +86,14 @@ def test_stop_file_persists_and_stops(full_cluster, tmp_path):
 
 
 @pytest.mark.chaos
-@pytest.mark.parametrize("tier", ["disk", "s3"])
-def test_whole_cluster_lost_then_new_job_auto_resumes(tier, tmp_path, reference, request,
+def test_whole_cluster_lost_then_new_job_auto_resumes(tmp_path, reference, s3_endpoint, s3_uri,
                                                       monkeypatch):
-    """Kill every node mid-run (no RAM copy survives), start a new cluster, same roots."""
+    """Kill every node mid-run (no RAM copy survives), start a new cluster, same S3 root (a
+    real endpoint: moto's server on loopback; new raylets inherit the environment). The same
+    with a disk tier is the demo's drill (test_demo_ray.py, ``--fault cluster``)."""
     from memckpt.runtime.local_cluster import LocalCluster
-    root = tmp_path / "root"
-    if tier == "s3":  # a real S3 endpoint (moto's server on loopback); new raylets inherit env
-        monkeypatch.setenv("MEMCKPT_S3_ENDPOINT_URL", request.getfixturevalue("s3_endpoint"))
-        root = request.getfixturevalue("s3_uri")
+    monkeypatch.setenv("MEMCKPT_S3_ENDPOINT_URL", s3_endpoint)
+    root = s3_uri
     ray_mod = pytest.importorskip("ray")
     ray_mod.shutdown()  # leave the module's shared cluster for a private one
     first = LocalCluster(nodes=3, cpus_per_node=2)
