@@ -1,12 +1,13 @@
 """The child processes of ``memckpt bench trainer`` (one job each; JSON to ``--out``).
 
     python -m memckpt.bench.trainer.measure --phase steps|snapshot-and-kill|resume \
-        --method hf-save|memckpt --size BYTES --steps N --dir DIR --ram-root DIR --out FILE
+        --method hf-save|hf-save-warm|memckpt --size BYTES --steps N --dir DIR --ram-root DIR \
+        --out FILE
 
-``steps``: trains ``--steps`` optimizer steps three times in this process (no checkpoint, the
-Trainer's ``save_steps=1``, memckpt every step; a fresh Trainer each) and reports each step's
-wall time and the time each step blocked in its checkpoint call. ``snapshot-and-kill``:
-memckpt every step, then SIGKILL once the last snapshot is sealed (as a crash would).
+``steps``: trains ``--steps`` optimizer steps twice in this process (no checkpoint, then the
+Trainer's ``save_steps=1``; a fresh Trainer each) and reports each step's wall time and the
+time each step blocked in its checkpoint call. ``snapshot-and-kill``: the same with memckpt
+every step, then SIGKILL once the last snapshot is sealed (as a crash would).
 ``resume``: a fresh process resumes one more step, from the Trainer's last folder
 (``resume_from_checkpoint``) or from memckpt's RAM snapshot; reports the restore part and the
 wall-clock time of the first resumed step's start (the parent started the clock at spawn).
@@ -134,8 +135,9 @@ def resume(method: str, size: int, steps: int, directory: Path, ram_root: str) -
     """One more step after ``steps``, resumed by ``method``: memckpt, or the Trainer from its
     last folder read from the disk (``hf-save``: its pages dropped from the page cache first)
     or from the page cache it was written through (``hf-save-warm``)."""
+    saved = directory / "hf-save" / f"checkpoint-{steps}"  # the save_steps run's last folder
     if method == "hf-save":
-        evict_from_page_cache(directory / "hf-save" / f"checkpoint-{steps}")
+        evict_from_page_cache(saved)
     trainer, clock = build(str(directory / method), size, steps + 1, save=False)
     loads: list[float] = []
     folder: Optional[str] = None
@@ -143,7 +145,7 @@ def resume(method: str, size: int, steps: int, directory: Path, ram_root: str) -
         hooks = attach(trainer, memckpt.Config(job_name="bench-trainer", ram_root=ram_root))
         timed(hooks.saver, "restore", loads)
     else:
-        folder = str(directory / "hf-save" / f"checkpoint-{steps}")
+        folder = str(saved)
         for name in LOADS:
             timed(trainer, name, loads)
     trainer.train(resume_from_checkpoint=folder)
