@@ -22,7 +22,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Worker
 from memckpt.config import Config
 from memckpt.errors import ConfigError, RecoveryError
 from memckpt.ray_train import context as worker_side
-from memckpt.ray_train.janitor import start_janitor
+from memckpt.runtime.janitor import start_janitor
 from memckpt.policy.ray_train_layout import holders_for, run_config, train_tier
 from memckpt.policy.recovery_plan import plan_in_place, source_label
 from memckpt.runtime import actors

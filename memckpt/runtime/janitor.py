@@ -1,5 +1,8 @@
 """Frees a Ray Train job's RAM when its controller dies without cleaning up.
 
+It lives here, not in memckpt.ray_train, so that its process imports neither torch nor Ray
+Train (importing that package does: ~5 CPU-s for an actor that only removes folders).
+
 The coordinator and stores are owned by Ray Train's controller, which is owned by the
 driver: killing the driver kills them all (no actor leaks), but a killed store frees
 nothing, and its shared-memory files would stay. The janitor is the one *detached*
