@@ -38,12 +38,7 @@ def result(out: Path) -> tuple[dict[str, float], int, dict[str, torch.Tensor]]:
 
 
 # (kill at, snapshot every, the step it resumes from): mid-epoch 0; the end of epoch 0
-@pytest.mark.parametrize("kill_at,every,resume_at", [
-    (4, 3, 3),
-    pytest.param(6, 5, 5, marks=pytest.mark.xfail(strict=True, reason=(
-        "known gap: a snapshot at an epoch's last optimizer step restores the same batches and "
-        "RNG, yet the next epoch's losses differ (docs/integrations.md, Limits)"))),
-])
+@pytest.mark.parametrize("kill_at,every,resume_at", [(4, 3, 3), (6, 5, 5)])
 def test_sigkilled_fit_resumes_at_the_next_batch_bit_identical(ram_root, tmp_path, kill_at, every,
                                                                 resume_at):
     ref = run_job(ram_root, "reference", tmp_path / "ref", "--accum", "2")
@@ -63,6 +58,26 @@ def test_sigkilled_fit_resumes_at_the_next_batch_bit_identical(ram_root, tmp_pat
     assert all(losses[k] == ref_losses[k] for k in losses)
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
     assert not (Path(ram_root) / job / "rank0").exists()  # finished: the next fit starts fresh
+
+
+def test_a_fit_resumed_at_an_epoch_end_resumes_again_mid_epoch(ram_root, tmp_path):
+    """Killed after step 6, resumed from step 5 (epoch 0's last); that run, snapshotting every
+    7 steps, killed after step 8 and resumed from step 7 (mid-epoch 1): the second resume
+    reads the epoch counters the first one left as an epoch under way."""
+    ref = run_job(ram_root, "reference", tmp_path / "ref", "--accum", "2")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref_losses, _, ref_weights = result(tmp_path / "ref")
+    out = tmp_path / "run"
+    for every, kill_at in ((5, 6), (7, 8)):  # a kill one step after the snapshot it resumes from
+        killed = run_job(ram_root, "twice", out, "--accum", "2", "--every", str(every),
+                         "--kill-at", str(kill_at))
+        assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = run_job(ram_root, "twice", out, "--accum", "2", "--every", "7")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses, resumed_from, weights = result(out)
+    assert resumed_from == 7 and sorted(losses) == [f"1:{b}" for b in range(4, 10)]
+    assert all(losses[k] == ref_losses[k] for k in losses)
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
 
 def test_plain_sampler_and_bad_targets_are_refused(ram_root):

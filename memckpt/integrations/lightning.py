@@ -10,7 +10,8 @@ RAM: the LightningModule, every optimizer and LR scheduler, the mixed-precision 
 there is one, every global RNG, the fit loop's progress counters (as Lightning's own
 checkpoints hold them), the other callbacks' state, and the data position. ``fit()`` then
 restores the newest verified snapshot at ``on_fit_start`` (after Lightning set up its
-optimizers) and goes on at the next batch of the same epoch.
+optimizers) and goes on at the next batch of the same epoch (at the next epoch's first after
+a snapshot at an epoch's last batch).
 
 The data position is the sampler's: Lightning restarts a plain DataLoader's epoch from its
 first batch, so the train DataLoader must draw from a :class:`memckpt.ResumableSampler` (its
@@ -92,7 +93,8 @@ class MemckptCallback(Callback):
         self.position: Optional[LoopPosition] = None
         self.restored_step = 0
         self.rng: Optional[dict[str, Any]] = None  # re-applied before the first resumed batch
-        self.pending: Optional[dict[str, Any]] = None  # the restored sampler position
+        self.restored_sampler: Optional[dict[str, Any]] = None
+        self.restored_epochs = 0  # epochs the restored loop had processed
         self.last = -1
         self.epoch = 0  # the loop's epoch
         self.batch_end = 0  # batches of this epoch the loop has finished
@@ -198,11 +200,9 @@ class MemckptCallback(Callback):
         loaded = self.position.loaded
         assert loaded is not None  # the restore that returned a step filled it
         self.sampler.load_state_dict(loaded["sampler"])
-        # A snapshot at an epoch's last batch: Lightning first closes that epoch, drawing a
-        # batch of the next one ahead from the sampler; the next epoch's start puts it back.
-        self.pending = loaded["sampler"]
+        self.restored_sampler = loaded["sampler"]
         trainer.fit_loop.load_state_dict(loaded["fit_loop"])
-        self.epoch = trainer.current_epoch
+        self.restored_epochs = trainer.fit_loop.epoch_progress.total.processed
         if loaded["precision"]:
             trainer.precision_plugin.load_state_dict(loaded["precision"])
         for cb in trainer.callbacks:
@@ -215,9 +215,30 @@ class MemckptCallback(Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.check_loader(trainer)  # the loaders are set up, no batch drawn yet
+        loop = trainer.fit_loop
+        if self.rng is not None and loop.epoch_progress.total.processed > self.restored_epochs:
+            self.start_next_epoch(trainer)
+        self.epoch = trainer.current_epoch
+
+    def start_next_epoch(self, trainer: Any) -> None:
+        """The snapshot was at an epoch's last batch. Lightning's restore closed that epoch but
+        runs the next one as a resumed one, so it skips two things an uninterrupted run does
+        at an epoch's start, which this does in that run's order instead."""
+        assert self.rng is not None and self.restored_sampler is not None
+        loop = trainer.fit_loop
+        # Count the epoch as started: a later snapshot of it would otherwise hold counters
+        # that Lightning reads as an epoch not yet begun, and it would rerun the epoch.
+        loop.epoch_progress.increment_ready()
+        loop.epoch_progress.increment_started()
+        # Make the epoch's train iterator from the snapshot's RNG: a DataLoader without a
+        # generator of its own draws its base seed from the global torch RNG, and the one
+        # Lightning made at set-up drew before the RNG was put back (dropout would differ).
+        set_rng_state(self.rng)
+        self.sampler.load_state_dict(self.restored_sampler)  # a loader without a length prefetched
+        iter(loop._data_fetcher)  # as the epoch loop's on_run_start does at each new epoch
+        self.rng = rng_state()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.pending = None  # the resumed epoch's iterator started where the snapshot was
         if self.rng is not None:  # sanity checks and the loader's set-up ran since the restore
             set_rng_state(self.rng)
             self.rng = None
@@ -235,9 +256,6 @@ class MemckptCallback(Callback):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.epoch = trainer.current_epoch
-        if self.pending is not None:  # before this epoch's iterator is made
-            self.sampler.load_state_dict(self.pending)
-            self.pending = None
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         self.next_epoch()
