@@ -34,7 +34,7 @@ def config(kind: str, name: str, persist=()) -> memckpt.Config:
                                       cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
         persistence=tuple(memckpt.PersistTier(str(p), every=1, keep_last=2) for p in persist),
-        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=3.0,
+        failure=memckpt.FailureConfig(warm_spares=False, heartbeat_interval_s=0.25, heartbeat_timeout_s=3.0,
                                       max_restarts=3, collective_timeout_s=60.0))
 
 

@@ -77,7 +77,7 @@ def ddp_config(name: str, ram_root: str | None = None) -> memckpt.Config:
         job_name=name, **extra,
         workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
-        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+        failure=memckpt.FailureConfig(warm_spares=False, heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
                                       max_restarts=3, collective_timeout_s=30.0))
 
 

@@ -75,7 +75,7 @@ def test_metrics_reach_prometheus(cluster, tmp_path):
         job_name=job,
         workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
-        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0),
+        failure=memckpt.FailureConfig(warm_spares=False, heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0),
         chaos=(memckpt.ChaosEvent(step=KILL_AT, target="worker", rank=1),))
     result = memckpt.run(JOB, config, run_dir=tmp_path, quiet=True)
     assert len(result["recoveries"]) == 1

@@ -24,7 +24,7 @@ def config(name: str, root, every: int = 2, **extra) -> memckpt.Config:
         workers=memckpt.WorkersConfig(num_workers=3, cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
         persistence=(memckpt.PersistTier(str(root), every=every, keep_last=3),),
-        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+        failure=memckpt.FailureConfig(warm_spares=False, heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
                                       collective_timeout_s=30.0),
         **extra)
 

@@ -46,7 +46,7 @@ def test_report_of_a_run_with_a_worker_killed(cluster, tmp_path, capsys):
         job_name="report-kill",
         workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
-        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0),
+        failure=memckpt.FailureConfig(warm_spares=False, heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0),
         chaos=(memckpt.ChaosEvent(step=KILL_AT, target="worker", rank=1),))
     run_dir = tmp_path / "run"
     result = memckpt.run(JOB, config, run_dir=run_dir, quiet=True)

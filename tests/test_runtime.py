@@ -25,8 +25,11 @@ KILL_AT = 6
 
 
 def config(name: str, **failure) -> memckpt.Config:
+    # Each warm spare is one more torch process (~5.5 CPU-s on this 2-core machine): the
+    # drills of the spare path (a killed worker, a lost node, the standby node) keep them
+    # (warm_spares=True); the references and the other drills start none.
     policy = dict(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0, max_restarts=3,
-                  collective_timeout_s=30.0)
+                  collective_timeout_s=30.0, warm_spares=False)
     policy.update(failure)
     return memckpt.Config(
         job_name=name,
@@ -59,10 +62,10 @@ def uninterrupted_run(tmp_path_factory) -> dict:
     return result
 
 
-def standby_config(name: str) -> memckpt.Config:
+def standby_config(name: str, warm_spares: bool = False) -> memckpt.Config:
     """Two ranks on two full nodes; the third node runs none and holds both replicas."""
     return dataclasses.replace(
-        config(name),
+        config(name, warm_spares=warm_spares),
         workers=memckpt.WorkersConfig(num_workers=2, workers_per_node=1, cpus_per_worker=2),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1, standby_nodes=1))
 
@@ -84,7 +87,7 @@ def events(tmp_path) -> list[dict]:
 def test_sigkill_worker_restores_from_local_store(full_cluster, reference, tmp_path):
     # steady: killed once every node's warm spare is up and holds a shard's worth of memory
     inj = FaultInjector().kill_worker(rank=1, at_step=KILL_AT, steady=True)
-    result = run_with(inj, "kill-worker", tmp_path)
+    result = run_with(inj, "kill-worker", tmp_path, warm_spares=True)
     assert_same_run(result, reference)
     (rec,) = result["recoveries"]
     assert rec["died_ranks"] == [1] and rec["dead_nodes"] == []
@@ -106,7 +109,7 @@ def test_sigkill_worker_restores_from_local_store(full_cluster, reference, tmp_p
 
 def test_node_loss_restores_from_peer_replica(full_cluster, reference, tmp_path):
     inj = FaultInjector(node_killer=full_cluster.remove_node).kill_node(rank=1, at_step=KILL_AT)
-    result = run_with(inj, "kill-node", tmp_path)
+    result = run_with(inj, "kill-node", tmp_path, warm_spares=True)
     assert_same_run(result, reference)
     (rec,) = result["recoveries"]
     assert len(rec["dead_nodes"]) == 1
@@ -173,8 +176,8 @@ def test_a_dead_nodes_rank_restarts_on_the_standby_holding_its_replica(full_clus
     ref = memckpt.run(JOB, standby_config("standby-ref"), run_dir=tmp_path / "ref", quiet=True)
     assert ref["recoveries"] == []
     inj = FaultInjector(node_killer=full_cluster.remove_node).kill_node(rank=1, at_step=KILL_AT)
-    result = memckpt.run(JOB, standby_config("standby-node"), run_dir=tmp_path / "node", injector=inj,
-                         quiet=True)
+    result = memckpt.run(JOB, standby_config("standby-node", warm_spares=True),
+                         run_dir=tmp_path / "node", injector=inj, quiet=True)
     assert_same_run(result, ref)
     log = events(tmp_path / "node")
     (started,) = [e for e in log if e["event"] == "job_started"]
@@ -205,8 +208,8 @@ def test_losing_the_standby_itself_is_survived(full_cluster, tmp_path):
 
     ref = memckpt.run(JOB, standby_config("standby-lost-ref"), run_dir=tmp_path / "ref", quiet=True)
     inj = FaultInjector(node_killer=kill_standby).kill_node(rank=1, at_step=KILL_AT)
-    result = memckpt.run(JOB, standby_config("standby-lost"), run_dir=tmp_path / "run", injector=inj,
-                         quiet=True)
+    result = memckpt.run(JOB, standby_config("standby-lost", warm_spares=True),
+                         run_dir=tmp_path / "run", injector=inj, quiet=True)
     assert_same_run(result, ref)
     (rec,) = result["recoveries"]
     assert rec["moved_ranks"] == [] and len(rec["dead_nodes"]) == 1
