@@ -3,7 +3,6 @@ small model + AdamW into RAM, and the tests stream those bytes the way replicati
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 
@@ -12,10 +11,7 @@ import pytest
 import torch
 
 import memckpt
-
-
-def _shm_base():
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+from conftest import shm_base
 
 
 def _train_state(seed: int = 0) -> memckpt.TrainState:
@@ -45,7 +41,7 @@ def _snapshot(ckpt: memckpt.Checkpointer, state, step: int) -> tuple[np.ndarray,
 @pytest.fixture(scope="module")
 def shards():
     """step -> (bytes, data checksum) of rank 0's real snapshots of steps 1..3."""
-    root = tempfile.mkdtemp(prefix="memckpt-test-src-", dir=_shm_base())
+    root = tempfile.mkdtemp(prefix="memckpt-test-src-", dir=shm_base())
     try:
         ckpt = memckpt.Checkpointer(memckpt.Config(ram_root=root, job_name="src"))
         state = _train_state()

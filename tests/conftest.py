@@ -33,14 +33,14 @@ def wait_for(predicate: Callable[[], T], timeout: float, what: Union[str, Callab
         time.sleep(interval)
 
 
-def _shm_base() -> str | None:
+def shm_base() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
 @pytest.fixture
 def ram_root():
     """A fresh directory on the shared-memory tmpfs per test, removed afterwards."""
-    path = tempfile.mkdtemp(prefix="memckpt-test-", dir=_shm_base())
+    path = tempfile.mkdtemp(prefix="memckpt-test-", dir=shm_base())
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +22,7 @@ L = pytest.importorskip("lightning.pytorch")
 import memckpt  # noqa: E402
 from memckpt.errors import StateError  # noqa: E402
 from memckpt.integrations.lightning import MemckptCallback  # noqa: E402
+from conftest import shm_base  # noqa: E402
 
 JOB = Path(__file__).with_name("_lightning_job.py")
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,14 +40,26 @@ def result(out: Path) -> tuple[dict[str, float], int, dict[str, torch.Tensor]]:
     return res["losses"], res["resumed_from"], torch.load(out / "weights.pt")
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """The uninterrupted fit's losses and final weights (one run for the module's drills)."""
+    out = tmp_path_factory.mktemp("ref")
+    ram_root = tempfile.mkdtemp(prefix="memckpt-test-", dir=shm_base())
+    try:
+        ref = run_job(ram_root, "reference", out, "--accum", "2")
+    finally:
+        shutil.rmtree(ram_root, ignore_errors=True)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref_losses, _, ref_weights = result(out)
+    assert len(ref_losses) == 20  # 2 epochs of 10 batches, 5 optimizer steps each
+    return ref_losses, ref_weights
+
+
 # (kill at, snapshot every, the step it resumes from): mid-epoch 0; the end of epoch 0
 @pytest.mark.parametrize("kill_at,every,resume_at", [(4, 3, 3), (6, 5, 5)])
-def test_sigkilled_fit_resumes_at_the_next_batch_bit_identical(ram_root, tmp_path, kill_at, every,
-                                                                resume_at):
-    ref = run_job(ram_root, "reference", tmp_path / "ref", "--accum", "2")
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    ref_losses, _, ref_weights = result(tmp_path / "ref")
-    assert len(ref_losses) == 20  # 2 epochs of 10 batches, 5 optimizer steps each
+def test_sigkilled_fit_resumes_at_the_next_batch_bit_identical(ram_root, tmp_path, reference,
+                                                                kill_at, every, resume_at):
+    ref_losses, ref_weights = reference
     job, out = f"job{kill_at}", tmp_path / f"run{kill_at}"
     flags = ("--accum", "2", "--every", str(every))
     killed = run_job(ram_root, job, out, *flags, "--kill-at", str(kill_at))
@@ -60,13 +75,11 @@ def test_sigkilled_fit_resumes_at_the_next_batch_bit_identical(ram_root, tmp_pat
     assert not (Path(ram_root) / job / "rank0").exists()  # finished: the next fit starts fresh
 
 
-def test_a_fit_resumed_at_an_epoch_end_resumes_again_mid_epoch(ram_root, tmp_path):
+def test_a_fit_resumed_at_an_epoch_end_resumes_again_mid_epoch(ram_root, tmp_path, reference):
     """Killed after step 6, resumed from step 5 (epoch 0's last); that run, snapshotting every
     7 steps, killed after step 8 and resumed from step 7 (mid-epoch 1): the second resume
     reads the epoch counters the first one left as an epoch under way."""
-    ref = run_job(ram_root, "reference", tmp_path / "ref", "--accum", "2")
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    ref_losses, _, ref_weights = result(tmp_path / "ref")
+    ref_losses, ref_weights = reference
     out = tmp_path / "run"
     for every, kill_at in ((5, 6), (7, 8)):  # a kill one step after the snapshot it resumes from
         killed = run_job(ram_root, "twice", out, "--accum", "2", "--every", str(every),
@@ -118,8 +131,9 @@ def ddp_config(name: str) -> memckpt.Config:
         job_name=name,
         workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
-        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
-                                      max_restarts=3, collective_timeout_s=30.0))
+        failure=memckpt.FailureConfig(warm_spares=False, heartbeat_interval_s=0.25,
+                                      heartbeat_timeout_s=2.0, max_restarts=3,
+                                      collective_timeout_s=30.0))
 
 
 @pytest.mark.ray

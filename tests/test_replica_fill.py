@@ -22,7 +22,7 @@ import memckpt
 from memckpt.format import shard as fmt
 from memckpt.runtime.replica_store import scan
 from memckpt.runtime.transport import StoreConnection, _spans
-from conftest import STORE_JOB, _shm_base, held_replica
+from conftest import STORE_JOB, held_replica, shm_base
 
 MIB = 1 << 20
 PARAM_BYTES = 3 * MIB  # the weight below: the chunks of its 3 MiB are parameters only
@@ -60,7 +60,7 @@ def local_rank(store):
 @pytest.fixture
 def senders():
     """Ranks on other nodes (``senders(rank)``): their snapshots are what gets replicated."""
-    root = tempfile.mkdtemp(prefix="memckpt-test-sender-", dir=_shm_base())
+    root = tempfile.mkdtemp(prefix="memckpt-test-sender-", dir=shm_base())
     made: list[memckpt.Checkpointer] = []
 
     def make(rank: int) -> memckpt.Checkpointer:
