@@ -6,7 +6,8 @@ at the next batch after the process is killed. The memckpt lines are marked.
 A small dropout MLP on a fixed regression set in a shuffled order, AdamW with a per-step LR
 schedule, two epochs. Kill it (``kill -9``) while it trains and run the same command again.
 tests/test_integration_lightning.py runs this script's ``build`` (and, with 3 ranks under
-``memckpt.run``, ``build`` and ``trainer_for(..., num_nodes=ctx.world_size)`` on every rank).
+``memckpt.run``, ``build`` and ``trainer_for(..., num_nodes=ctx.world_size)`` on every rank;
+inside Ray Train, ``trainer_for(..., ray_train=True)``).
 """
 
 from __future__ import annotations
@@ -49,16 +50,24 @@ def build(samples: int = 40) -> tuple[Net, DataLoader, memckpt.ResumableSampler]
     return Net(), DataLoader(data, batch_size=4, sampler=sampler), sampler
 
 
-def trainer_for(callbacks: list, accum: int = 1, num_nodes: int = 1) -> L.Trainer:
+def trainer_for(callbacks: list, accum: int = 1, num_nodes: int = 1,
+                ray_train: bool = False) -> L.Trainer:
     """``num_nodes``: ``ctx.world_size`` under ``memckpt.run`` (DDP over its process group, a
     device per rank; find_unused_parameters keeps DDP's gradient buckets in one layout, for a
-    bit-identical resume). The ResumableSampler, not Lightning's DistributedSampler, deals
-    the data to the ranks."""
-    return L.Trainer(max_epochs=2, accumulate_grad_batches=accum, callbacks=callbacks,
-                     accelerator="cpu", devices=1, num_nodes=num_nodes,
+    bit-identical resume). ``ray_train``: inside Ray Train's ``train_loop_per_worker``, Ray's
+    DDP strategy and environment over the process group Ray Train made, as Ray's guide has
+    it. The ResumableSampler, not Lightning's DistributedSampler, deals the data to the ranks."""
+    common = dict(max_epochs=2, accumulate_grad_batches=accum, callbacks=callbacks,
+                  accelerator="cpu", devices=1, use_distributed_sampler=False, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False)
+    if ray_train:
+        from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
+        return prepare_trainer(L.Trainer(strategy=RayDDPStrategy(find_unused_parameters=True),
+                                         plugins=[RayLightningEnvironment()], **common))
+    return L.Trainer(num_nodes=num_nodes,
                      strategy="ddp_find_unused_parameters_true" if num_nodes > 1 else "auto",
-                     use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False)
+                     **common)
 
 
 def main() -> None:

@@ -184,3 +184,44 @@ def when_step(name: str, step: int, action) -> threading.Thread:
     t = threading.Thread(target=watch, daemon=True)
     t.start()
     return t
+
+
+def fit_losing_a_node(cluster, name: str, loop, loop_config: dict, config, tmp_path,
+                      at_step: int = 5) -> list[dict]:
+    """A 3-rank ``TorchTrainer`` run of ``loop`` (one CPU a worker, spread over the nodes,
+    memckpt's Ray Train callback with ``config``, events in ``tmp_path/run``) whose rank 1
+    loses its node once the run reaches ``at_step``. Checks that the run ended without error
+    after exactly that loss, that memckpt planned the recovery around that node, and that
+    every rank of the restarted group restored from RAM (its node's or a peer's), not from
+    Ray Train's checkpoint or step 0; returns the run's events."""
+    import json
+
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from memckpt.ray_train import MemckptCallback
+    removed: list[str] = []
+
+    def remove(status: dict) -> None:
+        node = status["workers"]["1"]["node_id"]
+        removed.append(node)
+        cluster.remove_node(node)
+
+    watcher = when_step(name, at_step, remove)
+    trainer = TorchTrainer(
+        loop, train_loop_config=loop_config,
+        scaling_config=ray.train.ScalingConfig(num_workers=3, resources_per_worker={"CPU": 1},
+                                               placement_strategy="SPREAD"),
+        run_config=ray.train.RunConfig(
+            name=name, storage_path=str(tmp_path / "storage"),
+            failure_config=ray.train.FailureConfig(max_failures=3),
+            callbacks=[MemckptCallback(config, run_dir=tmp_path / "run")]))
+    result = trainer.fit()
+    watcher.join(5)
+    assert result.error is None and len(removed) == 1
+    ev = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    (plan,) = [e for e in ev if e["event"] == "recovery_plan"]
+    assert plan["dead_nodes"] == removed
+    restored = [e for e in ev if e["event"] == "restored" and e["gen"] == 1]
+    assert len(restored) == 3 and all(e["source"].startswith(("local:", "peer:")) for e in restored)
+    return ev

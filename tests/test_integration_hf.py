@@ -145,41 +145,15 @@ def test_trainer_inside_ray_train_survives_a_lost_node(ddp_job, ddp_reference, f
     """The same Trainer inside Ray Train (``TorchTrainer`` + ``prepare_trainer`` + memckpt's
     callback): the node of rank 1 removed at step 5; Ray Train restarts the group and every
     rank resumes from RAM (rank 1 from its peer's replica), ending equal to the run above."""
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    from conftest import when_step
-    from memckpt.ray_train import MemckptCallback
-    name, removed = "hf-rt-node", []
-
-    def remove(status: dict) -> None:
-        node = status["workers"]["1"]["node_id"]
-        removed.append(node)
-        full_cluster.remove_node(node)
-
-    watcher = when_step(name, 5, remove)
-    out = tmp_path / "out"
+    from conftest import fit_losing_a_node
+    name, out = "hf-rt-node", tmp_path / "out"
     out.mkdir()
-    trainer = TorchTrainer(
-        ddp_job.ray_train_loop, train_loop_config={"job": ddp_job.HFRankJob(str(out), SAMPLES,
-                                                                            ray_train=True)},
-        scaling_config=ray.train.ScalingConfig(num_workers=3, resources_per_worker={"CPU": 1},
-                                               placement_strategy="SPREAD"),
-        run_config=ray.train.RunConfig(
-            name=name, storage_path=str(tmp_path / "storage"),
-            failure_config=ray.train.FailureConfig(max_failures=3),
-            callbacks=[MemckptCallback(ddp_config(name, ram_root), run_dir=tmp_path / "run")]))
-    result = trainer.fit()
-    watcher.join(5)
-    assert result.error is None and len(removed) == 1
+    fit_losing_a_node(full_cluster, name, ddp_job.ray_train_loop,
+                      {"job": ddp_job.HFRankJob(str(out), SAMPLES, ray_train=True)},
+                      ddp_config(name, ram_root), tmp_path)
     got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
     assert all(r["resumed_from"] > 0 for r in got)  # from memckpt's RAM, not from step 0
     assert_same_ranks(got, ddp_reference["results"])
-    ev = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
-    (plan,) = [e for e in ev if e["event"] == "recovery_plan"]
-    assert plan["dead_nodes"] == removed
-    restored = [e for e in ev if e["event"] == "restored" and e["gen"] == 1]
-    assert len(restored) == 3 and all(e["source"].startswith(("local:", "peer:")) for e in restored)
 
 
 def tiny_trainer(tmp_path: Path, **kwargs) -> transformers.Trainer:

@@ -126,9 +126,10 @@ def test_ddp_misconfigurations_fail_with_one_line():
     callback.check_loader(SimpleNamespace(world_size=3, train_dataloader=DataLoader(data, sampler=sampler)))
 
 
-def ddp_config(name: str) -> memckpt.Config:
+def ddp_config(name: str, ram_root: str | None = None) -> memckpt.Config:
+    extra = {"ram_root": ram_root} if ram_root else {}
     return memckpt.Config(
-        job_name=name,
+        job_name=name, **extra,
         workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
         failure=memckpt.FailureConfig(warm_spares=False, heartbeat_interval_s=0.25,
@@ -136,40 +137,88 @@ def ddp_config(name: str) -> memckpt.Config:
                                       collective_timeout_s=30.0))
 
 
-@pytest.mark.ray
-@pytest.mark.timeout(900)
-def test_ddp_fit_under_memckpt_run_survives_a_killed_worker(full_cluster, tmp_path):
-    """Three ranks, DDP in the process group memckpt made (gloo), the callback on
-    ``memckpt.run``'s context; rank 1's worker SIGKILLed at step 5 of 12 (mid-epoch: an epoch
-    is 6 steps of 4 samples per rank)."""
+SAMPLES = 72  # 2 epochs of 6 batches of 4 samples per rank
+
+
+@pytest.fixture(scope="module")
+def ddp_job():
+    """tests/_lightning_ray_job.py, with it and examples/lightning_fit.py sent to the workers
+    by value (they cannot import tests/ or examples/)."""
     import ray
     sys.path.insert(0, str(ROOT / "examples"))
 
     import _lightning_ray_job
     import lightning_fit
-    for module in (_lightning_ray_job, lightning_fit):  # the workers cannot import tests/ or examples/
+    for module in (_lightning_ray_job, lightning_fit):
         ray.cloudpickle.register_pickle_by_value(module)
-    from memckpt.runtime.faults import FaultInjector
+    return _lightning_ray_job
 
-    ref = memckpt.run(_lightning_ray_job.LightningRankJob(samples=72), ddp_config("pl-ddp-ref"),
-                      run_dir=tmp_path / "ref-run", quiet=True)
-    inj = FaultInjector().kill_worker(rank=1, at_step=5)
-    got = memckpt.run(_lightning_ray_job.LightningRankJob(samples=72), ddp_config("pl-ddp"),
-                      run_dir=tmp_path / "run-run", injector=inj, quiet=True)
+
+@pytest.fixture(scope="module")
+def ddp_reference(ddp_job, cluster, tmp_path_factory):
+    """The uninterrupted 3-rank fit under ``memckpt.run``: every rank's result, the summary."""
+    tmp = tmp_path_factory.mktemp("pl-ddp-ref")
+    ref = memckpt.run(ddp_job.LightningRankJob(samples=SAMPLES), ddp_config("pl-ddp-ref"),
+                      run_dir=tmp / "run", quiet=True)
     assert ref["recoveries"] == []
     assert [(r["rank"], r["world_size"], r["step"]) for r in ref["results"]] == [
         (0, 3, 12), (1, 3, 12), (2, 3, 12)]
-    (rec,) = got["recoveries"]
-    assert rec["died_ranks"] == [1] and rec["resumed_step"] == 4
-    assert [r["resumed_from"] for r in got["results"]] == [4, 4, 4]
-    for rank, (mine, theirs) in enumerate(zip(got["results"], ref["results"])):
+    for theirs in ref["results"]:
         assert len(theirs["losses"]) == 12  # 2 epochs of 6 batches
-        # the final generation ran exactly the batches after step 4, with the same losses
-        assert sorted(mine["losses"]) == sorted(theirs["losses"])[4:]
+    # the ranks drew different batches (the sampler dealt the data; no rank saw them all)
+    assert len({tuple(r["losses"].values()) for r in ref["results"]}) == 3
+    return ref
+
+
+def assert_same_batches(got: list[dict], want: list[dict]) -> None:
+    """Each rank's last process ran exactly the batches after the step it resumed from, with
+    the uninterrupted run's losses, bit for bit."""
+    for rank, (mine, theirs) in enumerate(zip(got, want, strict=True)):
+        assert sorted(mine["losses"]) == sorted(theirs["losses"])[mine["resumed_from"]:]
         differ = {k: (v, theirs["losses"][k]) for k, v in mine["losses"].items()
                   if v != theirs["losses"][k]}
         assert not differ, f"rank {rank}'s losses differ from the uninterrupted run: {differ}"
-    # the ranks drew different batches (the sampler dealt the data; no rank saw them all)
-    assert len({tuple(r["losses"].values()) for r in ref["results"]}) == 3
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_ddp_fit_under_memckpt_run_survives_a_killed_worker(ddp_job, ddp_reference, full_cluster,
+                                                            tmp_path):
+    """Three ranks, DDP in the process group memckpt made (gloo), the callback on
+    ``memckpt.run``'s context; rank 1's worker SIGKILLed at step 5 of 12 (mid-epoch: an epoch
+    is 6 steps of 4 samples per rank)."""
+    from memckpt.runtime.faults import FaultInjector
+    inj = FaultInjector().kill_worker(rank=1, at_step=5)
+    got = memckpt.run(ddp_job.LightningRankJob(samples=SAMPLES), ddp_config("pl-ddp"),
+                      run_dir=tmp_path / "run", injector=inj, quiet=True)
+    (rec,) = got["recoveries"]
+    assert rec["died_ranks"] == [1] and rec["resumed_step"] == 4
+    assert [r["resumed_from"] for r in got["results"]] == [4, 4, 4]
+    assert_same_batches(got["results"], ddp_reference["results"])
     # parameters, optimizer state, scheduler and loop position on every rank, bit for bit
-    assert got["final_digest"] == ref["final_digest"]
+    assert got["final_digest"] == ddp_reference["final_digest"]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_fit_inside_ray_train_survives_a_lost_node(ddp_job, ddp_reference, full_cluster, tmp_path,
+                                                   ram_root):
+    """The same fit inside Ray Train (``TorchTrainer``, Ray's ``RayDDPStrategy``,
+    ``RayLightningEnvironment`` and ``prepare_trainer``, memckpt's Ray Train callback): rank
+    1's node removed at step 5; Ray Train restarts the group and every rank resumes from RAM
+    (rank 1 from its peer's replica), ending equal to the ``memckpt.run`` run above."""
+    import json
+
+    from conftest import fit_losing_a_node
+    name, out = "pl-rt-node", tmp_path / "out"
+    out.mkdir()
+    fit_losing_a_node(full_cluster, name, ddp_job.ray_train_loop,
+                      {"job": ddp_job.LightningRankJob(SAMPLES, ray_train=True), "out": str(out)},
+                      ddp_config(name, ram_root), tmp_path)
+    got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [(r["rank"], r["world_size"], r["step"]) for r in got] == [(0, 3, 12), (1, 3, 12), (2, 3, 12)]
+    resumed = {r["resumed_from"] for r in got}
+    assert len(resumed) == 1 and resumed.pop() > 0  # every rank from the same RAM step, not 0
+    assert_same_batches(got, ddp_reference["results"])
+    # parameters, optimizer state, scheduler and loop position on every rank, bit for bit
+    assert [r["digest"] for r in got] == ddp_reference["rank_digests"]
