@@ -21,12 +21,15 @@ def test_trainer_bench_rows_and_report(tmp_path, capsys):
     rows = json.loads(out.read_text())
     step = {r["method"]: r for r in rows if r["benchmark"] == "step"}
     resume = {r["method"]: r for r in rows if r["benchmark"] == "resume"}
-    assert set(step) == {"none", "hf-save", "memckpt"}
+    assert set(step) == {"none", "hf-save", "memckpt",
+                         "lightning-none", "lightning-checkpoint", "lightning-memckpt"}
     assert set(resume) == {"hf-resume", "hf-resume-warm", "memckpt"}
-    assert step["none"]["blocking_s"] == 0 and step["hf-save"]["blocking_s"] > 0
-    assert step["memckpt"]["blocking_s"] > 0
-    assert step["memckpt"]["x_lower_blocking"] == pytest.approx(
-        step["hf-save"]["blocking_s"] / step["memckpt"]["blocking_s"])
+    for framework in ("", "lightning-"):  # each memckpt row against its framework's own save
+        none, own = step[framework + "none"], step[framework + ("checkpoint" if framework else "hf-save")]
+        mine = step[framework + "memckpt"]
+        assert none["blocking_s"] == 0 and own["blocking_s"] > 0 and mine["blocking_s"] > 0
+        assert mine["x_lower_blocking"] == pytest.approx(own["blocking_s"] / mine["blocking_s"])
+        assert mine["overhead_s"] == pytest.approx(mine["step_s"] - none["step_s"])
     for r in resume.values():  # both resumed the last step the killed / saving run reached
         assert r["resumed_step"] == 2 and 0 < r["restore_s"] < r["to_first_step_s"]
     assert resume["memckpt"]["x_faster_restore"] == pytest.approx(

@@ -7,6 +7,9 @@ trained by ``transformers.Trainer`` on the CPU (or the first GPU), measured in t
             hf-save       TrainingArguments(save_strategy="steps", save_steps=1): the Trainer's
                           own checkpoint folder every step (safetensors + optimizer.pt ...)
             memckpt       memckpt.integrations.hf.attach, a snapshot every step
+            lightning-*   the same model fit by Lightning: no checkpoint,
+                          ModelCheckpoint(every_n_train_steps=1), and memckpt's
+                          MemckptCallback every step (when lightning is installed)
   resume    hf-resume     a fresh process: train(resume_from_checkpoint=<last folder>), the
                           folder read from the disk (its pages dropped from the page cache, as
                           after a reboot or on a replacement node)
@@ -22,7 +25,7 @@ process's start to its first resumed step (interpreter, imports and model build 
 both pay them).
 
 Each measurement is a fresh process. Sizes are binary: 100M = 100 MiB, 1G = 1 GiB. Needs the
-``hf`` extra (transformers).
+``hf`` extra (transformers); the Lightning rows need the ``lightning`` extra.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from memckpt.bench.trainer.report import ratios, report, steady
 
 DEFAULT_SIZES = "100M,1G"
 CHILD = "memckpt.bench.trainer.measure"
+LIGHTNING_CHILD = "memckpt.bench.trainer.measure_lightning"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +79,27 @@ def _child(phase: str, size: int, steps: int, directory: Path, ram: Path,
     return json.loads(out.read_text())
 
 
+def _has_lightning() -> bool:
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _step_rows(label: str, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per run of one framework; the first run (no checkpoint) is the baseline."""
+    none_s = steady(runs[0]["step_s"])
+    rows = []
+    for r in runs:
+        step_s = steady(r["step_s"])
+        rows.append({"benchmark": "step", "size": label, "method": r["method"],
+                     "state_bytes": r["state_bytes"], "step_s": step_s,
+                     "blocking_s": steady(r["blocking_s"]) if r["blocking_s"] else 0.0,
+                     "overhead_s": step_s - none_s, "steps": len(r["step_s"])})
+    return rows
+
+
 def measure_size(label: str, size: int, steps: int, base: Optional[str]) -> list[dict[str, Any]]:
     directory, ram = disk_dir(base, "memckpt-bench-trainer-"), ram_dir("memckpt-bench-trainer-")
     try:
@@ -82,14 +107,7 @@ def measure_size(label: str, size: int, steps: int, base: Optional[str]) -> list
         runs = _child("steps", size, steps, directory, ram)
         _say(f"{label}: memckpt every step, then SIGKILL")
         runs.append(_child("snapshot-and-kill", size, steps, directory, ram))
-        rows = []
-        none_s = steady(runs[0]["step_s"])
-        for r in runs:
-            step_s = steady(r["step_s"])
-            rows.append({"benchmark": "step", "size": label, "method": r["method"],
-                         "state_bytes": r["state_bytes"], "step_s": step_s,
-                         "blocking_s": steady(r["blocking_s"]) if r["blocking_s"] else 0.0,
-                         "overhead_s": step_s - none_s, "steps": len(r["step_s"])})
+        rows = _step_rows(label, runs)
         for method in ("hf-save-warm", "hf-save", "memckpt"):
             _say(f"{label}: resume by {method} in a fresh process")
             started = time.time()
@@ -99,6 +117,15 @@ def measure_size(label: str, size: int, steps: int, base: Optional[str]) -> list
                          "state_bytes": r["state_bytes"], "restore_s": r["restore_s"],
                          "to_first_step_s": r["first_step_at"] - started,
                          "resumed_step": r["resumed_step"]})
+        if _has_lightning():
+            _say(f"{label}: Lightning: no checkpoint, ModelCheckpoint(every_n_train_steps=1), "
+                 f"memckpt every step ({steps} steps each)")
+            rows += _step_rows(label, rows_from_child(
+                LIGHTNING_CHILD, ["--size", str(size), "--steps", str(steps), "--dir",
+                                  str(directory), "--ram-root", str(ram)],
+                "--out", "bench trainer lightning"))
+        else:
+            _say(f"{label}: lightning is not installed: no Lightning rows")
         return rows
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -65,12 +65,17 @@ class Clock(TrainerCallback):
         self.begins.append(time.time())
 
 
-def build(out: str, size: int, steps: int, save: bool) -> tuple[Trainer, Clock]:
+def gpt2(size: int) -> GPT2LMHeadModel:
+    """The benchmark's GPT-2, seeded: model + AdamW state about ``size`` bytes."""
     torch.manual_seed(0)
     d = width(size)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=d,
-                                       n_layer=LAYERS, n_head=d // HEAD, bos_token_id=VOCAB - 1,
-                                       eos_token_id=VOCAB - 1))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=d, n_layer=LAYERS,
+                                      n_head=d // HEAD, bos_token_id=VOCAB - 1,
+                                      eos_token_id=VOCAB - 1))
+
+
+def build(out: str, size: int, steps: int, save: bool) -> tuple[Trainer, Clock]:
+    model = gpt2(size)
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=steps,
                              learning_rate=1e-4, save_strategy="steps" if save else "no",
                              save_steps=1, save_total_limit=1, report_to=[], use_cpu=True,
@@ -154,17 +159,22 @@ def resume(method: str, size: int, steps: int, directory: Path, ram_root: str) -
             "resumed_step": resumed, "state_bytes": state_bytes(trainer)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--phase", choices=("steps", "snapshot-and-kill", "resume"), required=True)
-    p.add_argument("--method", choices=("hf-save", "hf-save-warm", "memckpt"), default="memckpt")
+def child_arguments(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """The arguments every child of the benchmark takes, parsed; torch on every core."""
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--dir", required=True)
     p.add_argument("--ram-root", required=True)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    return p.parse_args()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--phase", choices=("steps", "snapshot-and-kill", "resume"), required=True)
+    p.add_argument("--method", choices=("hf-save", "hf-save-warm", "memckpt"), default="memckpt")
+    a = child_arguments(p)
     directory = Path(a.dir)
     if a.phase == "steps":
         result: Any = [run_steps(m, a.size, a.steps, directory, a.ram_root)
