@@ -93,7 +93,6 @@ class MemckptCallback(Callback):
         self.position: Optional[LoopPosition] = None
         self.restored_step = 0
         self.rng: Optional[dict[str, Any]] = None  # re-applied before the first resumed batch
-        self.restored_sampler: Optional[dict[str, Any]] = None
         self.restored_epochs = 0  # epochs the restored loop had processed
         self.last = -1
         self.epoch = 0  # the loop's epoch
@@ -200,7 +199,6 @@ class MemckptCallback(Callback):
         loaded = self.position.loaded
         assert loaded is not None  # the restore that returned a step filled it
         self.sampler.load_state_dict(loaded["sampler"])
-        self.restored_sampler = loaded["sampler"]
         trainer.fit_loop.load_state_dict(loaded["fit_loop"])
         self.restored_epochs = trainer.fit_loop.epoch_progress.total.processed
         if loaded["precision"]:
@@ -224,7 +222,7 @@ class MemckptCallback(Callback):
         """The snapshot was at an epoch's last batch. Lightning's restore closed that epoch but
         runs the next one as a resumed one, so it skips two things an uninterrupted run does
         at an epoch's start, which this does in that run's order instead."""
-        assert self.rng is not None and self.restored_sampler is not None
+        assert self.rng is not None and self.position is not None and self.position.loaded
         loop = trainer.fit_loop
         # Count the epoch as started: a later snapshot of it would otherwise hold counters
         # that Lightning reads as an epoch not yet begun, and it would rerun the epoch.
@@ -234,7 +232,7 @@ class MemckptCallback(Callback):
         # generator of its own draws its base seed from the global torch RNG, and the one
         # Lightning made at set-up drew before the RNG was put back (dropout would differ).
         set_rng_state(self.rng)
-        self.sampler.load_state_dict(self.restored_sampler)  # a loader without a length prefetched
+        self.sampler.load_state_dict(self.position.loaded["sampler"])  # a loader without a length prefetched
         iter(loop._data_fetcher)  # as the epoch loop's on_run_start does at each new epoch
         self.rng = rng_state()
 
