@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+import torch
+
 from memckpt.format import shard as fmt
 from memckpt.engine.buffers import RamRegion, remove_path, resolve_ram_root
 from memckpt.config import Config
@@ -27,10 +29,11 @@ from memckpt.engine.stop import STOP, Control
 from memckpt.util.fsutil import write_atomic
 from memckpt.persist.catalog import protect
 from memckpt.persist.uploader import Persister, persisted_restore
+from memckpt.engine.populate import MIN_BYTES, POOL
 from memckpt.engine.restore import VerifiedViews, load_memory
 from memckpt.engine.snapshot import SnapshotEngine
 from memckpt.policy.threads import hash_threads, local_ranks_from, usable_cores
-from memckpt.format.state import TrainState, same_layout
+from memckpt.format.state import TrainState, restore_allocations, same_layout
 
 log = logging.getLogger("memckpt")
 
@@ -47,7 +50,8 @@ class Checkpointer:
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1,
                  directory: Optional[str | Path] = None, *, gated: bool = False,
                  on_sealed: Optional[Callable[[int, Path], None]] = None,
-                 persist: bool = True, local_ranks: Optional[int] = None) -> None:
+                 persist: bool = True, local_ranks: Optional[int] = None,
+                 prefill: bool = True) -> None:
         if not isinstance(config, Config):
             raise StateError(f"Checkpointer needs a memckpt.Config, got {type(config).__name__}")
         self.config = config
@@ -74,6 +78,23 @@ class Checkpointer:
                 self.directory / "staging.bin",
                 folder_for=self._folder_for,
                 on_written=self._commit, on_event=self._event, world_size=world_size)
+        if prefill:
+            self._prefill()
+
+    def _prefill(self) -> None:
+        """A process that finds a snapshot in RAM (a restart after a crash) is about to
+        restore it: fault in the optimizer state the restore creates (two thirds of an Adam
+        job's bytes) on every core in the background while the caller builds its trainer,
+        so the restore copies into memory that is ready (see :data:`POOL`). Not when CUDA
+        is present: GPU state is restored onto the device."""
+        layout = self.newest_layout()
+        if layout is not None and not torch.cuda.is_available():
+            POOL.fill(restore_allocations(layout, MIN_BYTES), threads=usable_cores())
+
+    def newest_layout(self) -> Optional[fmt.Layout]:
+        """The layout of the newest complete snapshot (what a restore of it creates)."""
+        slots = [s for s in self.engine.slots if s.complete and s.layout is not None]
+        return max(slots, key=lambda s: s.age).layout if slots else None
 
     def _sealed(self, step: int, path: Path) -> None:
         if self.persister is not None and not self.engine.gated:  # sealed == committed here
@@ -162,6 +183,12 @@ class Checkpointer:
         A corrupt RAM snapshot is skipped for the older one; if every snapshot is
         corrupt, :class:`ChecksumError` lists them rather than starting over silently.
         """
+        try:
+            return self._restore(state, source)
+        finally:
+            POOL.clear()  # what the restore did not take (see _prefill)
+
+    def _restore(self, state: TrainState, source: Optional[str | Path]) -> int:
         if source is not None:
             try:
                 region = RamRegion.open(Path(source))
@@ -321,6 +348,7 @@ class Checkpointer:
         tier whose newest checkpoint was not persisted (also logged); then the RAM
         snapshots are kept even with ``unlink``, so a later process restores from them.
         """
+        POOL.clear()  # a prefill nobody restored from
         for handle in self._hooks.values():  # the optimizers no longer wait on this engine
             handle.remove()
         self._hooks.clear()

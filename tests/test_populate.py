@@ -162,6 +162,63 @@ def test_populated_clone_draws_from_the_process_pool_and_copies_exactly():
         pop.POOL.clear()
 
 
+def test_a_fill_on_several_threads_makes_every_tensor_once():
+    pool = pop.TensorPool()
+    specs = [((1024, 256 * k), torch.float32) for k in (1, 2, 3, 4, 5)] + [((7,), torch.int64)]
+    pool.fill(specs, threads=3)
+    pool.wait()
+    assert pool.nbytes == sum(4 * 1024 * 256 * k for k in (1, 2, 3, 4, 5)) + 56
+    for shape, dtype in specs:
+        assert pool.take(shape, dtype) is not None and pool.take(shape, dtype) is None
+    pool.clear()
+
+
+@linux
+def test_populate_unless_resident_leaves_touched_memory_alone():
+    fresh_map, touched_map = mmap.mmap(-1, 4 * MB), mmap.mmap(-1, 4 * MB)  # never touched
+    fresh = torch.frombuffer(fresh_map, dtype=torch.float32)
+    touched = torch.frombuffer(touched_map, dtype=torch.float32).fill_(1.0)  # every page in
+    assert pop.populate([touched], unless_resident=True) == 0
+    assert pop.populate([fresh], unless_resident=True) == 4 * MB
+    assert pop.populate([touched]) == 4 * MB  # without the check: walked again
+    del fresh, touched
+
+
+def test_a_checkpointer_finding_a_snapshot_prefills_what_its_restore_creates(ram_root):
+    """A process restarted after a crash: its Checkpointer sees the snapshot in RAM and
+    faults in the optimizer state in the background; the restore takes exactly that memory,
+    and whatever it did not take is dropped."""
+    import memckpt
+
+    def job() -> tuple[torch.nn.Module, torch.optim.Optimizer, TrainState]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1024, 512)
+        opt = torch.optim.Adam(model.parameters())
+        return model, opt, TrainState(model=model, optimizer=opt)
+    config = memckpt.Config(job_name="prefill", ram_root=ram_root)
+    model, opt, state = job()
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    first = memckpt.Checkpointer(config)
+    assert pop.POOL.nbytes == 0  # nothing in RAM yet: nothing to prefill
+    first.step(state, 1)
+    first.close()  # kept in RAM, as after a crash
+    try:
+        restarted = memckpt.Checkpointer(config)
+        pop.POOL.wait()
+        ready = {t.data_ptr() for ts in pop.POOL._free.values() for t in ts}
+        assert pop.POOL.nbytes == 2 * 1024 * 512 * 4  # Adam's two moments of the weight
+        model2, opt2, state2 = job()
+        assert restarted.restore(state2) == 1
+        moments = opt2.state[model2.weight]
+        assert {moments["exp_avg"].data_ptr(), moments["exp_avg_sq"].data_ptr()} == ready
+        assert torch.equal(moments["exp_avg"], opt.state[model.weight]["exp_avg"])
+        assert pop.POOL.nbytes == 0
+        restarted.close(unlink=True)
+    finally:
+        pop.POOL.clear()
+
+
 def test_stopping_a_fill_keeps_what_it_made():
     pool = pop.TensorPool()
     pool.fill([((256, 1024), torch.float32)] * 64)

@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import psutil
@@ -177,6 +177,25 @@ def libc_madvise(advice: int) -> Optional[Callable[[int, int, int], int]]:
     del view  # the mmap cannot close while a ctypes view exports it
     page.close()
     return fn if ok else None
+
+
+@functools.cache
+def _libc_mincore() -> Optional[Callable[[int, int, Any], int]]:
+    if not sys.platform.startswith("linux"):
+        return None
+    fn = ctypes.CDLL(None, use_errno=True).mincore
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def page_resident(address: int) -> bool:
+    """Whether the page-aligned ``address`` is in memory (False where it cannot be told)."""
+    fn = _libc_mincore()
+    if fn is None:
+        return False
+    vec = ctypes.c_ubyte(0)
+    return fn(address, PAGE, ctypes.byref(vec)) == 0 and bool(vec.value & 1)
 
 
 def populate_mapping(mm: mmap.mmap, advice: int = MADV_POPULATE_READ, offset: int = 0,

@@ -24,7 +24,7 @@ class RankCheckpointer(Checkpointer):
     def __init__(self, config: Config, rank: int, world_size: int, directory: Path,
                  on_sealed: Callable[[int, Path], None]) -> None:
         super().__init__(config, rank, world_size, directory=directory, gated=True,
-                         on_sealed=on_sealed, persist=False)
+                         on_sealed=on_sealed, persist=False, prefill=False)
 
     # -- the committed steps --------------------------------------------------------------------
     def read(self, step: int) -> AbstractContextManager[fmt.Shard]:
@@ -76,8 +76,3 @@ class RankCheckpointer(Checkpointer):
     def took_offered(self) -> bool:
         """A restore fetched into a slot file a warm spare held ready."""
         return self.engine.stats.offered_taken > 0
-
-    def newest_layout(self) -> Optional[fmt.Layout]:
-        """The layout of the newest complete snapshot (what a restore of it creates)."""
-        slots = [s for s in self.engine.slots if s.complete and s.layout is not None]
-        return max(slots, key=lambda s: s.age).layout if slots else None
