@@ -1,6 +1,6 @@
 """The command line both integration helper processes take (tests/_hf_job.py,
 tests/_lightning_job.py): where the RAM snapshots go, the job, the output folder,
-gradient accumulation, the step to SIGKILL the process at, and the snapshot interval."""
+gradient accumulation, the step to SIGKILL the process at, the snapshot interval and mode."""
 
 from __future__ import annotations
 
@@ -20,10 +20,12 @@ def parse() -> tuple[argparse.Namespace, Path, memckpt.Config]:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--kill-at", type=int, default=0)
     p.add_argument("--every", type=int, default=2)
+    p.add_argument("--mode", choices=memckpt.config.SNAPSHOT_MODES, default="sync")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    return a, out, memckpt.Config(job_name=a.job, ram_root=a.ram_root, snapshot_every=a.every)
+    return a, out, memckpt.Config(job_name=a.job, ram_root=a.ram_root, snapshot_every=a.every,
+                                  snapshot_mode=a.mode)
 
 
 def kill_self_at(step: int, global_step: int) -> None:

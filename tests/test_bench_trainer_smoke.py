@@ -21,12 +21,13 @@ def test_trainer_bench_rows_and_report(tmp_path, capsys):
     rows = json.loads(out.read_text())
     step = {r["method"]: r for r in rows if r["benchmark"] == "step"}
     resume = {r["method"]: r for r in rows if r["benchmark"] == "resume"}
-    assert set(step) == {"none", "hf-save", "memckpt",
+    assert set(step) == {"none", "hf-save", "memckpt", "memckpt-overlap",
                          "lightning-none", "lightning-checkpoint", "lightning-memckpt"}
     assert set(resume) == {"hf-resume", "hf-resume-warm", "memckpt"}
-    for framework in ("", "lightning-"):  # each memckpt row against its framework's own save
+    for framework, mode in (("", ""), ("", "-overlap"), ("lightning-", "")):
+        # each memckpt row against its framework's own save
         none, own = step[framework + "none"], step[framework + ("checkpoint" if framework else "hf-save")]
-        mine = step[framework + "memckpt"]
+        mine = step[framework + "memckpt" + mode]
         assert none["blocking_s"] == 0 and own["blocking_s"] > 0 and mine["blocking_s"] > 0
         assert mine["x_lower_blocking"] == pytest.approx(own["blocking_s"] / mine["blocking_s"])
         assert mine["overhead_s"] == pytest.approx(mine["step_s"] - none["step_s"])

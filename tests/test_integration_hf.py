@@ -50,10 +50,13 @@ def assert_same(got: Path, want: Path) -> None:
     assert not differ, f"parameters differ from the uninterrupted run: {differ}"
 
 
-@pytest.mark.parametrize("accum,kill_at,resume_at", [(1, 9, 8), (2, 5, 4)])
-def test_sigkilled_trainer_resumes_bit_identical(ram_root, tmp_path, accum, kill_at, resume_at):
-    flags = ("--accum", str(accum))
-    ref = run_job(ram_root, "reference", tmp_path / "ref", *flags)
+@pytest.mark.parametrize("accum,kill_at,resume_at,mode", [(1, 9, 8, "sync"), (2, 5, 4, "overlap")])
+def test_sigkilled_trainer_resumes_bit_identical(ram_root, tmp_path, accum, kill_at, resume_at,
+                                                 mode):
+    """``overlap``: the snapshot copies the parameters and optimizer state while the next
+    step's forward and backward run (the optimizer's step waits for it)."""
+    ref = run_job(ram_root, "reference", tmp_path / "ref", "--accum", str(accum))  # sync mode
+    flags = ("--accum", str(accum), "--mode", mode)
     assert ref.returncode == 0, ref.stderr[-3000:]
     killed = run_job(ram_root, "job", tmp_path / "run", *flags, "--kill-at", str(kill_at))
     assert killed.returncode == -9, killed.stderr[-3000:]

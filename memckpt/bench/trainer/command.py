@@ -7,6 +7,9 @@ trained by ``transformers.Trainer`` on the CPU (or the first GPU), measured in t
             hf-save       TrainingArguments(save_strategy="steps", save_steps=1): the Trainer's
                           own checkpoint folder every step (safetensors + optimizer.pt ...)
             memckpt       memckpt.integrations.hf.attach, a snapshot every step
+            memckpt-overlap  the same with Config(snapshot_mode="overlap"): the parameters
+                          and optimizer state are copied while the next step's forward and
+                          backward run; blocked = the step call plus the optimizer's wait
             lightning-*   the same model fit by Lightning: no checkpoint,
                           ModelCheckpoint(every_n_train_steps=1), and memckpt's
                           MemckptCallback every step (when lightning is installed)
@@ -103,7 +106,8 @@ def _step_rows(label: str, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def measure_size(label: str, size: int, steps: int, base: Optional[str]) -> list[dict[str, Any]]:
     directory, ram = disk_dir(base, "memckpt-bench-trainer-"), ram_dir("memckpt-bench-trainer-")
     try:
-        _say(f"{label}: no checkpoint, then the Trainer's save_steps=1 ({steps} steps each)")
+        _say(f"{label}: no checkpoint, the Trainer's save_steps=1, memckpt in overlap mode "
+             f"({steps} steps each)")
         runs = _child("steps", size, steps, directory, ram)
         _say(f"{label}: memckpt every step, then SIGKILL")
         runs.append(_child("snapshot-and-kill", size, steps, directory, ram))

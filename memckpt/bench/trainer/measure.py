@@ -4,10 +4,11 @@
         --method hf-save|hf-save-warm|memckpt --size BYTES --steps N --dir DIR --ram-root DIR \
         --out FILE
 
-``steps``: trains ``--steps`` optimizer steps twice in this process (no checkpoint, then the
-Trainer's ``save_steps=1``; a fresh Trainer each) and reports each step's wall time and the
-time each step blocked in its checkpoint call. ``snapshot-and-kill``: the same with memckpt
-every step, then SIGKILL once the last snapshot is sealed (as a crash would).
+``steps``: trains ``--steps`` optimizer steps three times in this process (no checkpoint, the
+Trainer's ``save_steps=1``, memckpt in overlap mode; a fresh Trainer each) and reports each
+step's wall time and the time each step blocked in its checkpoint call.
+``snapshot-and-kill``: the same with memckpt every step, then SIGKILL once the last snapshot
+is sealed (as a crash would).
 ``resume``: a fresh process resumes one more step, from the Trainer's last folder
 (``resume_from_checkpoint``) or from memckpt's RAM snapshot; reports the restore part and the
 wall-clock time of the first resumed step's start (the parent started the clock at spawn).
@@ -98,6 +99,28 @@ def timed(obj: Any, name: str, into: list[float]) -> None:
     setattr(obj, name, wrapper)
 
 
+def overlap_blocking(saver: Any, into: list[float]) -> None:
+    """Per step, the time an overlap-mode snapshot blocked it: the ``step`` call (the small
+    tensors) plus the optimizer's wait for the previous snapshot's background copy."""
+    engine, step_fn, wait_fn = saver.inner.engine, saver.step, saver.inner.engine.wait_copy
+    waited = [0.0]
+
+    def wait_copy() -> None:
+        t0 = time.perf_counter()
+        try:
+            wait_fn()
+        finally:
+            waited[0] += time.perf_counter() - t0
+
+    def step(state: Any, n: int) -> None:
+        t0 = time.perf_counter()
+        step_fn(state, n)
+        into.append(time.perf_counter() - t0 + waited[0])
+        waited[0] = 0.0
+    engine.wait_copy = wait_copy
+    saver.step = step
+
+
 def state_bytes(trainer: Trainer) -> int:
     params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     return 3 * params  # + AdamW's two moments
@@ -119,6 +142,10 @@ def run_steps(method: str, size: int, steps: int, directory: Path, ram_root: str
 
     if method == "hf-save":
         timed(trainer, "_save_checkpoint", blocking)
+    elif method == "memckpt-overlap":
+        hooks = attach(trainer, memckpt.Config(job_name="bench-trainer-overlap", ram_root=ram_root,
+                                               snapshot_mode="overlap"))
+        overlap_blocking(hooks.saver, blocking)
     elif method == "memckpt":
         hooks = attach(trainer, memckpt.Config(job_name="bench-trainer", ram_root=ram_root))
         timed(hooks.saver, "step", blocking)
@@ -178,7 +205,7 @@ def main() -> None:
     directory = Path(a.dir)
     if a.phase == "steps":
         result: Any = [run_steps(m, a.size, a.steps, directory, a.ram_root)
-                       for m in ("none", "hf-save")]
+                       for m in ("none", "hf-save", "memckpt-overlap")]
     elif a.phase == "snapshot-and-kill":
         run_steps("memckpt", a.size, a.steps, directory, a.ram_root, kill_after=Path(a.out))
         raise SystemExit("the snapshot-and-kill run was not killed")

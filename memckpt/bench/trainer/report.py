@@ -20,8 +20,10 @@ def _pick(rows: list[dict[str, Any]], bench: str, size: str, method: str) -> dic
 
 
 # memckpt's step row -> the framework's own checkpoint every step, in the same run
-OWN_CHECKPOINT = {"memckpt": "hf-save", "lightning-memckpt": "lightning-checkpoint"}
-OWN_NAME = {"memckpt": "save_steps=1", "lightning-memckpt": "ModelCheckpoint(every_n_train_steps=1)"}
+OWN_CHECKPOINT = {"memckpt": "hf-save", "memckpt-overlap": "hf-save",
+                  "lightning-memckpt": "lightning-checkpoint"}
+OWN_NAME = {"memckpt": "save_steps=1", "memckpt-overlap": "save_steps=1",
+            "lightning-memckpt": "ModelCheckpoint(every_n_train_steps=1)"}
 
 
 def ratios(rows: list[dict[str, Any]]) -> None:
