@@ -31,7 +31,7 @@ from memckpt.persist.catalog import protect
 from memckpt.persist.uploader import Persister, persisted_restore
 from memckpt.engine.populate import MIN_BYTES, POOL
 from memckpt.engine.restore import VerifiedViews, load_memory
-from memckpt.engine.snapshot import SnapshotEngine
+from memckpt.engine.snapshot import SnapshotEngine, newest_layout_in
 from memckpt.policy.threads import hash_threads, local_ranks_from, usable_cores
 from memckpt.format.state import TrainState, restore_allocations, same_layout
 
@@ -61,6 +61,8 @@ class Checkpointer:
         self.events: list[dict[str, Any]] = []
         # ranks on this node share its cores: LOCAL_WORLD_SIZE (torchrun) unless given
         local = local_ranks if local_ranks is not None else local_ranks_from(os.environ)
+        if prefill:  # before the engine maps the slots: the two run side by side
+            self._prefill()
         self.engine = SnapshotEngine(
             self.directory, mode=config.snapshot_mode, on_fall_behind=config.failure.on_fall_behind,
             identity={"job": config.job_name, "rank": rank, "world_size": world_size,
@@ -78,8 +80,6 @@ class Checkpointer:
                 self.directory / "staging.bin",
                 folder_for=self._folder_for,
                 on_written=self._commit, on_event=self._event, world_size=world_size)
-        if prefill:
-            self._prefill()
 
     def _prefill(self) -> None:
         """A process that finds a snapshot in RAM (a restart after a crash) is about to
@@ -87,7 +87,7 @@ class Checkpointer:
         job's bytes) on every core in the background while the caller builds its trainer,
         so the restore copies into memory that is ready (see :data:`POOL`). Not when CUDA
         is present: GPU state is restored onto the device."""
-        layout = self.newest_layout()
+        layout = newest_layout_in(self.directory)
         if layout is not None and not torch.cuda.is_available():
             POOL.fill(restore_allocations(layout, MIN_BYTES), threads=usable_cores())
 

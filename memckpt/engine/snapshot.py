@@ -70,6 +70,35 @@ class Slot:
         return -1 if self.step is None else self.step
 
 
+def _read_slot(path: Path, populate: bool, pin: bool = False
+               ) -> Optional[tuple[RamRegion, dict[str, Any], fmt.Layout, int]]:
+    """A slot file's mapping, header, layout and header capacity; None when there is no
+    file, or it is torn or foreign."""
+    if not path.exists():
+        return None
+    try:
+        region = RamRegion.open(path, populate=populate, pin=pin)
+        return (region, *fmt.read_header(region.array, str(path)))
+    except MemckptError:
+        return None
+
+
+def newest_layout_in(directory: Path) -> Optional[fmt.Layout]:
+    """The layout of the newest complete snapshot in ``directory``'s slots, from their
+    headers alone (nothing populated): what a restore of it will create, known before an
+    engine maps the slots."""
+    newest: Optional[tuple[int, fmt.Layout]] = None
+    for name in SLOT_NAMES:
+        found = _read_slot(Path(directory) / name, populate=False)
+        if found is None:
+            continue
+        region, header, layout, _ = found
+        region.close()
+        if newest is None or int(header["step"]) > newest[0]:
+            newest = (int(header["step"]), layout)
+    return None if newest is None else newest[1]
+
+
 SKIP_LOG_INTERVAL_S = 30.0  # a skipped snapshot is logged at most this often
 
 
@@ -141,13 +170,10 @@ class SnapshotEngine:
     # -- existing slots (a previous process's snapshots) -----------------------------------
     def _adopt_existing(self) -> None:
         for i, slot in enumerate(self.slots):
-            if not slot.path.exists():
-                continue
-            try:
-                region = RamRegion.open(slot.path, pin=self._pin)
-                header, layout, cap = fmt.read_header(region.array, str(slot.path))
-            except MemckptError:
-                continue  # torn or foreign: this slot is simply free
+            found = _read_slot(slot.path, populate=True, pin=self._pin)
+            if found is None:
+                continue  # none, torn or foreign: this slot is simply free
+            region, header, layout, cap = found
             slot.region, slot.layout, slot.header_capacity = region, layout, cap
             slot.step, slot.complete = int(header["step"]), True
             slot.views = fmt.tensor_views(region.tensor, layout, cap)
