@@ -26,7 +26,8 @@ Four parts (``--parts``, default all), each measured in this run, medians over r
              (dcp.save / dcp.load), and Ray Train restoring from its storage_path; the peer
              restore is also shown against a raw TCP transfer of the same bytes, and against
              restart + torch.load after the same node loss (rank 1's node removed: Ray must
-             declare it dead before anyone restarts)
+             declare it dead before anyone restarts); ``--recovery-methods`` measures
+             only some of them
   scaling    memckpt on ``--nodes`` simulated nodes (2,3,4) (one rank each, 1 torch thread,
              ``--scaling-size`` per rank), k = 1 and k = 2 replicas: stall, and the bytes each
              node's store holds (measured from the stores)
@@ -56,7 +57,7 @@ from memckpt.bench.common import (disk_dir, machine_info, parse_sizes, positive_
 from memckpt.bench.compare.measure import (SELECTABLE, measure_recovery, measure_scaling,
                                            measure_stall)
 from memckpt.bench.compare.report import report
-from memckpt.bench.compare.rows import PARTS, derive
+from memckpt.bench.compare.rows import PARTS, RECOVERY_METHODS, derive
 from memckpt.bench.foreign_load import Quiet
 from memckpt.bench.snapshot.measure import calibrate_compute
 from memckpt.errors import ConfigError
@@ -92,10 +93,12 @@ class CompareSettings:
     scaling_size: Optional[Size] = None
     scaling_steps: Optional[int] = None  # None: ``steps``
     methods: tuple[str, ...] = SELECTABLE  # stall: the methods (baselines come along)
+    recovery_methods: tuple[str, ...] = RECOVERY_METHODS
     raytrain_poll_s: Optional[float] = None  # None: Ray Train's own health-check interval
 
     def __post_init__(self) -> None:
-        for name, allowed in (("parts", PARTS), ("methods", SELECTABLE)):
+        for name, allowed in (("parts", PARTS), ("methods", SELECTABLE),
+                              ("recovery_methods", RECOVERY_METHODS)):
             bad = [p for p in getattr(self, name) if p not in allowed]
             if bad or not getattr(self, name):
                 raise ConfigError(f"CompareSettings.{name}={getattr(self, name)!r}: choose from "
@@ -138,7 +141,7 @@ def run_compare(s: CompareSettings = CompareSettings(), log: Callable[[str], Non
         if "recovery" in s.parts:
             rows += measure_recovery(list(s.recovery_sizes), s.recovery_repeats, disk,
                                      s.raytrain_poll_s, s.recovery_compute_iters, s.kill_at, log,
-                                     cluster)
+                                     cluster, s.recovery_methods)
         if "scaling" in s.parts:
             assert s.scaling_size is not None  # filled in by CompareSettings
             rows += measure_scaling(s.scaling_size[1], s.scaling_size[0], list(s.nodes),
@@ -206,6 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recovery-sizes", type=parse_sizes, default=None, metavar="LIST",
                         help="recovery: state per rank (default: the largest of --sizes)")
     parser.add_argument("--recovery-repeats", type=positive_int, default=1, metavar="N")
+    parser.add_argument("--recovery-methods", type=_choice_list(RECOVERY_METHODS, "recovery methods"),
+                        default=RECOVERY_METHODS, metavar="LIST",
+                        help=f"recovery: what to measure (default all: {','.join(RECOVERY_METHODS)})")
     parser.add_argument("--nodes", type=_node_counts, default=(2, 3, 4), metavar="LIST",
                         help="scaling: simulated node counts, each >= 2 (default 2,3,4; k=2 from 3)")
     parser.add_argument("--scaling-size", type=parse_sizes, default=None, metavar="SIZE",
@@ -256,7 +262,8 @@ def main(args: argparse.Namespace) -> int:
                 recovery_sizes=tuple(args.recovery_sizes or ()),
                 recovery_repeats=args.recovery_repeats, nodes=args.nodes,
                 scaling_size=args.scaling_size[0] if args.scaling_size else None,
-                raytrain_poll_s=args.raytrain_poll_s, methods=args.methods))
+                raytrain_poll_s=args.raytrain_poll_s, methods=args.methods,
+                recovery_methods=args.recovery_methods))
         except Exception as e:  # noqa: BLE001 (a failed measurement is reported, exit 1)
             print(f"memckpt bench compare: measurement failed: {type(e).__name__}: {e}",
                   file=sys.stderr)

@@ -104,9 +104,11 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
 
 def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path,
                      raytrain_poll_s: Optional[float], compute_iters: int, kill_at: int,
-                     log: Callable[[str], None], cluster: Any = None) -> list[dict[str, Any]]:
+                     log: Callable[[str], None], cluster: Any = None,
+                     methods: tuple[str, ...] = RECOVERY_METHODS) -> list[dict[str, Any]]:
     """``cluster``: a LocalCluster of ``rec.NODES`` nodes x ``rec.CPUS_PER_NODE`` CPUs to use
-    (left running), else one is started here and shut down after."""
+    (left running), else one is started here and shut down after. ``methods``: the
+    recoveries to measure (of :data:`RECOVERY_METHODS`)."""
     from memckpt.bench.compare import alternatives as alt
     from memckpt.bench.recovery import measure as rec
     from memckpt.bench.recovery.bench_actors import ColdWorker
@@ -141,29 +143,36 @@ def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path
             raw: list[dict[str, Any]] = []
             for rep in range(repeats):
                 log(f"recovery {label}: repeat {rep + 1}/{repeats}")
-                samples["memckpt-worker"].append(b.memckpt_recovery("worker", rep))
-                try:
-                    s = b.memckpt_recovery("node", rep)
-                    samples["memckpt-node"].append(s)
-                    if "peer_fetch" in s:
-                        pf = s["peer_fetch"]
-                        raw.append(b.raw_transfer(pf["src"], pf["dst"], pf["bytes"]))
-                finally:
-                    b.restore_nodes()
-                samples["restart+torch.load"].append(b.restart_baseline(rep))
-                try:  # memckpt-node's failure, for the alternative
-                    samples[BASELINE_NODE].append(
-                        b.restart_baseline(rep, ColdWorker, node_loss=True))
-                finally:
-                    b.restore_nodes()
-                samples["restart+dcp.load"].append(alt.dcp_recovery(b, rep))
-                log(f"restart+dcp.load: total {samples['restart+dcp.load'][-1]['total_s']:.2f} s")
-                with alt.raytrain_poll(raytrain_poll_s):
-                    s = alt.raytrain_recovery(b.d, b.n, kill_at, compute_iters, disk, disk,
-                                              f"cmp-rt-rec-{label.lower()}-{rep}-{os.getpid()}",
-                                              rec.CPUS_PER_NODE)
-                samples["ray-train-restore"].append(s)
-                log(f"ray-train-restore: total {s['total_s']:.2f} s ({s['phases_s']})")
+                if "memckpt-worker" in methods:
+                    samples["memckpt-worker"].append(b.memckpt_recovery("worker", rep))
+                if "memckpt-node" in methods:
+                    try:
+                        s = b.memckpt_recovery("node", rep)
+                        samples["memckpt-node"].append(s)
+                        if "peer_fetch" in s:
+                            pf = s["peer_fetch"]
+                            raw.append(b.raw_transfer(pf["src"], pf["dst"], pf["bytes"]))
+                    finally:
+                        b.restore_nodes()
+                if "restart+torch.load" in methods:
+                    samples["restart+torch.load"].append(b.restart_baseline(rep))
+                if BASELINE_NODE in methods:
+                    try:  # memckpt-node's failure, for the alternative
+                        samples[BASELINE_NODE].append(
+                            b.restart_baseline(rep, ColdWorker, node_loss=True))
+                    finally:
+                        b.restore_nodes()
+                if "restart+dcp.load" in methods:
+                    samples["restart+dcp.load"].append(alt.dcp_recovery(b, rep))
+                    log(f"restart+dcp.load: total "
+                        f"{samples['restart+dcp.load'][-1]['total_s']:.2f} s")
+                if "ray-train-restore" in methods:
+                    with alt.raytrain_poll(raytrain_poll_s):
+                        s = alt.raytrain_recovery(
+                            b.d, b.n, kill_at, compute_iters, disk, disk,
+                            f"cmp-rt-rec-{label.lower()}-{rep}-{os.getpid()}", rec.CPUS_PER_NODE)
+                    samples["ray-train-restore"].append(s)
+                    log(f"ray-train-restore: total {s['total_s']:.2f} s ({s['phases_s']})")
             rows += recovery_rows(label, b.state_bytes, samples, raw, raytrain_poll_s)
     finally:
         if own:
