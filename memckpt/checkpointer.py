@@ -61,8 +61,8 @@ class Checkpointer:
         self.events: list[dict[str, Any]] = []
         # ranks on this node share its cores: LOCAL_WORLD_SIZE (torchrun) unless given
         local = local_ranks if local_ranks is not None else local_ranks_from(os.environ)
-        if prefill:  # before the engine maps the slots: the two run side by side
-            self._prefill()
+        # before the engine maps the slots, so the two run side by side
+        self._prefilled = prefill and self._prefill()
         self.engine = SnapshotEngine(
             self.directory, mode=config.snapshot_mode, on_fall_behind=config.failure.on_fall_behind,
             identity={"job": config.job_name, "rank": rank, "world_size": world_size,
@@ -81,20 +81,17 @@ class Checkpointer:
                 folder_for=self._folder_for,
                 on_written=self._commit, on_event=self._event, world_size=world_size)
 
-    def _prefill(self) -> None:
+    def _prefill(self) -> bool:
         """A process that finds a snapshot in RAM (a restart after a crash) is about to
         restore it: fault in the optimizer state the restore creates (two thirds of an Adam
         job's bytes) on every core in the background while the caller builds its trainer,
         so the restore copies into memory that is ready (see :data:`POOL`). Not when CUDA
         is present: GPU state is restored onto the device."""
         layout = newest_layout_in(self.directory)
-        if layout is not None and not torch.cuda.is_available():
-            POOL.fill(restore_allocations(layout, MIN_BYTES), threads=usable_cores())
-
-    def newest_layout(self) -> Optional[fmt.Layout]:
-        """The layout of the newest complete snapshot (what a restore of it creates)."""
-        slots = [s for s in self.engine.slots if s.complete and s.layout is not None]
-        return max(slots, key=lambda s: s.age).layout if slots else None
+        if layout is None or torch.cuda.is_available():
+            return False
+        POOL.fill(restore_allocations(layout, MIN_BYTES), threads=usable_cores())
+        return True
 
     def _sealed(self, step: int, path: Path) -> None:
         if self.persister is not None and not self.engine.gated:  # sealed == committed here
@@ -186,7 +183,9 @@ class Checkpointer:
         try:
             return self._restore(state, source)
         finally:
-            POOL.clear()  # what the restore did not take (see _prefill)
+            if self._prefilled:  # what the restore did not take
+                self._prefilled = False
+                POOL.clear()
 
     def _restore(self, state: TrainState, source: Optional[str | Path]) -> int:
         if source is not None:
@@ -348,7 +347,9 @@ class Checkpointer:
         tier whose newest checkpoint was not persisted (also logged); then the RAM
         snapshots are kept even with ``unlink``, so a later process restores from them.
         """
-        POOL.clear()  # a prefill nobody restored from
+        if self._prefilled:  # a prefill nobody restored from
+            self._prefilled = False
+            POOL.clear()
         for handle in self._hooks.values():  # the optimizers no longer wait on this engine
             handle.remove()
         self._hooks.clear()

@@ -204,6 +204,9 @@ def test_a_checkpointer_finding_a_snapshot_prefills_what_its_restore_creates(ram
     first.step(state, 1)
     first.close()  # kept in RAM, as after a crash
     try:
+        unused = memckpt.Checkpointer(config)  # made and closed without restoring
+        unused.close()
+        assert pop.POOL.nbytes == 0  # its prefill dropped
         restarted = memckpt.Checkpointer(config)
         pop.POOL.wait()
         ready = {t.data_ptr() for ts in pop.POOL._free.values() for t in ts}

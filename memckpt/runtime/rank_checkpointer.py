@@ -76,3 +76,8 @@ class RankCheckpointer(Checkpointer):
     def took_offered(self) -> bool:
         """A restore fetched into a slot file a warm spare held ready."""
         return self.engine.stats.offered_taken > 0
+
+    def newest_layout(self) -> Optional[fmt.Layout]:
+        """The layout of the newest complete snapshot (what a restore of it creates)."""
+        slots = [s for s in self.engine.slots if s.complete and s.layout is not None]
+        return max(slots, key=lambda s: s.age).layout if slots else None
