@@ -88,7 +88,7 @@ class Checkpointer:
         so the restore copies into memory that is ready (see :data:`POOL`). Not when CUDA
         is present: GPU state is restored onto the device."""
         layout = newest_layout_in(self.directory)
-        if layout is None or torch.cuda.is_available():
+        if layout is None or torch.cuda.is_available() or POOL.in_use:  # not another's fill
             return False
         POOL.fill(restore_allocations(layout, MIN_BYTES), threads=usable_cores())
         return True

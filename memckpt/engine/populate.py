@@ -125,6 +125,12 @@ class TensorPool:
         self._filler = threading.Thread(target=fill_all, name="memckpt-pool", daemon=True)
         self._filler.start()
 
+    @property
+    def in_use(self) -> bool:
+        """Something filled the pool, or is filling it (a worker, for its restore)."""
+        filler = self._filler
+        return self.nbytes > 0 or (filler is not None and filler.is_alive())
+
     def wait(self) -> None:
         """Until a fill in progress is done (or stopped)."""
         filler = self._filler
