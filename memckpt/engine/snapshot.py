@@ -429,7 +429,7 @@ class SnapshotEngine:
         spans: list[tuple[int, int, Any]] = []
         try:
             assert slot.layout is not None  # _prepare laid the slot out
-            where = {e.name: (e.offset, e.offset + e.nbytes) for e in slot.layout.entries}
+            where = slot.layout.spans
             with torch.no_grad():
                 if self._stream is not None and any(t.is_cuda for _, t in tensors):
                     # Device-to-host into pinned memory on a side stream, after the compute

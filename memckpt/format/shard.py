@@ -189,6 +189,12 @@ class Layout:
             offset = _round_up(offset + nbytes, TENSOR_ALIGN)
         return Layout(tuple(entries), offset)
 
+    @functools.cached_property
+    def spans(self) -> dict[str, tuple[int, int]]:
+        """Each tensor's byte range in the data region, by name (made once per layout: a
+        slot keeps its layout from one snapshot to the next)."""
+        return {e.name: (e.offset, e.offset + e.nbytes) for e in self.entries}
+
     def to_json(self) -> list[list[Any]]:
         return [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in self.entries]
 
