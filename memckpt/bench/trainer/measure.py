@@ -121,9 +121,9 @@ def overlap_blocking(saver: Any, into: list[float]) -> None:
     saver.step = step
 
 
-def state_bytes(trainer: Trainer) -> int:
-    params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
-    return 3 * params  # + AdamW's two moments
+def state_bytes(model: torch.nn.Module) -> int:
+    """The model's parameters + AdamW's two moments."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def run_steps(method: str, size: int, steps: int, directory: Path, ram_root: str,
@@ -136,7 +136,7 @@ def run_steps(method: str, size: int, steps: int, directory: Path, ram_root: str
 
     def figures(ended: bool = True) -> dict[str, Any]:  # the last step ended, or not yet
         ends = clock.begins[1:] + ([time.time()] if ended else [])
-        return {"method": method, "state_bytes": state_bytes(trainer), "width": width(size),
+        return {"method": method, "state_bytes": state_bytes(trainer.model), "width": width(size),
                 "step_s": [e - b for b, e in zip(clock.begins, ends)], "blocking_s": blocking,
                 "train_s": time.time() - t0}
 
@@ -183,7 +183,7 @@ def resume(method: str, size: int, steps: int, directory: Path, ram_root: str) -
     trainer.train(resume_from_checkpoint=folder)
     resumed = hooks.restored_step if method == "memckpt" else trainer.state.global_step - 1
     return {"method": method, "restore_s": sum(loads), "first_step_at": clock.begins[0],
-            "resumed_step": resumed, "state_bytes": state_bytes(trainer)}
+            "resumed_step": resumed, "state_bytes": state_bytes(trainer.model)}
 
 
 def child_arguments(p: argparse.ArgumentParser) -> argparse.Namespace:

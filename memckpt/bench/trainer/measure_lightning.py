@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 import memckpt
-from memckpt.bench.trainer.measure import Tokens, child_arguments, gpt2, timed
+from memckpt.bench.trainer.measure import Tokens, child_arguments, gpt2, state_bytes, timed
 from memckpt.integrations.lightning import MemckptCallback
 
 METHODS = ("lightning-none", "lightning-checkpoint", "lightning-memckpt")
@@ -72,8 +72,7 @@ def run(method: str, size: int, steps: int, directory: Path, ram_root: str) -> d
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, DataLoader(Tokens(64), batch_size=2, sampler=sampler))
     ends = clock.begins[1:] + [time.time()]
-    params = sum(p.numel() * p.element_size() for p in module.parameters())
-    return {"method": method, "state_bytes": 3 * params,  # + AdamW's two moments
+    return {"method": method, "state_bytes": state_bytes(module),
             "step_s": [e - b for b, e in zip(clock.begins, ends)], "blocking_s": blocking}
 
 
