@@ -93,6 +93,11 @@ class Checkpointer:
         POOL.fill(restore_allocations(layout, MIN_BYTES), threads=usable_cores())
         return True
 
+    def _drop_prefill(self) -> None:
+        if self._prefilled:
+            self._prefilled = False
+            POOL.clear()
+
     def _sealed(self, step: int, path: Path) -> None:
         if self.persister is not None and not self.engine.gated:  # sealed == committed here
             # never waits for storage: an upload in flight makes this a pending request
@@ -183,9 +188,7 @@ class Checkpointer:
         try:
             return self._restore(state, source)
         finally:
-            if self._prefilled:  # what the restore did not take
-                self._prefilled = False
-                POOL.clear()
+            self._drop_prefill()  # what the restore did not take
 
     def _restore(self, state: TrainState, source: Optional[str | Path]) -> int:
         if source is not None:
@@ -347,9 +350,7 @@ class Checkpointer:
         tier whose newest checkpoint was not persisted (also logged); then the RAM
         snapshots are kept even with ``unlink``, so a later process restores from them.
         """
-        if self._prefilled:  # a prefill nobody restored from
-            self._prefilled = False
-            POOL.clear()
+        self._drop_prefill()  # a prefill nobody restored from
         for handle in self._hooks.values():  # the optimizers no longer wait on this engine
             handle.remove()
         self._hooks.clear()

@@ -100,6 +100,7 @@ class TensorPool:
         self.clear()
         self._cancel = False
         specs = list(specs)
+        threads = max(1, threads)
 
         def run(mine: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
             for shape, dtype in mine:
@@ -113,12 +114,12 @@ class TensorPool:
         specs.sort(key=lambda spec: -math.prod(spec[0]) * spec[1].itemsize)  # balance the threads
 
         def fill_all() -> None:
-            parts = [specs[i::threads] for i in range(1, max(1, threads))]
+            parts = [specs[i::threads] for i in range(1, threads)]
             helpers = [threading.Thread(target=run, args=(part,), name="memckpt-pool", daemon=True)
                        for part in parts if part]
             for h in helpers:
                 h.start()
-            run(specs[::max(1, threads)])
+            run(specs[::threads])
             for h in helpers:
                 h.join()
 
