@@ -15,6 +15,13 @@ import pytest
 
 T = TypeVar("T")
 
+# Ray Train starts a preemption watcher actor beside every worker group: it polls the nodes
+# for a cloud provider's preemption notice, which a local cluster never gets. Each one costs
+# ~3.7 CPU-s of imports, for ~30 worker groups a session. Set before any cluster starts, so
+# every raylet (and the controllers it runs) inherits it; the drills test memckpt's callback,
+# not Ray's preemption handling.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: Union[str, Callable[[], str]],
              interval: float = 0.05) -> T:
@@ -54,7 +61,11 @@ class _Shared:
     def get(cls):
         if cls.cluster is None:
             from memckpt.runtime.local_cluster import LocalCluster
-            cls.cluster = LocalCluster(nodes=3, cpus_per_node=2, connect=False)
+            # no log monitor (worker_logs=False): it re-reads the size of every log file any
+            # worker of the session ever wrote, ten times a second (~600 files by the end),
+            # to stream workers' prints to a driver; the tests read events and results
+            cls.cluster = LocalCluster(nodes=3, cpus_per_node=2, connect=False,
+                                       worker_logs=False)
         return cls.cluster
 
     @classmethod

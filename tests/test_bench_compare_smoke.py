@@ -86,14 +86,17 @@ def test_scaling(tmp_path, full_cluster):
             assert r["x_state"] == pytest.approx(r["expected_x_state"], rel=0.2)
 
 
-# memckpt-node and restart+torch.load after a node loss are the same RecoveryBench calls that
-# tests/test_bench_recovery_smoke.py runs; their rows' derivations are checked without a
-# cluster below (test_recovery_rows_derive_against_the_same_failure)
-SMOKE_RECOVERY = ("memckpt-worker", "restart+torch.load", "restart+dcp.load", "ray-train-restore")
+# Only the recoveries no other smoke test measures, plus memckpt-worker to set them against:
+# memckpt-node, restart+torch.load (after a killed worker or a lost node) are the same
+# RecoveryBench calls tests/test_bench_recovery_smoke.py makes, and ray-train-restore the
+# same raytrain_recovery tests/test_bench_ray_train_smoke.py runs (a Ray Train run with a
+# restart: ~60 s here). Every method's row is derived from samples without a cluster below
+# (test_recovery_rows_derive_against_the_same_failure).
+SMOKE_RECOVERY = ("memckpt-worker", "restart+dcp.load")
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(300)  # four recoveries; on a loaded 2-core machine 180 s ran out (main too)
+@pytest.mark.timeout(300)  # on a loaded 2-core machine 180 s ran out for four recoveries
 def test_recovery(tmp_path, full_cluster):
     rows = compare.run_compare(compare.CompareSettings(
         ("recovery",), tuple(compare.parse_sizes("4M")), directory=str(tmp_path),
@@ -102,11 +105,13 @@ def test_recovery(tmp_path, full_cluster):
     _common(rows)
     rec = {r["method"]: r for r in rows if r["benchmark"] == "recovery"}
     assert set(rec) == set(SMOKE_RECOVERY)
-    fastest = min(rec[m]["median"] for m in compare_rows.ALTERNATIVES)
+    alternatives = [m for m in compare_rows.ALTERNATIVES if m in rec]
+    assert alternatives == ["restart+dcp.load"]
+    fastest = min(rec[m]["median"] for m in alternatives)
     assert rec["memckpt-worker"]["speedup_vs_fastest_alternative"] == pytest.approx(
         fastest / rec["memckpt-worker"]["median"])
     assert set(rec["memckpt-worker"]["sources"][0].values()) == {"local"}
-    for m in compare_rows.ALTERNATIVES:
+    for m in alternatives:
         assert rec[m]["phases_s"]["total"] == pytest.approx(rec[m]["median"])
         assert rec[m]["phases_s"]["torch_load"] > 0
     png = plot.plot_compare(rows, tmp_path / "rec.png")

@@ -25,10 +25,17 @@ FAST_HEALTH_CHECKS: Mapping[str, int] = MappingProxyType({  # read-only: Ray add
 
 
 class LocalCluster:
-    """``nodes`` worker nodes of ``cpus_per_node`` CPUs each, plus a 0-CPU head."""
+    """``nodes`` worker nodes of ``cpus_per_node`` CPUs each, plus a 0-CPU head.
+
+    ``worker_logs=False`` starts no log monitor: what workers print stays in their log
+    files (``/tmp/ray/session_latest/logs``) instead of reaching the driver. The monitor
+    polls every log file the cluster's workers ever wrote ten times a second, so on a
+    long-lived cluster that starts thousands of workers (a test session) it takes a
+    growing share of a core."""
 
     def __init__(self, nodes: int = 3, cpus_per_node: int = 2, object_store_mb: int = 256,
-                 namespace: str = "memckpt", connect: bool = True, dashboard: bool = False) -> None:
+                 namespace: str = "memckpt", connect: bool = True, dashboard: bool = False,
+                 worker_logs: bool = True) -> None:
         # A throwaway local cluster needs no token; a real head keeps Ray's default.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -39,7 +46,8 @@ class LocalCluster:
         self.object_store_mb = object_store_mb
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
             num_cpus=0, object_store_memory=object_store_mb << 20, include_dashboard=dashboard,
-            dashboard_host="127.0.0.1", _system_config=dict(FAST_HEALTH_CHECKS)))
+            dashboard_host="127.0.0.1", include_log_monitor=worker_logs,
+            _system_config=dict(FAST_HEALTH_CHECKS)))
         self.nodes: dict[str, Any] = {}
         for _ in range(nodes):
             self.add_node()
