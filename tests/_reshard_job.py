@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import _procs
 import memckpt
 from memckpt.persist import CheckpointStore, ShardEntry
 from memckpt.format import shard as fmt
@@ -177,8 +178,7 @@ def spawn(fn, world: int, *args: Any) -> None:
     from memckpt.util.netutil import free_port
     for attempt in range(3):
         try:
-            return mp.start_processes(fn, args=(world, free_port()) + args, nprocs=world,
-                                      join=True, start_method="spawn")
+            return _procs.start(fn, world, world, free_port(), *args)
         except mp.ProcessRaisedException as e:
             if "EADDRINUSE" not in str(e) or attempt == 2:
                 raise

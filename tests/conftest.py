@@ -21,6 +21,11 @@ T = TypeVar("T")
 # every raylet (and the controllers it runs) inherits it; the drills test memckpt's callback,
 # not Ray's preemption handling.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# Ray Train's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s), and
+# a worker's ray.train.report blocks until the next poll: up to 2 s idle per checkpoint
+# reported, per worker group started and per failure. 0.5 s, as docs/ray-train.md advises
+# where checkpoints are reported (a poll that takes longer is waited on, not a failure).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: Union[str, Callable[[], str]],

@@ -1,7 +1,7 @@
 """Exact resume of the two-rank demo job (DDP over gloo, optionally ZeRO), without Ray.
 
-Each scenario spawns a fresh pair of processes (``torch.multiprocessing.spawn``,
-world size 2, gloo on a free local port) running ``memckpt.demo.job.GPTJob``:
+Each scenario starts a fresh pair of processes (``_procs.start``: forked from a server that
+imported torch; world size 2, gloo on a free local port) running ``memckpt.demo.job.GPTJob``:
 
 * reference: 12 uninterrupted steps, no checkpointing at all;
 * interrupted: the same job snapshotting every step into a per-test shared-memory
@@ -29,6 +29,8 @@ from typing import Any, Optional
 
 import pytest
 import torch.multiprocessing as mp
+
+import _procs
 
 WORLD_SIZE = 2
 STEPS = 12
@@ -130,8 +132,7 @@ def _free_port() -> int:
 
 
 def _spawn(zero: bool, mode: str, ram_root: Optional[str], out: Path) -> None:
-    mp.spawn(_worker, args=(WORLD_SIZE, _free_port(), zero, mode, ram_root, str(out)),
-             nprocs=WORLD_SIZE, join=True)
+    _procs.start(_worker, WORLD_SIZE, WORLD_SIZE, _free_port(), zero, mode, ram_root, str(out))
 
 
 def _results(out: Path) -> list[dict]:

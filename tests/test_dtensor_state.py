@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+import _procs
 from memckpt.util.netutil import free_port
 
 HIDDEN = {"fsdp": 7, "tp": 8, "fsdp_tp": 8}  # 7 over 3 ranks: chunks of 3, 3, 1 (uneven)
@@ -173,8 +173,7 @@ def _worker(rank: int, world: int, port: int, mode: str, device: str, ram_root: 
 
 def _run(mode: str, world: int, ram_root: str, tmp_path: Path, device: str = "cpu") -> list[dict]:
     out = tmp_path / mode
-    mp.spawn(_worker, args=(world, free_port(), mode, device, ram_root, str(out)), nprocs=world,
-             join=True)
+    _procs.start(_worker, world, world, free_port(), mode, device, ram_root, str(out))
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
 
 

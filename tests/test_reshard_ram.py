@@ -33,6 +33,7 @@ def test_fsdp_3_to_2_from_replica_stores(tmp_path, wide):
               STEPS, holders)
         assert all(sorted(s.inventory()) == [0, 1, 2] for s in stores)
         total = sum(len(stores[0].serve_bytes(r, STEPS)) for r in range(3))
+        assert total > 3 * 2**20, total  # the ranks saw the test's MEMCKPT_TEST_HIDDEN
         # the first holder of rank 0 is gone: its reads go to the second copy
         holders[0] = [("127.0.0.1", 1)] + holders[0]
         spawn(ram_restore_job, 2, "fsdp", holders, 3, STEPS, str(out), MORE)
