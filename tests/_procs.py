@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from memckpt.util.netutil import free_port
+
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.fsdp", "torch.distributed.tensor.parallel"]
 
@@ -27,10 +29,18 @@ def _call(rank: int, env: dict[str, str], module: str, name: str, *args: Any) ->
     getattr(importlib.import_module(module), name)(rank, *args)
 
 
-def start(fn: Callable[..., None], nprocs: int, *args: Any) -> None:
-    """``fn(rank, *args)`` on ``nprocs`` processes, as ``torch.multiprocessing.start_processes``
-    with ``join=True``: a rank's exception is raised here. ``fn`` must be a module's
-    top-level function."""
+def spawn(fn: Callable[..., None], world: int, *args: Any) -> None:
+    """``fn(rank, world, port, *args)`` on ``world`` processes, as
+    ``torch.multiprocessing.start_processes`` with ``join=True``: a rank's exception is raised
+    here. ``fn`` must be a module's top-level function. ``port``, for the ranks' rendezvous,
+    is free when picked but another process may take it before rank 0 listens: then again."""
     mp.set_forkserver_preload(PRELOAD)  # read once, when the server starts
-    mp.start_processes(_call, args=(dict(os.environ), fn.__module__, fn.__qualname__) + args,
-                       nprocs=nprocs, join=True, start_method="forkserver")
+    for attempt in range(3):
+        try:
+            mp.start_processes(_call, args=(dict(os.environ), fn.__module__, fn.__qualname__,
+                                            world, free_port()) + args,
+                               nprocs=world, join=True, start_method="forkserver")
+            return
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise

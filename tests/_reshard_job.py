@@ -12,9 +12,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-import _procs
 import memckpt
 from memckpt.persist import CheckpointStore, ShardEntry
 from memckpt.format import shard as fmt
@@ -170,18 +168,6 @@ def commit(root: str, step: int, world: int) -> None:
         entries.append(ShardEntry(rank=rank, key=key, size=len(raw), checksum=h["data_xxh3"]))
     fingerprint = _config(root, "/tmp").fingerprint()
     store.commit(step, world, entries, fingerprint, job="reshard")
-
-
-def spawn(fn, world: int, *args: Any) -> None:
-    """Run ``fn(rank, world, port, *args)`` on ``world`` processes. The rendezvous port is
-    free when picked but another process may take it before rank 0 listens: then again."""
-    from memckpt.util.netutil import free_port
-    for attempt in range(3):
-        try:
-            return _procs.start(fn, world, world, free_port(), *args)
-        except mp.ProcessRaisedException as e:
-            if "EADDRINUSE" not in str(e) or attempt == 2:
-                raise
 
 
 def merged(out: Path, prefix: str, world: int) -> dict[str, torch.Tensor]:

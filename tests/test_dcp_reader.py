@@ -13,7 +13,8 @@ import torch
 
 import memckpt
 from memckpt.persist import CheckpointStore
-from _reshard_job import commit, dcp_job, merged, spawn, write_job
+from _procs import spawn
+from _reshard_job import commit, dcp_job, merged, write_job
 from s3_server import BUCKET, aws_test_env, s3_endpoint  # noqa: F401
 from test_reshard import STEPS, run_reshard
 

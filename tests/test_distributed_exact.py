@@ -1,6 +1,6 @@
 """Exact resume of the two-rank demo job (DDP over gloo, optionally ZeRO), without Ray.
 
-Each scenario starts a fresh pair of processes (``_procs.start``: forked from a server that
+Each scenario starts a fresh pair of processes (``_procs.spawn``: forked from a server that
 imported torch; world size 2, gloo on a free local port) running ``memckpt.demo.job.GPTJob``:
 
 * reference: 12 uninterrupted steps, no checkpointing at all;
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -125,14 +124,8 @@ def _worker(rank: int, world_size: int, port: int, zero: bool, mode: str,
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(zero: bool, mode: str, ram_root: Optional[str], out: Path) -> None:
-    _procs.start(_worker, WORLD_SIZE, WORLD_SIZE, _free_port(), zero, mode, ram_root, str(out))
+    _procs.spawn(_worker, WORLD_SIZE, zero, mode, ram_root, str(out))
 
 
 def _results(out: Path) -> list[dict]:

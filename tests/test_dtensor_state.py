@@ -26,7 +26,6 @@ import pytest
 import torch
 
 import _procs
-from memckpt.util.netutil import free_port
 
 HIDDEN = {"fsdp": 7, "tp": 8, "fsdp_tp": 8}  # 7 over 3 ranks: chunks of 3, 3, 1 (uneven)
 OUT = 2  # the last layer's 2 rows over 3 ranks: the third rank's chunk is empty
@@ -173,7 +172,7 @@ def _worker(rank: int, world: int, port: int, mode: str, device: str, ram_root: 
 
 def _run(mode: str, world: int, ram_root: str, tmp_path: Path, device: str = "cpu") -> list[dict]:
     out = tmp_path / mode
-    _procs.start(_worker, world, world, free_port(), mode, device, ram_root, str(out))
+    _procs.spawn(_worker, world, mode, device, ram_root, str(out))
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _reshard_job import commit, merged, restore_job, spawn, write_job
+from _procs import spawn
+from _reshard_job import commit, merged, restore_job, write_job
 
 STEPS, MORE = 4, 6
 

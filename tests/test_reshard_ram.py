@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from memckpt.runtime.replica_store import ReplicaStore
-from _reshard_job import merged, ram_restore_job, spawn, write_job
+from _procs import spawn
+from _reshard_job import merged, ram_restore_job, write_job
 
 STEPS, MORE = 4, 6
 
