@@ -229,3 +229,33 @@ def test_dtensor_on_a_cuda_mesh_snapshots_into_pinned_memory(mode, need, ram_roo
     if torch.cuda.device_count() < need:
         pytest.skip(f"needs {need} GPUs")
     _check(mode, world, _run(mode, world, ram_root, tmp_path, device="cuda"), "cuda")
+
+
+def _reranked(rank: int, world: int, port: int, out: str) -> None:
+    """Rank ``rank`` of one process group, then rank ``world - 1 - rank`` of the next, in
+    the same process (as a survivor after a resize, or a kept worker): each time the chunk
+    record of a sharded tensor, from memckpt's memoised lookup."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from memckpt.format.dtensor import chunk_meta
+
+    records = []
+    for group, r in enumerate((rank, world - 1 - rank)):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + group}",
+                                rank=r, world_size=world, timeout=timedelta(seconds=60))
+        mesh = init_device_mesh("cpu", (world,))
+        t = distribute_tensor(torch.zeros(7, 2), mesh, [Shard(0)])
+        records.append((r, chunk_meta(t)["offsets"]))
+        dist.destroy_process_group()
+    Path(f"{out}.{rank}.json").write_text(json.dumps(records))
+
+
+@pytest.mark.timeout(240)
+def test_a_process_that_becomes_another_rank_records_that_ranks_chunk(tmp_path):
+    out = str(tmp_path / "rec")
+    _procs.spawn(_reranked, 3, out)
+    for rank in range(3):
+        for r, offsets in json.loads(Path(f"{out}.{rank}.json").read_text()):
+            assert offsets == [[0, 3, 6][r], 0], (rank, r, offsets)

@@ -38,14 +38,25 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_meta(t: Any) -> dict[str, Any]:
-    """The JSON record of DTensor ``t``'s local chunk (memoised per mesh, placements, shape)."""
+    """The JSON record of DTensor ``t``'s local chunk (memoised per mesh, this rank's place
+    in it, placements, shape)."""
     return _chunk(t.device_mesh, tuple(t.placements), tuple(t.shape))[0]
 
 
-@functools.lru_cache(maxsize=4096)
 def _chunk(mesh: Any, placements: tuple, global_shape: tuple[int, ...]
            ) -> tuple[dict[str, Any], tuple[int, ...]]:
     """(record, local shape) on this rank; torch's own arithmetic, uneven shards included."""
+    # Keyed by the rank's coordinate too: meshes of the same shape compare equal, and a
+    # process reused as another rank (a survivor after a resize, a kept worker) would
+    # otherwise get the offsets of the rank it was before.
+    coordinate = mesh.get_coordinate()
+    return _chunk_at(mesh, tuple(coordinate) if coordinate is not None else None, placements,
+                     global_shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_at(mesh: Any, coordinate: Optional[tuple[int, ...]], placements: tuple,
+              global_shape: tuple[int, ...]) -> tuple[dict[str, Any], tuple[int, ...]]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     names = mesh.mesh_dim_names
