@@ -30,15 +30,19 @@ class KillAt(TrainerCallback):
 
     def __init__(self, step: int) -> None:
         self.step = step
+        self.landed = lambda: None  # the Checkpointer's wait, once attach() made it
 
     def on_step_end(self, args, state, control, **kwargs):
-        kill_self_at(self.step, state.global_step)
+        kill_self_at(self.step, state.global_step, self.landed)
 
 
 def main() -> None:
     a, out, config = parse()
-    trainer = build(str(out / "trainer"), a.accum, [KillAt(a.kill_at)] if a.kill_at else None)
+    kill = [KillAt(a.kill_at)] if a.kill_at else []
+    trainer = build(str(out / "trainer"), a.accum, kill or None)
     hooks = attach(trainer, config)
+    for k in kill:
+        k.landed = hooks.saver.inner.wait
     trainer.train()
     (out / "result.json").write_text(json.dumps({"log_history": trainer.state.log_history,
                                                  "resumed_from": hooks.restored_step}))

@@ -8,6 +8,7 @@ import argparse
 import os
 import signal
 from pathlib import Path
+from typing import Callable
 
 import memckpt
 
@@ -28,7 +29,12 @@ def parse() -> tuple[argparse.Namespace, Path, memckpt.Config]:
                                   snapshot_mode=a.mode)
 
 
-def kill_self_at(step: int, global_step: int) -> None:
-    """SIGKILL this process once optimizer step ``step`` has ended (as a crash would)."""
+def kill_self_at(step: int, global_step: int, landed: Callable[[], None]) -> None:
+    """SIGKILL this process once optimizer step ``step`` has ended (as a crash would), after
+    ``landed()`` (the Checkpointer's ``wait``) returned: a snapshot still sealing when the
+    process dies is lost and the resume goes back one further, so a drill that names the
+    step it resumes from lets the last one land first (it does within a millisecond, but
+    the training threads may hold both cores)."""
     if global_step == step:
+        landed()
         os.kill(os.getpid(), signal.SIGKILL)

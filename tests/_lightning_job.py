@@ -24,11 +24,12 @@ from lightning_fit import build, trainer_for  # noqa: E402
 
 
 class KillAt(L.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, memckpt: MemckptCallback) -> None:
+        self.step, self.memckpt = step, memckpt
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        kill_self_at(self.step, trainer.global_step)  # memckpt's callback ran first
+        assert self.memckpt.saver is not None  # memckpt's callback ran first
+        kill_self_at(self.step, trainer.global_step, self.memckpt.saver.inner.wait)
 
 
 def main() -> None:
@@ -36,7 +37,7 @@ def main() -> None:
     model, loader, sampler = build()
     callbacks = [MemckptCallback(config, sampler)]
     if a.kill_at:
-        callbacks.append(KillAt(a.kill_at))
+        callbacks.append(KillAt(a.kill_at, callbacks[0]))
     trainer_for(callbacks, a.accum).fit(model, loader)
     (out / "result.json").write_text(json.dumps({"losses": model.losses,
                                                  "resumed_from": callbacks[0].restored_step}))
