@@ -34,6 +34,13 @@ def dcp_reader(uri_or_path, step=None):
     return open_reader(uri_or_path, step)
 
 
+def keep_workers():
+    """A block whose ``memckpt.run`` calls hand their worker processes on to the next
+    one instead of starting new ones; see :mod:`memckpt.runtime.kept`."""
+    from memckpt.runtime.kept import keep_workers as _keep
+    return _keep()
+
+
 def run(train_fn, config, **kwargs):
     """Run ``train_fn(ctx)`` on Ray with in-memory replicas; see :func:`memckpt.runtime.driver.run`."""
     from memckpt.runtime.driver import run as _run
@@ -43,5 +50,5 @@ __all__ = [
     "Checkpointer", "ChaosEvent", "Config", "EngineConfig", "FailureConfig", "LoadSpec", "MemckptError",
     "PersistTier", "PlacementConfig", "ResumableSampler", "TrainState", "WorkerContext",
     "WorkersConfig", "dcp_reader",
-    "load_config", "run", "__version__",
+    "keep_workers", "load_config", "run", "__version__",
 ]

@@ -107,11 +107,22 @@ def _ready(c):
 
 
 @pytest.fixture(scope="module")
-def cluster(_shared_cluster):
+def cluster(_shared_cluster, request):
     """The session's cluster, ready for this module; disconnected after it, so a module that
-    starts its own cluster (the benchmarks, the elastic drills) can connect to that one."""
+    starts its own cluster (the benchmarks, the elastic drills) can connect to that one.
+    In a module that sets ``KEEP_WORKERS = True``, the module's ``memckpt.run`` jobs run
+    inside ``memckpt.keep_workers()``: each takes the worker processes the one before it
+    left instead of starting its own (~6 processes importing torch a drill). Modules that
+    run Ray Train beside them do not: kept workers hold their CPUs."""
     import ray
-    yield _ready(_shared_cluster.get())
+
+    import memckpt
+    c = _ready(_shared_cluster.get())
+    if getattr(request.module, "KEEP_WORKERS", False):
+        with memckpt.keep_workers():
+            yield c
+    else:
+        yield c
     ray.shutdown()
 
 

@@ -16,6 +16,8 @@ import memckpt
 from memckpt.demo.job import FSDPJob
 from memckpt.runtime.faults import FaultInjector
 
+KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
+
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 STEPS, KILL_AT = 6, 4

@@ -14,6 +14,8 @@ from memckpt.runtime.metrics import failure_target
 from memckpt.runtime.driver import progress_line
 from conftest import wait_for
 
+KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
+
 JOB = GPTJob(steps=12, size="tiny", seed=3)
 KILL_AT = 6
 SAMPLE = re.compile(r'^(\w+)\{(.*)\} (\S+)$')

@@ -19,6 +19,8 @@ from memckpt.runtime.faults import FaultInjector, send_signals
 import test_runtime
 from test_runtime import JOB, KILL_AT, assert_same_run, config, events, run_with
 
+KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
+
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 reference = test_runtime.reference  # the uninterrupted run, a fixture of this module too

@@ -13,6 +13,8 @@ from memckpt.runtime.faults import FaultInjector
 from memckpt.persist import CheckpointStore
 from s3_server import aws_test_env, s3_endpoint, s3_uri  # noqa: F401 (fixtures)
 
+KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
+
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 JOB = GPTJob(steps=12, size="tiny", seed=5)

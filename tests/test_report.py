@@ -12,6 +12,8 @@ from memckpt.cli import main
 from memckpt.demo.job import GPTJob
 from memckpt.cli.report import HEIGHT_PX, WIDTH_PX
 
+KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
+
 JOB = GPTJob(steps=12, size="tiny", seed=3)
 KILL_AT = 6
 

@@ -12,6 +12,8 @@ import pytest
 import memckpt
 from memckpt.demo.job import GPTJob
 
+KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
+
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 

@@ -18,6 +18,8 @@ from memckpt.demo.job import GPTJob
 from memckpt.errors import PlacementError, RecoveryError
 from memckpt.runtime.faults import FaultInjector
 
+KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
+
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 JOB = GPTJob(steps=12, size="tiny", seed=3)

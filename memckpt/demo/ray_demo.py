@@ -326,7 +326,8 @@ def run_ray_demo(fault: str = "worker", steps: int = 20, kill_at: Optional[int] 
             return 0 if sizes[-2:] == [2, 3] else 1
         if fault == "cluster":
             result = _whole_cluster_drill(job, kill_at, run_root, s3)
-        with local_cluster(nodes=3) as cluster:
+        # the reference run takes the faulted run's worker processes instead of starting its own
+        with local_cluster(nodes=3) as cluster, memckpt.keep_workers():
             if fault != "cluster":
                 with drill_notices(fault):
                     result = memckpt.run(job, demo_config("demo"), run_dir=run_root / "faulted",

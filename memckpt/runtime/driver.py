@@ -131,8 +131,13 @@ class Runtime:
             plane.ensure_stores(list(capacity))
             self.ray.get([s.clear.remote() for s in plane.stores.values()])  # a fresh job
             self.ray.get([s.ping.remote() for s in plane.stores.values()])
+            reused = self.pool.adopt_kept(assignment, list(capacity))
+            if reused:
+                self._say(f"{reused} worker process(es) kept from this driver's last job "
+                          "(memckpt.keep_workers): no new process to start for them")
             self._event("job_started", world_size=cfg.workers.num_workers,
-                        assignment=assignment, holders=holders, fingerprint=cfg.fingerprint())
+                        assignment=assignment, holders=holders, fingerprint=cfg.fingerprint(),
+                        kept_workers=reused)
             if cfg.workers.elastic:
                 self.ray.get(self.coordinator.set_elastic.remote({
                     "world_size": cfg.workers.num_workers, "num_workers": cfg.workers.num_workers,
@@ -176,7 +181,7 @@ class Runtime:
             self._event("job_failed", error=str(e))
             raise
         finally:
-            self.plane.teardown(self.pool.actors())
+            self.plane.teardown(self.pool.release(finished=self.state is State.FINISHED))
 
     def _start_generation(self, gen: int, assignment: dict[int, str],
                           holders: dict[int, tuple[str, ...]], restore: Restore,

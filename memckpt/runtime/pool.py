@@ -1,5 +1,6 @@
 """The driver's worker actors: each rank's (reused across generations while its node lives),
-the generation running, and a warm spare per node with the memory a restore fills."""
+the generation running, and a warm spare per node with the memory a restore fills; inside
+:func:`memckpt.keep_workers`, taken from and handed back to the workers kept between jobs."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from memckpt.runtime import kept
 from memckpt.runtime.control_plane import ControlPlane, affinity, alive_node_ids
 from memckpt.runtime.worker import Worker
 
@@ -42,6 +44,9 @@ class WorkerPool:
         self._standby = False  # every node's spare is up and has its memory in hand
         self._first_commit: Optional[int] = None  # the job's first committed step
         self._spare_nodes: set[str] = set()  # the live nodes that should have a spare
+        self._spare_shaped: set[Any] = set()  # workers made as spares (reserving no CPU)
+        # keep_workers(): workers of an earlier job, ready for this one, by (node, spare?)
+        self._adopted: dict[tuple[str, bool], list[Any]] = {}
 
     def assign(self, assignment: dict[int, str]) -> tuple[dict[int, Any], dict[int, str]]:
         """A worker for each rank: its own if it lives on the rank's node, else another
@@ -62,21 +67,95 @@ class WorkerPool:
             elif node in self.spares:
                 workers[rank], how[rank] = self.spares.pop(node), "spare"
             else:
-                workers[rank], how[rank] = self.new_worker(node), "new"
+                workers[rank], how[rank] = self._worker_for(node)
         for w in idle.values():  # a shrunk job's leftovers free their node's CPUs
             self.ray.kill(w, no_restart=True)
         self.workers, self.worker_nodes = dict(workers), dict(assignment)
         return workers, how
 
+    def _worker_for(self, node: str, spare: bool = False) -> tuple[Any, str]:
+        """A worker on ``node``: one kept from an earlier job ("kept"), else a new one."""
+        found = self._adopted.get((node, spare))
+        if found:
+            return found.pop(), "kept"
+        return self.new_worker(node, spare), "new"
+
     def new_worker(self, node: str, spare: bool = False) -> Any:
         cfg = self.config
         # A spare reserves no CPU while it idles; it takes over the CPU of the rank it
         # replaces, whose actor is gone by then.
-        return self.ray.remote(Worker).options(
+        w = self.ray.remote(Worker).options(
             num_cpus=0 if spare else cfg.workers.cpus_per_worker,
             num_gpus=0 if spare else cfg.workers.gpus_per_worker,
             max_restarts=0, max_concurrency=4, scheduling_strategy=affinity(node),
         ).remote(cfg, self.plane.coordinator)
+        if spare:
+            self._spare_shaped.add(w)
+        return w
+
+    # -- workers kept between jobs (memckpt.keep_workers) ---------------------------------------
+    def _shape(self, spare: bool) -> kept.Shape:
+        w = self.config.workers
+        return (0.0, 0.0) if spare else (float(w.cpus_per_worker), float(w.gpus_per_worker))
+
+    def adopt_kept(self, assignment: dict[int, str], nodes: list[str]) -> int:
+        """Before the first generation, inside :func:`memckpt.keep_workers`: take the kept
+        workers this job can use (one per rank on its node, one spare per node of ``nodes``,
+        each of the same shape), bind them to this job, and kill the rest, which would
+        otherwise hold CPUs the new workers need. Returns how many were taken."""
+        pool = kept.current()
+        if pool is None or not len(pool):
+            return 0
+        wanted = [(n, False) for n in assignment.values()]
+        if self.config.failure.warm_spares:
+            wanted += [(n, True) for n in nodes]
+        taken = {}
+        for node, spare in wanted:
+            w = pool.take(node, self._shape(spare))
+            if w is not None:
+                taken[w] = (node, spare)
+        for w in pool.drain():
+            self.ray.kill(w, no_restart=True)
+        refs = {w.rebind.remote(self.config, self.plane.coordinator): w for w in taken}
+        ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=PING_S)
+        for ref in refs:
+            w = refs[ref]
+            try:
+                if ref not in ready or self.ray.get(ref) != taken[w][0]:
+                    raise TimeoutError
+            except (TimeoutError, self.ray.exceptions.RayError):
+                self.ray.kill(w, no_restart=True)  # stuck, or gone with its node
+                continue
+            node, spare = taken[w]
+            self._adopted.setdefault((node, spare), []).append(w)
+            if spare:
+                self._spare_shaped.add(w)
+        return sum(len(ws) for ws in self._adopted.values())
+
+    def release(self, finished: bool) -> list[Any]:
+        """The job ended. Inside :func:`memckpt.keep_workers` and ``finished``: its live
+        workers that park in time are kept for the next job. Returns those to kill."""
+        leftover = [w for ws in self._adopted.values() for w in ws]
+        self._adopted.clear()
+        pool = kept.current() if finished else None
+        if pool is None:
+            return self.actors() + leftover
+        where = {w: self.worker_nodes[r] for r, w in self.workers.items()}
+        where.update({w: n for n, w in self.spares.items()})
+        refs = {w.park.remote(): w for w in where}
+        ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=PING_S) \
+            if refs else ([], [])
+        kill = leftover
+        for ref, w in refs.items():
+            try:
+                parked = ref in ready and self.ray.get(ref)
+            except self.ray.exceptions.RayError:
+                parked = False
+            if parked:
+                pool.put(where[w], self._shape(w in self._spare_shaped), w)
+            else:
+                kill.append(w)
+        return kill
 
     def forget(self, rank: int) -> None:
         """``rank``'s worker was killed: the next generation needs another."""
@@ -114,7 +193,7 @@ class WorkerPool:
         if self.config.failure.warm_spares:
             self._spare_nodes = set(self.plane.stores) & alive_node_ids()  # a lost node's store stays listed
             for node in self._spare_nodes - set(self.spares):
-                self.spares[node] = self.new_worker(node, spare=True)
+                self.spares[node] = self._worker_for(node, spare=True)[0]
 
     def prefault_spares(self, committed: Optional[int]) -> None:
         """Once the job's snapshot slots exist (a second step committed), ask each spare in

@@ -29,6 +29,8 @@ from memckpt.runtime.spec import RestoreInstruction, WorkerSpec
 from memckpt.engine.snapshot import SLOT_NAMES
 from memckpt.format.state import restore_allocations
 
+PARK_S = 2.0  # how long park() waits for a spare's prefault to end (it does within a chunk)
+
 # WorkerContext, WorkerSpec, RestoreInstruction and StopTraining live in their own modules;
 # importable from here as before.
 __all__ = ["RestoreInstruction", "StopTraining", "Worker", "WorkerContext", "WorkerSpec",
@@ -113,23 +115,55 @@ class Worker:
         import ray
         warm_torch()  # a spare must be ready to train at once
         settle_imports()
-        self.config, self.coordinator = config, coordinator
-        self.spec: Optional[WorkerSpec] = None
         self.node_id = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
+        self._takeover = threading.Lock()  # prefault against run: who owns the pool
+        self._running = threading.Event()
+        self._prefaulting = 0  # prefault calls under way (a worker parks only without one)
+        self.rebind(config, coordinator)
+        self._hb = threading.Thread(target=self._heartbeat, daemon=True)
+        self._hb.start()
+
+    def rebind(self, config: Config, coordinator: Any) -> str:
+        """Serve ``config``'s job and ``coordinator``: at start, and for a worker kept from a
+        finished job of this driver (:mod:`memckpt.runtime.kept`; :meth:`park` forgot that
+        one). Returns the node it runs on."""
+        self.config, self.coordinator = config, coordinator
+        self._parked = False
+        self.spec: Optional[WorkerSpec] = None
         self.ctx: Optional[WorkerContext] = None
         self.reserve = HostReserve()  # held while a spare idles (see prefault)
         folder = node_dir(resolve_ram_root(config.ram_root), config.job_name, self.node_id)
         self.slot_reserves = [SlotReserve(folder, i) for i in range(len(SLOT_NAMES))]
-        self._takeover = threading.Lock()  # prefault against run: who owns the pool
-        self._running = threading.Event()
-        self._hb = threading.Thread(target=self._heartbeat, daemon=True)
-        self._hb.start()
+        return self.node_id
+
+    def park(self) -> bool:
+        """The job finished: give back what it held (the pool's tensors, a spare's reserves
+        and slot files; a prefault under way ends within a chunk) and forget it, to be kept
+        for the driver's next job. False (the driver kills it instead) while a generation
+        runs or a prefault does not end in time."""
+        if self._running.is_set():
+            return False
+        with self._takeover:
+            self._parked = True  # a prefault asked from now on does nothing
+            self.spec, self.ctx = None, None
+        deadline = time.monotonic() + PARK_S
+        while True:
+            self.reserve.release()  # each interrupts a hold under way
+            for reserve in self.slot_reserves:
+                path = reserve.release()
+                if path is not None:
+                    path.unlink(missing_ok=True)
+            POOL.clear()  # and stops a fill
+            if not self._prefaulting or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        gc.collect()
+        return not self._prefaulting
 
     def _heartbeat(self) -> None:
-        interval = self.config.failure.heartbeat_interval_s
         while True:
-            time.sleep(interval)
+            time.sleep(self.config.failure.heartbeat_interval_s)  # a kept worker's job's
             spec, ctx = self.spec, self.ctx
             if self._running.is_set() and spec is not None:
                 step = ctx.last_step if ctx is not None else -1
@@ -158,6 +192,17 @@ class Worker:
         once this worker runs a rank. Returns the bytes the spare holds in all."""
         if self.config.workers.gpus_per_worker or shard is None:
             return 0
+        with self._takeover:
+            if self._parked:
+                return 0
+            self._prefaulting += 1
+        try:
+            return self._prefault(shard, slots)
+        finally:
+            with self._takeover:
+                self._prefaulting -= 1
+
+    def _prefault(self, shard: tuple[int, list, int], slots: bool) -> int:
         nbytes, table, data_len = shard
         vm = psutil.virtual_memory()
         if slots:
@@ -175,7 +220,7 @@ class Worker:
                 specs.append((shape, dtype))
                 room -= size
         with self._takeover:  # a rank's restore owns the pool once run() has begun
-            if self.spec is not None:
+            if self.spec is not None or self._parked:
                 return 0
             POOL.fill(specs)
         POOL.wait()
