@@ -3,7 +3,8 @@
 The unit part checks the book of kept workers without Ray. The drill runs real jobs on the
 session's cluster (this module does not set ``KEEP_WORKERS``: it opens its own blocks), kills
 a kept process between jobs, changes the job's shape, and checks that the processes end
-with the block.
+with the block. That a failed job keeps none is checked in test_runtime.py (its module runs
+inside a block).
 """
 
 from __future__ import annotations
@@ -109,16 +110,3 @@ def test_consecutive_jobs_take_the_last_ones_workers(full_cluster, tmp_path):
     wait_for(lambda: not any(psutil.pid_exists(p) for p in last), 30,
              "the kept workers to end with the block")
     assert len(last) == 6 and kept.current() is None
-
-
-@pytest.mark.ray
-@pytest.mark.timeout(300)
-def test_a_failed_job_keeps_no_worker(cluster, tmp_path):
-    def train(ctx) -> None:
-        raise ValueError(f"bad batch size on rank {ctx.rank}")
-
-    with memckpt.keep_workers():
-        with pytest.raises(ValueError, match="bad batch size"):
-            memckpt.run(train, config("kept-failed"), run_dir=tmp_path, quiet=True)
-        book = kept.current()
-        assert book is not None and len(book) == 0

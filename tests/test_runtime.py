@@ -16,6 +16,7 @@ import pytest
 import memckpt
 from memckpt.demo.job import GPTJob
 from memckpt.errors import PlacementError, RecoveryError
+from memckpt.runtime import kept
 from memckpt.runtime.faults import FaultInjector
 
 KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
@@ -319,6 +320,8 @@ def test_error_raised_by_every_rank_at_once_reaches_the_caller(cluster, tmp_path
 
     with pytest.raises(ValueError, match="bad batch size on rank 0"):
         memckpt.run(train, config("user-error"), run_dir=tmp_path, quiet=True)
+    book = kept.current()  # this module's jobs run inside memckpt.keep_workers()
+    assert book is not None and len(book) == 0  # a failed job's workers are not kept
 
 
 def test_one_node_job_says_it_has_no_peer_replicas(cluster, tmp_path, capfd):

@@ -187,10 +187,12 @@ def _resized(run_dir: Path) -> bool:
 def injector_for(fault: str, kill_at: int, cluster) -> "Any":
     from memckpt.runtime.faults import FaultInjector
     inj = FaultInjector(node_killer=cluster.remove_node)
+    # steady: the fault waits until every node's warm spare is up, as it is in a job past
+    # its first minute; the demo's job is seconds old at the fault, its spares still starting
     if fault == "worker":
-        inj.kill_worker(rank=1, at_step=kill_at)
+        inj.kill_worker(rank=1, at_step=kill_at, steady=True)
     elif fault == "node":
-        inj.kill_node(rank=1, at_step=kill_at)
+        inj.kill_node(rank=1, at_step=kill_at, steady=True)
     elif fault == "store":
         inj.kill_store(rank=1, at_step=kill_at)
     elif fault == "coordinator":
@@ -295,7 +297,9 @@ def plan_line(fault: str, steps: int, kill_at: int, size: str, model: str, compa
                        "when a node is added")
     if fault == "none":
         return line + "; no fault (the uninterrupted reference run)"
-    line += f"; after step {kill_at} {WHAT_DIES[fault]} and the job recovers"
+    ready = (", once every node's warm spare is up (as in a job past its first minute)"
+             if fault in ("worker", "node") else "")
+    line += f"; after step {kill_at}{ready} {WHAT_DIES[fault]} and the job recovers"
     return line + ("; then an uninterrupted run of the same job shows the result is "
                    "bit-identical" if compare else "")
 

@@ -74,6 +74,7 @@ from memckpt.bench.recovery.measure import (CPUS_PER_NODE, GPT_WARMUP_STEPS, NOD
                                             RecoveryBench, connect_driver)
 from memckpt.bench.recovery.report import report
 from memckpt.bench.recovery.rows import Samples, build_rows
+from memckpt.runtime.kept import keep_workers
 from memckpt.util.fsutil import fs_type
 
 DEFAULT_REPEATS = 3
@@ -164,10 +165,14 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
                 got.base_node.append(b.measure(b.restart_baseline, rep, ColdWorker, True))
             finally:
                 b.restore_nodes()
-        for rep in range(repeats):
-            for mode, runs in (("on", got.on), ("persist", got.persist), ("local", got.local),
-                               ("off", got.off)):
-                runs.append(b.measure(b.step_time, mode, rep, gpt_size, gpt_steps))
+        # one job after another on the same nodes and shape: each takes the worker processes
+        # the one before it left (memckpt.keep_workers), as a sweep would; steps are timed
+        # once training runs, so where a process came from does not enter them
+        with keep_workers():
+            for rep in range(repeats):
+                for mode, runs in (("on", got.on), ("persist", got.persist),
+                                   ("local", got.local), ("off", got.off)):
+                    runs.append(b.measure(b.step_time, mode, rep, gpt_size, gpt_steps))
         rows = [r.to_dict() for r in build_rows(b, got, gpt_size)]
         info = machine_info()
         for r in rows:
