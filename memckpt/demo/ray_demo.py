@@ -224,13 +224,19 @@ def _wait_until_persisted(tiers: tuple[str, ...], timeout_s: float = 45.0) -> No
         time.sleep(0.2)
 
 
-def _whole_cluster_drill(job, kill_at: int, run_root: Path, s3: Optional[str]) -> dict:
-    """Persist to a folder (and S3), lose every node mid-run, resume on a new cluster."""
+def persisted_tiers(run_root: Path, s3: Optional[str]) -> tuple[str, ...]:
+    """The tiers the whole-cluster drill persists to: a folder, and S3 when given."""
+    return (str(run_root / "persisted"),) + ((s3,) if s3 else ())
+
+
+def _lose_the_cluster(job, kill_at: int, run_root: Path, s3: Optional[str]) -> None:
+    """Persist to a folder (and S3) and lose every node mid-run; the caller resumes the job
+    on a new cluster."""
     import memckpt
     from memckpt.runtime.faults import FaultInjector
     from memckpt.runtime.local_cluster import local_cluster
 
-    tiers = (str(run_root / "persisted"),) + ((s3,) if s3 else ())
+    tiers = persisted_tiers(run_root, s3)
     pulled = []
     with local_cluster(nodes=3) as cluster:
         def pull_the_plug(_node: str) -> None:
@@ -250,8 +256,6 @@ def _whole_cluster_drill(job, kill_at: int, run_root: Path, s3: Optional[str]) -
                 raise
             print(f"whole cluster lost at step {kill_at}: {e}", flush=True)
     print("starting a new cluster; the job resumes from the persisted tier", flush=True)
-    with local_cluster(nodes=3):
-        return memckpt.run(job, demo_config("demo", persist=tiers), run_dir=run_root / "resumed")
 
 
 PARALLELISM = {"ddp": "DDP + ZeRO", "fsdp": "FSDP2 (every block fully_shard-ed)"}
@@ -329,10 +333,13 @@ def run_ray_demo(fault: str = "worker", steps: int = 20, kill_at: Optional[int] 
             sizes = [r.get("resized", {}).get("to") for r in result["recoveries"]]
             return 0 if sizes[-2:] == [2, 3] else 1
         if fault == "cluster":
-            result = _whole_cluster_drill(job, kill_at, run_root, s3)
-        # the reference run takes the faulted run's worker processes instead of starting its own
+            _lose_the_cluster(job, kill_at, run_root, s3)
+        # the reference run takes the faulted (or resumed) run's worker processes
         with local_cluster(nodes=3) as cluster, memckpt.keep_workers():
-            if fault != "cluster":
+            if fault == "cluster":
+                result = memckpt.run(job, demo_config("demo", persist=persisted_tiers(
+                    run_root, s3)), run_dir=run_root / "resumed")
+            else:
                 with drill_notices(fault):
                     result = memckpt.run(job, demo_config("demo"), run_dir=run_root / "faulted",
                                          injector=injector_for(fault, kill_at, cluster))
