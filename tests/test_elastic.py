@@ -33,7 +33,8 @@ def one_rank_nodes():
     from memckpt.runtime.local_cluster import LocalCluster
     c = LocalCluster(nodes=3, cpus_per_node=1)
     ray.cloudpickle.register_pickle_by_value(_elastic_job)  # the workers cannot import tests/
-    yield c
+    with memckpt.keep_workers():  # each job takes the worker processes the last one left
+        yield c
     c.shutdown()
 
 
