@@ -15,6 +15,7 @@ from memckpt.bench.common import GIB, ram_dir, rows_from_child
 from memckpt.bench.compare.rows import (BASELINE_NODE, RECOVERY_METHODS, raytrain_suffix,
                                         recovery_rows, scaling_rows, stall_rows)
 from memckpt.bench.recovery.measure import connect_driver
+from memckpt.runtime.kept import keep_workers
 
 PLAIN = ("none", "memcpy", "raw-disk-write", "memckpt-local", "torch.save", "dcp-async")
 SELECTABLE = PLAIN[1:] + ("memckpt", "ray-train")  # --methods (the baselines come along)
@@ -64,17 +65,21 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
             if "memckpt" not in only:
                 pass
             elif _fits(int(5.3 * size) + 3 * GIB):
-                for snap in (False, True):
-                    name = f"cmp-stall-{label.lower()}-{'on' if snap else 'off'}-{os.getpid()}"
-                    log(f"stall {label}: memckpt.run, snapshots {'on' if snap else 'off'}")
-                    gc.collect()
-                    r = alt.memckpt_stall(alt.StallJob(size, steps, warmup, compute_n),
-                                          snapshots=snap, workers=2, replicas=1,
-                                          ram_root=ram_root, run_dir=run_dir, name=name,
-                                          cpus_per_worker=alt.TORCH_THREADS)
-                    methods["memckpt" if snap else "memckpt-none"] = r
-                    raw[label]["state_bytes"] = raw[label]["state_bytes"] or r["state_bytes"]
-                    raw[label]["harness"]["memckpt" if snap else "memckpt-none"] = "memckpt.run"
+                # the second job takes the first one's worker processes (their steps are
+                # timed after the warm-up); they are gone before Ray Train needs the CPUs
+                with keep_workers():
+                    for snap in (False, True):
+                        name = f"cmp-stall-{label.lower()}-{'on' if snap else 'off'}-{os.getpid()}"
+                        log(f"stall {label}: memckpt.run, snapshots {'on' if snap else 'off'}")
+                        gc.collect()
+                        r = alt.memckpt_stall(alt.StallJob(size, steps, warmup, compute_n),
+                                              snapshots=snap, workers=2, replicas=1,
+                                              ram_root=ram_root, run_dir=run_dir, name=name,
+                                              cpus_per_worker=alt.TORCH_THREADS)
+                        key = "memckpt" if snap else "memckpt-none"
+                        methods[key] = r
+                        raw[label]["state_bytes"] = raw[label]["state_bytes"] or r["state_bytes"]
+                        raw[label]["harness"][key] = "memckpt.run"
             else:
                 log(f"stall {label}: not enough free RAM for memckpt with a replica: skipped")
             if "ray-train" not in only:
