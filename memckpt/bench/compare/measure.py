@@ -193,7 +193,6 @@ def measure_scaling(size: int, label: str, node_counts: list[int], steps: int, w
                     cluster: Any = None) -> list[dict[str, Any]]:
     """``cluster``: a LocalCluster of at least ``max(node_counts)`` nodes x 2 CPUs to use (left
     running), else one is started here and shut down after."""
-    from memckpt.bench.compare import alternatives as alt
     from memckpt.runtime.local_cluster import LocalCluster
     own = cluster is None
     if own:
@@ -203,26 +202,37 @@ def measure_scaling(size: int, label: str, node_counts: list[int], steps: int, w
     rows: list[dict[str, Any]] = []
     try:
         connect_driver(cluster)
-        for nodes in sorted(node_counts):
-            base: Optional[float] = None
-            for k in (0, 1, 2):
-                if k >= nodes:
-                    continue
-                if not _fits(int((2 + 2 * k + 1.3) * size * nodes) + 3 * GIB):
-                    log(f"scaling: {nodes} nodes, k={k}: not enough free RAM: skipped")
-                    continue
-                name = f"cmp-scale-{nodes}-{k}-{os.getpid()}"
-                log(f"scaling: {nodes} nodes, k={k}" if k else f"scaling: {nodes} nodes, no snapshots")
-                job = alt.StallJob(size, steps, warmup, compute_n, full_ranks=nodes, threads=1)
-                r = alt.memckpt_stall(job, snapshots=k > 0, workers=nodes, replicas=max(1, k),
-                                      ram_root=ram_root, run_dir=run_dir, name=name,
-                                      cpus_per_worker=2)
-                rows += scaling_rows(label, nodes, k, r, base)
-                if k == 0:
-                    base = rows[-1]["step_s"]
+        with keep_workers():  # each job takes the worker processes the one before it left
+            rows = _scaling_jobs(size, label, node_counts, steps, warmup, compute_n, ram_root,
+                                 run_dir, log)
     finally:
         if own:
             cluster.shutdown()
         shutil.rmtree(run_dir, ignore_errors=True)
+    return rows
+
+
+def _scaling_jobs(size: int, label: str, node_counts: list[int], steps: int, warmup: int,
+                  compute_n: int, ram_root: str, run_dir: Path,
+                  log: Callable[[str], None]) -> list[dict[str, Any]]:
+    from memckpt.bench.compare import alternatives as alt
+    rows: list[dict[str, Any]] = []
+    for nodes in sorted(node_counts):
+        base: Optional[float] = None
+        for k in (0, 1, 2):
+            if k >= nodes:
+                continue
+            if not _fits(int((2 + 2 * k + 1.3) * size * nodes) + 3 * GIB):
+                log(f"scaling: {nodes} nodes, k={k}: not enough free RAM: skipped")
+                continue
+            name = f"cmp-scale-{nodes}-{k}-{os.getpid()}"
+            log(f"scaling: {nodes} nodes, k={k}" if k else f"scaling: {nodes} nodes, no snapshots")
+            job = alt.StallJob(size, steps, warmup, compute_n, full_ranks=nodes, threads=1)
+            r = alt.memckpt_stall(job, snapshots=k > 0, workers=nodes, replicas=max(1, k),
+                                  ram_root=ram_root, run_dir=run_dir, name=name,
+                                  cpus_per_worker=2)
+            rows += scaling_rows(label, nodes, k, r, base)
+            if k == 0:
+                base = rows[-1]["step_s"]
     return rows
 
