@@ -16,6 +16,9 @@ LARGEST_SHARD_WAIT_S = 2.0  # stores answering what spares prepare for (see _lar
 # a worker that does not answer its liveness ping in this long counts as dead: a dead one
 # is reported by Ray at once, a live one answers in milliseconds even on a loaded machine
 PING_S = 5.0
+# how long a finished job inside keep_workers() waits for its workers to park: a spare made
+# late in a short job may still be importing torch, and is worth the wait (a hung one is killed)
+PARK_WAIT_S = 30.0
 
 
 @dataclass
@@ -143,7 +146,7 @@ class WorkerPool:
         where = {w: self.worker_nodes[r] for r, w in self.workers.items()}
         where.update({w: n for n, w in self.spares.items()})
         refs = {w.park.remote(): w for w in where}
-        ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=PING_S) \
+        ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=PARK_WAIT_S) \
             if refs else ([], [])
         kill = leftover
         for ref, w in refs.items():
