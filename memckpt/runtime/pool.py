@@ -119,17 +119,12 @@ class WorkerPool:
                 taken[w] = (node, spare)
         for w in pool.drain():
             self.ray.kill(w, no_restart=True)
-        refs = {w.rebind.remote(self.config, self.plane.coordinator): w for w in taken}
-        ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=PING_S)
-        for ref in refs:
-            w = refs[ref]
-            try:
-                if ref not in ready or self.ray.get(ref) != taken[w][0]:
-                    raise TimeoutError
-            except (TimeoutError, self.ray.exceptions.RayError):
+        bound = self.answers({w.rebind.remote(self.config, self.plane.coordinator): w
+                              for w in taken}, PING_S)  # each answers with its node
+        for w, (node, spare) in taken.items():
+            if bound.get(w) != node:
                 self.ray.kill(w, no_restart=True)  # stuck, or gone with its node
                 continue
-            node, spare = taken[w]
             self._adopted.setdefault((node, spare), []).append(w)
             if spare:
                 self._spare_shaped.add(w)
@@ -145,17 +140,11 @@ class WorkerPool:
             return self.actors() + leftover
         where = {w: self.worker_nodes[r] for r, w in self.workers.items()}
         where.update({w: n for n, w in self.spares.items()})
-        refs = {w.park.remote(): w for w in where}
-        ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=PARK_WAIT_S) \
-            if refs else ([], [])
+        parked = self.answers({w.park.remote(): w for w in where}, PARK_WAIT_S)
         kill = leftover
-        for ref, w in refs.items():
-            try:
-                parked = ref in ready and self.ray.get(ref)
-            except self.ray.exceptions.RayError:
-                parked = False
-            if parked:
-                pool.put(where[w], self._shape(w in self._spare_shaped), w)
+        for w, node in where.items():
+            if parked.get(w) is True:
+                pool.put(node, self._shape(w in self._spare_shaped), w)
             else:
                 kill.append(w)
         return kill
@@ -164,21 +153,25 @@ class WorkerPool:
         """``rank``'s worker was killed: the next generation needs another."""
         self.workers.pop(rank, None)
 
+    def answers(self, calls: dict[Any, Any], timeout_s: float) -> dict[Any, Any]:
+        """key -> result of each call (``calls``: its ObjectRef -> a key) answered within
+        ``timeout_s``; a call that raised (its actor or node is gone) or is still pending
+        has no entry. Never waits longer than ``timeout_s`` for all of them together."""
+        ready, _ = self.ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+        out = {}
+        for ref in ready:
+            try:
+                out[calls[ref]] = self.ray.get(ref)
+            except self.ray.exceptions.RayError:
+                pass
+        return out
+
     def unresponsive(self, workers: dict[int, Any], timeout_s: float = PING_S) -> set[int]:
         """The ranks of ``workers`` whose actor is dead (Ray says so: its process or node
         is gone) or does not answer a liveness ping within ``timeout_s``. A worker answers
         on a thread of its own while it trains, so a live one answers in milliseconds."""
-        ray = self.ray
-        refs = {w.info.remote(): r for r, w in workers.items()}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) \
-            if refs else ([], [])
-        dead = {refs[x] for x in refs if x not in ready}
-        for x in ready:
-            try:
-                ray.get(x)
-            except ray.exceptions.RayError:
-                dead.add(refs[x])
-        return dead
+        alive = self.answers({w.info.remote(): r for r, w in workers.items()}, timeout_s)
+        return set(workers) - set(alive)
 
     def keep_nodes(self, alive: list[str]) -> None:
         """Forget the workers and spares of nodes that died."""
@@ -243,18 +236,10 @@ class WorkerPool:
         """The largest shard any live node's store holds (see ReplicaStore.largest_shard):
         what a spare prepares for, wherever it is, as any rank may move to its node."""
         stores = self.plane.stores
-        refs = [stores[n].largest_shard.remote() for n in self._spare_nodes if n in stores]
+        calls = {stores[n].largest_shard.remote(): n for n in self._spare_nodes if n in stores}
         # This runs in the control loop: a store that is restarting (or on a node about to
         # be declared dead) must not hold up failure detection; the others answer in ms.
-        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=LARGEST_SHARD_WAIT_S) \
-            if refs else ([], [])
-        found = []
-        for ref in ready:
-            try:
-                found.append(self.ray.get(ref))
-            except self.ray.exceptions.RayError:
-                pass  # a store that died meanwhile: the others answer
-        found = [f for f in found if f is not None]
+        found = [f for f in self.answers(calls, LARGEST_SHARD_WAIT_S).values() if f is not None]
         return max(found, key=lambda f: f[0]) if found else None
 
     def _held(self, prefaults: dict[str, Any]) -> list[tuple[str, int]]:
