@@ -116,6 +116,10 @@ def train(args) -> None:
     for step in range(1, args.upto + 1):
         loss = w.train_step(step)
         ckpt.step(w.state, step)
+        if args.land_each and step % args.every == 0:  # else a newer step may supersede it
+            ckpt.wait()
+            if not ckpt.persister.flush(60):
+                raise SystemExit(f"step {step} was not persisted within 60 s")
         _say("STEP", step, repr(loss))
         if ckpt.should_stop:
             _say("STOPPED", step)
@@ -210,6 +214,8 @@ def main() -> None:
     ap.add_argument("--pause-after", type=int)
     ap.add_argument("--signals", action="store_true")
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--land-each", action="store_true",
+                    help="wait for each persisted step to land before the next step")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(1)

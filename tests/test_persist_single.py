@@ -223,7 +223,7 @@ def test_sigkilled_process_resumes_from_persisted_step(backend, tmp_path, ram_ro
     root = str(tmp_path / "ckpt") if backend == "local" else s3_root()
     common = ["--ram-root", ram_root, "--job", "killed", "--tier", root, "--every", "3",
               "--keep", "3"]
-    first = procs("train", *common, "--upto", "10", "--pause-after", "7")
+    first = procs("train", *common, "--upto", "10", "--pause-after", "7", "--land-each")
     first.wait_line("PAUSED", 60)
     store = CheckpointStore(root)
     wait_for(lambda: store.is_committed(6), 30, "step 6's manifest", interval=0.01)
