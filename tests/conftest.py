@@ -173,11 +173,24 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         compileall.compile_dir(str(folder), quiet=1, workers=1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``-n 2 --dist loadgroup`` (pyproject's addopts) every test on the session's Ray
+    cluster runs in one process, in the order collected (they share that cluster, its kept
+    workers and module fixtures), while the other process runs the rest beside them: those
+    are mostly one core's work, and the drills leave ~30% of two cores idle (timers,
+    heartbeats, processes starting)."""
+    for item in items:
+        if item.get_closest_marker("ray") or {"cluster", "full_cluster"} & set(item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With MEMCKPT_TEST_TIMES=<file>, each test phase's seconds are appended to that file
-    as it ends (where the suite's time goes, readable while it still runs)."""
+    as it ends (where the suite's time goes, readable while it still runs); under xdist by
+    the controlling process only."""
     path = os.environ.get("MEMCKPT_TEST_TIMES")
-    if path:
+    if path and "PYTEST_XDIST_WORKER" not in os.environ:
         with open(path, "a") as f:
             f.write(f"{time.time():.0f} {report.duration:8.2f} {report.when:8} {report.nodeid}\n")
 
