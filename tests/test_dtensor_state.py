@@ -231,23 +231,37 @@ def test_dtensor_on_a_cuda_mesh_snapshots_into_pinned_memory(mode, need, ram_roo
     _check(mode, world, _run(mode, world, ram_root, tmp_path, device="cuda"), "cuda")
 
 
-def _reranked(rank: int, world: int, port: int, out: str) -> None:
+def _reranked(rank: int, world: int, port: int, out: str, forget: bool) -> None:
     """Rank ``rank`` of one process group, then rank ``world - 1 - rank`` of the next, in
-    the same process (as a survivor after a resize, or a kept worker): each time the chunk
-    record of a sharded tensor, from memckpt's memoised lookup."""
+    the same process (as a survivor after a resize, or a kept worker), each time with an
+    FSDP2-sharded parameter and a ``distribute_tensor``: their chunk records, and whether
+    the parameter's mesh is the new group's. ``forget``: the worker's reset between groups
+    (what memckpt's worker does); without it torch hands the parameter the old group's mesh
+    (a cached spec), whose chunk memckpt must refuse to record."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from memckpt.errors import StateError
     from memckpt.format.dtensor import chunk_meta
+    from memckpt.runtime.worker import reset_framework_state
 
     records = []
     for group, r in enumerate((rank, world - 1 - rank)):
+        if forget:
+            reset_framework_state()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port + group}",
                                 rank=r, world_size=world, timeout=timedelta(seconds=60))
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         t = distribute_tensor(torch.zeros(7, 2), mesh, [Shard(0)])
-        records.append((r, chunk_meta(t)["offsets"]))
+        layer = torch.nn.Linear(2, 9, bias=False)
+        fully_shard(layer, mesh=mesh)
+        try:
+            param: object = chunk_meta(layer.weight)["offsets"]
+        except StateError as e:
+            param = str(e)
+        records.append((r, chunk_meta(t)["offsets"], param, layer.weight.device_mesh is mesh))
         dist.destroy_process_group()
     Path(f"{out}.{rank}.json").write_text(json.dumps(records))
 
@@ -255,7 +269,26 @@ def _reranked(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.timeout(240)
 def test_a_process_that_becomes_another_rank_records_that_ranks_chunk(tmp_path):
     out = str(tmp_path / "rec")
-    _procs.spawn(_reranked, 3, out)
+    _procs.spawn(_reranked, 3, out, True)
     for rank in range(3):
-        for r, offsets in json.loads(Path(f"{out}.{rank}.json").read_text()):
+        for r, offsets, param, own_mesh in json.loads(Path(f"{out}.{rank}.json").read_text()):
             assert offsets == [[0, 3, 6][r], 0], (rank, r, offsets)
+            assert param == [[0, 3, 6][r], 0], (rank, r, param)  # 9 rows: 3 a rank
+            assert own_mesh, (rank, r)
+
+
+@pytest.mark.timeout(240)
+def test_a_parameter_on_an_earlier_groups_mesh_is_refused_not_recorded_wrong(tmp_path):
+    """Without the reset, torch gives the second group's FSDP parameter the first group's
+    mesh (the process's old rank): memckpt names the fix instead of recording that rank's
+    offsets as this one's (a restore would then read rows from the wrong place)."""
+    out = str(tmp_path / "rec")
+    _procs.spawn(_reranked, 3, out, False)
+    for rank in range(3):
+        first, second = json.loads(Path(f"{out}.{rank}.json").read_text())
+        assert first[2] == [[0, 3, 6][first[0]], 0] and first[3]
+        r, offsets, param, own_mesh = second
+        assert offsets == [[0, 3, 6][r], 0]  # a tensor distributed afresh is right
+        if r != first[0]:  # the middle rank keeps its place: its old mesh is still right
+            assert not own_mesh, "torch no longer reuses the old mesh: drop forget_meshes?"
+            assert "forget_meshes()" in param and f"it is rank {r}" in param, param

@@ -50,20 +50,54 @@ def _chunk(mesh: Any, placements: tuple, global_shape: tuple[int, ...]
     # process reused as another rank (a survivor after a resize, a kept worker) would
     # otherwise get the offsets of the rank it was before.
     coordinate = mesh.get_coordinate()
-    return _chunk_at(mesh, tuple(coordinate) if coordinate is not None else None, placements,
-                     global_shape)
+    dist = torch.distributed
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    return _chunk_at(mesh, tuple(coordinate) if coordinate is not None else None, rank,
+                     placements, global_shape)
 
 
 @functools.lru_cache(maxsize=4096)
-def _chunk_at(mesh: Any, coordinate: Optional[tuple[int, ...]], placements: tuple,
-              global_shape: tuple[int, ...]) -> tuple[dict[str, Any], tuple[int, ...]]:
+def _chunk_at(mesh: Any, coordinate: Optional[tuple[int, ...]], rank: Optional[int],
+              placements: tuple, global_shape: tuple[int, ...]
+              ) -> tuple[dict[str, Any], tuple[int, ...]]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if rank is not None and coordinate is not None and int(mesh.mesh[coordinate]) != rank:
+        # torch computed this tensor's spec in an earlier process group (see forget_meshes):
+        # its offsets would be another rank's, recorded as this one's
+        raise StateError(
+            f"a DTensor's DeviceMesh places this process at {list(coordinate)}, rank "
+            f"{int(mesh.mesh[coordinate])}'s place, but it is rank {rank}: the mesh belongs to an "
+            "earlier process group of this process (torch caches DTensor specs across groups). "
+            "Call memckpt.format.dtensor.forget_meshes() after init_process_group in a process "
+            "that joins a new group, before building the model (memckpt's workers do)")
     shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     names = mesh.mesh_dim_names
     record = {"global_shape": list(global_shape), "offsets": [int(o) for o in offsets],
               "mesh_shape": list(mesh.shape), "mesh_dim_names": list(names) if names else None,
               "placements": [str(p) for p in placements]}
     return record, tuple(int(n) for n in shape)
+
+
+def forget_meshes() -> None:
+    """Drop what torch (and this module) cached about the DeviceMeshes of earlier process
+    groups. For a process that joins a new group (a survivor of a resize, a kept worker),
+    after ``init_process_group`` and before the model is built.
+
+    DTensor's sharding propagation caches each op's output spec by its input specs, and a
+    mesh of the new group compares equal to the old group's mesh of the same shape. So a
+    parameter FSDP2 makes in the new group (``nn.Parameter`` of a DTensor runs a cached
+    ``detach``) would carry the old mesh object: the old rank's coordinate (its chunk
+    offsets, in a snapshot and in DCP's metadata) and the old group's destroyed process
+    groups (any collective a DTensor op issues)."""
+    _chunk_at.cache_clear()
+    if _MODULE not in sys.modules:
+        return  # nothing was cached: no DTensor was ever made here
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:  # torch >= 2.10: the C++ fast path's cache
+        clear()
+    propagator = sys.modules[_MODULE].DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        getattr(getattr(propagator, name, None), "cache_clear", lambda: None)()
 
 
 def like(name: str, saved: Optional[dict[str, Any]], chunk: torch.Tensor, live: Any) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import psutil
 
 from memckpt.format import shard as fmt
+from memckpt.format.dtensor import forget_meshes
 from memckpt.engine.buffers import resolve_ram_root
 from memckpt.config import Config
 from memckpt.util.netutil import free_port
@@ -53,12 +54,14 @@ def reset_framework_state() -> None:
     """Forget the rank and process group a framework cached in this process: a survivor
     runs the next generation, maybe as another rank of another world size. accelerate keeps
     both in a process-wide singleton (the Hugging Face Trainer resets it itself; a loop
-    that makes its own ``Accelerator`` does not)."""
+    that makes its own ``Accelerator`` does not); torch's DTensor caches specs holding the
+    old group's meshes (:func:`memckpt.format.dtensor.forget_meshes`)."""
     import sys
 
     state = sys.modules.get("accelerate.state")
     if state is not None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
+    forget_meshes()
 
 
 def release_frames(exc: Optional[BaseException]) -> None:
