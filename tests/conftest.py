@@ -86,15 +86,6 @@ def _shared_cluster():
     _Shared.stop()
 
 
-@pytest.fixture(scope="module")
-def machine_to_itself(_shared_cluster):
-    """For a module whose cluster must be the only one on the machine (a Ray head whose job
-    agent listens on Ray's fixed default port): the shared one stops, and the next module
-    that needs it starts it again."""
-    _shared_cluster.stop()
-    yield
-
-
 def _ready(c):
     """``c`` with 3 worker nodes again (a test may have removed some) and this process
     connected to it (a test may have left it for a private cluster)."""
@@ -175,13 +166,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``-n 2 --dist loadgroup`` (pyproject's addopts) every test on the session's Ray
-    cluster runs in one process, in the order collected (they share that cluster, its kept
-    workers and module fixtures), while the other process runs the rest beside them: those
-    are mostly one core's work, and the drills leave ~30% of two cores idle (timers,
-    heartbeats, processes starting)."""
+    """Under ``-n 2 --dist loadgroup`` (pyproject's addopts) the suite runs in two processes.
+    Every test on the session's Ray cluster runs in one, in the order collected (they share
+    that cluster, its kept workers and module fixtures). The other takes the modules that
+    set ``OWN_CLUSTER = True`` (their drills start a cluster of their own, in the test's
+    process or a subprocess), then everything else: mostly one core's work each, and the
+    shared-cluster drills leave ~30% of two cores idle (timers, heartbeats, processes
+    starting)."""
     for item in items:
-        if item.get_closest_marker("ray") or {"cluster", "full_cluster"} & set(item.fixturenames):
+        if getattr(item.module, "OWN_CLUSTER", False):
+            item.add_marker(pytest.mark.xdist_group("own-cluster"))
+        elif item.get_closest_marker("ray") or {"cluster", "full_cluster"} & set(item.fixturenames):
             item.add_marker(pytest.mark.xdist_group("ray"))
 
 

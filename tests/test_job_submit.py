@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from memckpt.util.netutil import free_port
 from conftest import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.timeout(900)]
+OWN_CLUSTER = True  # beside the shared-cluster drills (conftest): its head is its own
 
 JOB_PY = """from memckpt.demo.job import GPTJob
 train = GPTJob(steps={steps}, size="tiny", seed=3, step_delay_s={delay})
@@ -57,13 +59,14 @@ config = memckpt.Config(
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory, machine_to_itself):
+def head(tmp_path_factory):
     d = tmp_path_factory.mktemp("head")
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     log = open(d / "cluster.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "memckpt.runtime.local_cluster", "--nodes", "3",
-                             "--ready-file", str(d / "ready.json")], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
+                             "--dashboard-port", str(free_port()),  # the shared cluster runs too
+                             "--ready-file", str(d / "ready.json")],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         def up() -> bool:
             assert proc.poll() is None, (d / "cluster.log").read_text()[-3000:]
@@ -85,7 +88,7 @@ def head(tmp_path_factory, machine_to_itself):
         wait_for(agent_up, 300, lambda: "a trivial job to run: "
                  + pings[-1].stdout[-2000:] + pings[-1].stderr[-2000:], interval=2)
         yield info
-    finally:  # also when start-up failed: never leak a cluster holding the dashboard port
+    finally:  # also when start-up failed: never leak a cluster
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=120)

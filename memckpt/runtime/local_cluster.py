@@ -35,18 +35,22 @@ class LocalCluster:
 
     def __init__(self, nodes: int = 3, cpus_per_node: int = 2, object_store_mb: int = 256,
                  namespace: str = "memckpt", connect: bool = True, dashboard: bool = False,
-                 worker_logs: bool = True) -> None:
+                 worker_logs: bool = True, dashboard_port: int = 8265) -> None:
         # A throwaway local cluster needs no token; a real head keeps Ray's default.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         import ray
         from ray.cluster_utils import Cluster
 
+        from memckpt.util.netutil import free_port
         self.cpus_per_node = cpus_per_node
         self.object_store_mb = object_store_mb
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
             num_cpus=0, object_store_memory=object_store_mb << 20, include_dashboard=dashboard,
-            dashboard_host="127.0.0.1", include_log_monitor=worker_logs,
+            dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
+            # the head's agent (it runs submitted jobs) on a free port, not Ray's fixed
+            # 52365: a second cluster on the machine (a drill's, a test's) then keeps its own
+            dashboard_agent_listen_port=free_port(), include_log_monitor=worker_logs,
             _system_config=dict(FAST_HEALTH_CHECKS)))
         self.nodes: dict[str, Any] = {}
         for _ in range(nodes):
@@ -109,6 +113,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--cpus-per-node", type=int, default=2)
     p.add_argument("--object-store-mb", type=int, default=256)
+    p.add_argument("--dashboard-port", type=int, default=8265)
     p.add_argument("--ready-file", help="write {address, dashboard_url, nodes} here when up")
     a = p.parse_args(argv)
     if a.nodes < 1 or a.cpus_per_node < 1:
@@ -116,7 +121,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    c = LocalCluster(a.nodes, a.cpus_per_node, a.object_store_mb, connect=False, dashboard=True)
+    c = LocalCluster(a.nodes, a.cpus_per_node, a.object_store_mb, connect=False, dashboard=True,
+                     dashboard_port=a.dashboard_port)
     info = {"address": c.address, "dashboard_url": c.dashboard_url, "nodes": list(c.nodes)}
     print(json.dumps(info), flush=True)
     if a.ready_file:
