@@ -161,7 +161,7 @@ def check_pytest(args: list[str], markers: set[str]) -> list[str]:
     problems, i = [], 0
     while i < len(args):
         a = args[i]
-        if a in ("-m", "-k"):
+        if a in ("-m", "-k", "-n"):  # options that take a value
             if a == "-m":
                 names = set(re.findall(r"[A-Za-z_]\w*", args[i + 1])) - {"and", "or", "not"}
                 problems += [f"pytest marker {n!r} is not registered" for n in names - markers]
