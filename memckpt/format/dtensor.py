@@ -68,8 +68,8 @@ def _chunk_at(mesh: Any, coordinate: Optional[tuple[int, ...]], rank: Optional[i
             f"a DTensor's DeviceMesh places this process at {list(coordinate)}, rank "
             f"{int(mesh.mesh[coordinate])}'s place, but it is rank {rank}: the mesh belongs to an "
             "earlier process group of this process (torch caches DTensor specs across groups). "
-            "Call memckpt.format.dtensor.forget_meshes() after init_process_group in a process "
-            "that joins a new group, before building the model (memckpt's workers do)")
+            "Call memckpt.format.dtensor.forget_meshes() in a process that joins a new group, "
+            "before it builds the model (memckpt's workers do)")
     shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     names = mesh.mesh_dim_names
     record = {"global_shape": list(global_shape), "offsets": [int(o) for o in offsets],
@@ -81,7 +81,7 @@ def _chunk_at(mesh: Any, coordinate: Optional[tuple[int, ...]], rank: Optional[i
 def forget_meshes() -> None:
     """Drop what torch (and this module) cached about the DeviceMeshes of earlier process
     groups. For a process that joins a new group (a survivor of a resize, a kept worker),
-    after ``init_process_group`` and before the model is built.
+    before it builds the new group's model (before or after ``init_process_group``).
 
     DTensor's sharding propagation caches each op's output spec by its input specs, and a
     mesh of the new group compares equal to the old group's mesh of the same shape. So a
@@ -93,7 +93,7 @@ def forget_meshes() -> None:
     if _MODULE not in sys.modules:
         return  # nothing was cached: no DTensor was ever made here
     clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear is not None:  # torch >= 2.10: the C++ fast path's cache
+    if clear is not None:  # the C++ fast path's cache (private: absent from some torch)
         clear()
     propagator = sys.modules[_MODULE].DTensor._op_dispatcher.sharding_propagator
     for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
