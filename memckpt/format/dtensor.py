@@ -61,12 +61,12 @@ def _chunk_at(mesh: Any, coordinate: Optional[tuple[int, ...]], rank: Optional[i
               placements: tuple, global_shape: tuple[int, ...]
               ) -> tuple[dict[str, Any], tuple[int, ...]]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    if rank is not None and coordinate is not None and int(mesh.mesh[coordinate]) != rank:
+    if rank is not None and coordinate is not None and (placed := int(mesh.mesh[coordinate])) != rank:
         # torch computed this tensor's spec in an earlier process group (see forget_meshes):
         # its offsets would be another rank's, recorded as this one's
         raise StateError(
             f"a DTensor's DeviceMesh places this process at {list(coordinate)}, rank "
-            f"{int(mesh.mesh[coordinate])}'s place, but it is rank {rank}: the mesh belongs to an "
+            f"{placed}'s place, but it is rank {rank}: the mesh belongs to an "
             "earlier process group of this process (torch caches DTensor specs across groups). "
             "Call memckpt.format.dtensor.forget_meshes() in a process that joins a new group, "
             "before it builds the model (memckpt's workers do)")
