@@ -99,6 +99,14 @@ def _say(*words) -> None:
     print(*words, flush=True)
 
 
+def _land(ckpt: memckpt.Checkpointer, step: int, timeout_s: float) -> None:
+    """Until ``step``, just submitted, is persisted: sealed (which submits its persistence),
+    then written to every tier."""
+    ckpt.wait()
+    if not ckpt.persister.flush(timeout_s):
+        raise SystemExit(f"step {step} was not persisted within {timeout_s:g} s")
+
+
 def _wait_forever() -> None:
     while True:
         time.sleep(3600)
@@ -117,9 +125,7 @@ def train(args) -> None:
         loss = w.train_step(step)
         ckpt.step(w.state, step)
         if args.land_each and step % args.every == 0:  # else a newer step may supersede it
-            ckpt.wait()
-            if not ckpt.persister.flush(60):
-                raise SystemExit(f"step {step} was not persisted within 60 s")
+            _land(ckpt, step, 60)
         _say("STEP", step, repr(loss))
         if ckpt.should_stop:
             _say("STOPPED", step)
@@ -175,9 +181,7 @@ def big(args) -> None:
             model.weight.add_(1.0)
         ckpt.step(state, step)
         _say("SUBMITTED", step)
-        ckpt.wait()  # sealed: its persistence is submitted
-        if not ckpt.persister.flush(120):
-            raise SystemExit(f"step {step} was not persisted within 120 s")
+        _land(ckpt, step, 120)
         _say("PERSISTED", step)
     _wait_forever()
 

@@ -23,8 +23,8 @@ import memckpt
 from memckpt.cli import main
 from memckpt.persist import CheckpointStore
 from memckpt.persist.manifest import step_folder
-from conftest import wait_for
 from s3_server import BUCKET, aws_test_env, s3_endpoint  # noqa: F401
+from test_persist_single import wait_persisted
 
 SHARD0 = "rank-00000.shard"
 ROW = re.compile(r"^\s*(\S+)\s+([\d.]+ MiB)\s+(\S+)\s+(\S+)(?:\s+\((.*)\))?$")
@@ -64,9 +64,7 @@ def train_and_persist(root: str, ram_root: str, steps: int = 4, keep_last: int =
         with torch.no_grad():
             model.scale.add_(0.5)
         ckpt.step(memckpt.TrainState(model, opt), step)
-        wait_for(lambda: any(e["event"] == "persisted" and e["step"] == step
-                             for e in list(ckpt.events)), 30, f"step {step} to be persisted",
-                 interval=0.01)
+        wait_persisted(ckpt, step)
         with torch.no_grad():
             seen[step] = (model(INPUT).clone(),
                           {k: v.clone() for k, v in model.state_dict().items()})

@@ -12,7 +12,7 @@ from memckpt.cli import main
 from memckpt.persist import CheckpointStore
 from memckpt.persist.manifest import step_folder
 from _persist_job import Workload, make_config
-from conftest import wait_for
+from test_persist_single import wait_persisted
 
 SHARD0 = "rank-00000.shard"
 
@@ -28,9 +28,7 @@ def _persisted_with_a_partial_newest(tmp_path, ram_root):
         w.train_step(step)
         ckpt.step(w.state, step)
         if step % 2 == 0:  # a newer step supersedes one the persister has not started on
-            wait_for(lambda: any(e["event"] == "persisted" and e["step"] == step
-                                 for e in list(ckpt.events)), 30, f"step {step} to be persisted",
-                     interval=0.01)
+            wait_persisted(ckpt, step)
     ckpt.close(unlink=True)
     assert [i.step for i in CheckpointStore(str(root)).list_checkpoints() if i.complete] == [4, 2]
     (root / step_folder(6)).mkdir()
