@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -50,3 +51,18 @@ def test_local_cluster_script_usage():
     res = subprocess.run(["bash", str(ROOT / "local-cluster.sh")], capture_output=True, text=True)
     assert res.returncode == 2 and "usage" in res.stdout
     assert subprocess.run(["bash", "-n", str(ROOT / "local-cluster.sh")]).returncode == 0
+
+
+def test_local_cluster_refuses_bad_sizes_and_ports_in_one_line():
+    """``python -m memckpt.runtime.local_cluster`` (behind cluster/local-cluster.sh) checks
+    its numbers before it starts anything: exit 2 and the usage's one error line."""
+    for args, says in ((["--nodes", "0"], "--nodes and --cpus-per-node must be >= 1"),
+                       (["--dashboard-port", "70000"],
+                        "--dashboard-port must be a TCP port (1-65535), not 70000"),
+                       (["--dashboard-port", "0"],
+                        "--dashboard-port must be a TCP port (1-65535), not 0")):
+        res = subprocess.run([sys.executable, "-m", "memckpt.runtime.local_cluster", *args],
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2, res.stderr
+        assert res.stderr.splitlines()[-1].endswith(f"error: {says}"), res.stderr
+        assert "Traceback" not in res.stderr

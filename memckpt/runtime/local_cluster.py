@@ -118,6 +118,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = p.parse_args(argv)
     if a.nodes < 1 or a.cpus_per_node < 1:
         p.error("--nodes and --cpus-per-node must be >= 1")
+    if not 0 < a.dashboard_port < 65536:
+        p.error(f"--dashboard-port must be a TCP port (1-65535), not {a.dashboard_port}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
