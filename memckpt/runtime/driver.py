@@ -172,6 +172,9 @@ class Runtime:
                                         else interrupted)
             if self.state is State.FAILED:
                 assert decision.error is not None  # FAILED follows a RAISE, which carries it
+                if g is not None:  # the ranks' other outcomes (errors too) are collected:
+                    # else Ray logs each as unhandled, from a thread of its own, once dropped
+                    self.pool.answers(dict(g.refs), 1.0)
                 raise decision.error
             assert g is not None
             return self._finish(g, t_start, decision.step if decision.action is Action.STOP
