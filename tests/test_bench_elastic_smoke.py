@@ -9,7 +9,6 @@ import pytest
 from memckpt.cli import main
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
-OWN_CLUSTER = True  # beside the shared-cluster drills (conftest): the bench starts its own
 
 
 def test_elastic_bench_rows(tmp_path, capsys):

@@ -10,7 +10,6 @@ import pytest
 from test_report import assert_readable
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.timeout(900)]
-OWN_CLUSTER = True  # beside the shared-cluster drills (conftest): each demo starts its own
 
 
 def assert_reads_as_a_story(stdout: str) -> list[str]:

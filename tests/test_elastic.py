@@ -22,7 +22,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 STEPS, KILL_AT = 8, 4
 STEPS_GROW = 40
-OWN_CLUSTER = True  # beside the shared-cluster drills (conftest): one_rank_nodes is its own
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from memckpt.util.netutil import free_port
 from conftest import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.timeout(900)]
-OWN_CLUSTER = True  # beside the shared-cluster drills (conftest): its head is its own
 
 JOB_PY = """from memckpt.demo.job import GPTJob
 train = GPTJob(steps={steps}, size="tiny", seed=3, step_delay_s={delay})
