@@ -5,6 +5,9 @@
 # node is declared dead in under 1 s.
 #
 #   cluster/local-cluster.sh start [NODES] [CPUS_PER_NODE]   # default 3 nodes x 2 CPUs
+#
+# A second cluster beside the first: MEMCKPT_CLUSTER_DIR=/tmp/second MEMCKPT_DASHBOARD_PORT=0
+# (0: any free port; every other port of every node is picked by Ray itself).
 #   cluster/local-cluster.sh status
 #   cluster/local-cluster.sh stop
 set -euo pipefail
@@ -17,7 +20,8 @@ case "${1:-}" in
     fi
     rm -f "$state/ready.json"
     RAY_AUTH_MODE=disabled nohup python -m memckpt.runtime.local_cluster --nodes "${2:-3}" \
-      --cpus-per-node "${3:-2}" --ready-file "$state/ready.json" >"$state/cluster.log" 2>&1 &
+      --cpus-per-node "${3:-2}" \
+      --dashboard-port "${MEMCKPT_DASHBOARD_PORT:-8265}" --ready-file "$state/ready.json" >"$state/cluster.log" 2>&1 &
     echo $! >"$state/pid"
     for _ in $(seq 1 240); do
       [ -f "$state/ready.json" ] && { cat "$state/ready.json"; echo;

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from memckpt.util.netutil import free_port
 from conftest import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.timeout(900)]
@@ -63,7 +62,7 @@ def head(tmp_path_factory):
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     log = open(d / "cluster.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "memckpt.runtime.local_cluster", "--nodes", "3",
-                             "--dashboard-port", str(free_port()),  # the shared cluster runs too
+                             "--dashboard-port", "0",  # any free one: the shared cluster runs too
                              "--ready-file", str(d / "ready.json")],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -187,3 +186,38 @@ def test_status_and_kill_from_another_terminal(head, tmp_path):
                                     "--address", head["address"]], env=head["env"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "no running memckpt job named 'no-such-job'" in bad.stderr
+
+
+def _agent_owners(clusters: set[str]) -> dict[int, tuple[str, list[int]]]:
+    """Every raylet of the ``clusters`` (GCS addresses) on this machine -> (its cluster, the
+    pids listening on the port its runtime-env agent published: where that raylet sends
+    its runtime-env requests)."""
+    import psutil
+    from ray._raylet import RUNTIME_ENV_AGENT_PORT_NAME, get_port_filename
+    listeners: dict[int, list[int]] = {}
+    for c in psutil.net_connections("tcp"):
+        if c.status == psutil.CONN_LISTEN and c.pid:
+            listeners.setdefault(c.laddr.port, []).append(c.pid)
+    out = {}
+    for p in psutil.process_iter(["name", "cmdline"]):
+        if p.info["name"] != "raylet":
+            continue
+        args = dict(a[2:].split("=", 1) for a in p.info["cmdline"][1:] if "=" in a)
+        if args.get("gcs-address") not in clusters:
+            continue  # another cluster on this machine (another project's)
+        port_file = Path(args["session_dir"]) / get_port_filename(args["node_id"],
+                                                                   RUNTIME_ENV_AGENT_PORT_NAME)
+        port = int(port_file.read_text())
+        out[p.pid] = (args["gcs-address"], listeners.get(port, []))
+    return out
+
+
+def test_two_local_clusters_keep_their_own_agents(head, cluster):
+    """The job-submission head (its own process) and the session's cluster side by side:
+    each raylet's runtime-env agent port is held by that raylet's own agent and nothing
+    else, so no raylet can send a job's runtime env to the other cluster's agent."""
+    import psutil
+    owners = _agent_owners({head["address"], cluster.address})
+    assert len({c for c, _ in owners.values()}) == 2 and len(owners) == 8, owners  # 2 x (head + 3)
+    for raylet, (_, pids) in owners.items():
+        assert len(pids) == 1 and psutil.Process(pids[0]).ppid() == raylet, (raylet, pids)

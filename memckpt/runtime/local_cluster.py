@@ -4,6 +4,13 @@ Each "node" is a real raylet with its own object store and worker processes, so
 removing one is a real node failure. The head runs no training (0 CPUs) and
 hosts the driver and the coordinator. Health checks are tightened so a
 hard-killed node is declared dead in under 1 s instead of Ray's default ~30 s.
+
+Every port of every node is left to Ray, which binds port 0 and publishes what the
+kernel gave it: a port picked by probing for a free one and handed over later can be
+taken in between by another cluster's process on the machine (Linux lets two
+SO_REUSEADDR sockets bind one port while neither listens; the first to listen wins),
+and a raylet then talks to a foreign agent. Only the dashboard's port may be fixed
+(``dashboard_port``), for the URL users type; 0 picks a free one too.
 """
 
 from __future__ import annotations
@@ -35,22 +42,21 @@ class LocalCluster:
 
     def __init__(self, nodes: int = 3, cpus_per_node: int = 2, object_store_mb: int = 256,
                  namespace: str = "memckpt", connect: bool = True, dashboard: bool = False,
-                 worker_logs: bool = True, dashboard_port: int = 8265) -> None:
+                 worker_logs: bool = True, dashboard_port: int = 0) -> None:
         # A throwaway local cluster needs no token; a real head keeps Ray's default.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         import ray
         from ray.cluster_utils import Cluster
 
-        from memckpt.util.netutil import free_port
         self.cpus_per_node = cpus_per_node
         self.object_store_mb = object_store_mb
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
             num_cpus=0, object_store_memory=object_store_mb << 20, include_dashboard=dashboard,
             dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
-            # the head's agent (it runs submitted jobs) on a free port, not Ray's fixed
-            # 52365: a second cluster on the machine (a drill's, a test's) then keeps its own
-            dashboard_agent_listen_port=free_port(), include_log_monitor=worker_logs,
+            # the head's agent (it runs submitted jobs) on a port Ray binds itself, not on
+            # Ray's fixed 52365 (the worker nodes' agents: Cluster passes 0 already)
+            dashboard_agent_listen_port=0, include_log_monitor=worker_logs,
             _system_config=dict(FAST_HEALTH_CHECKS)))
         self.nodes: dict[str, Any] = {}
         for _ in range(nodes):
@@ -85,6 +91,19 @@ class LocalCluster:
             kill_process_tree(info.process.pid)
         self.cluster.remove_node(node, allow_graceful=False)
 
+    def forget_dead_nodes(self) -> list[str]:
+        """Drop from this object the nodes whose raylet is gone without :meth:`remove_node`
+        (a drill killed it through Ray: ``memckpt kill --node``, a chaos event), so that
+        :meth:`add_node` can replace them. Returns their ids."""
+        from ray._private import ray_constants
+        gone = []
+        for node_id, node in list(self.nodes.items()):
+            raylets = node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
+            if raylets and all(info.process.poll() is not None for info in raylets):
+                self.remove_node(node_id)  # what the kill left (agents): gone too
+                gone.append(node_id)
+        return gone
+
     def shutdown(self) -> None:
         import ray
         if self.connected:
@@ -113,13 +132,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--cpus-per-node", type=int, default=2)
     p.add_argument("--object-store-mb", type=int, default=256)
-    p.add_argument("--dashboard-port", type=int, default=8265)
+    p.add_argument("--dashboard-port", type=int, default=8265,
+                   help="the dashboard's (job submission's) port; 0: any free port (see the "
+                        "ready file's dashboard_url)")
     p.add_argument("--ready-file", help="write {address, dashboard_url, nodes} here when up")
     a = p.parse_args(argv)
     if a.nodes < 1 or a.cpus_per_node < 1:
         p.error("--nodes and --cpus-per-node must be >= 1")
-    if not 0 < a.dashboard_port < 65536:
-        p.error(f"--dashboard-port must be a TCP port (1-65535), not {a.dashboard_port}")
+    if not 0 <= a.dashboard_port < 65536:
+        p.error(f"--dashboard-port must be a TCP port (1-65535, or 0 for any free one), "
+                f"not {a.dashboard_port}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
