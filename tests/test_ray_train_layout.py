@@ -66,8 +66,16 @@ def test_plan_in_place_without_a_copy_of_some_rank_names_it():
                       {"a": {0: [3]}}, committed=3)
 
 
-def test_only_worker_faults_can_be_scheduled_under_ray_train():
+def test_only_worker_and_node_faults_at_a_step_can_be_scheduled_under_ray_train():
+    for ev in (memckpt.ChaosEvent(3, "store", 1), memckpt.ChaosEvent(3, "coordinator"),
+               memckpt.ChaosEvent(3, "random")):
+        cfg = base(workers=memckpt.WorkersConfig(num_workers=3), chaos=(ev,))
+        with pytest.raises(ConfigError, match=f"chaos targets \\['{ev.target}'\\].*memckpt kill"):
+            run_config(cfg, 3, None)
     cfg = base(workers=memckpt.WorkersConfig(num_workers=3),
-               chaos=(memckpt.ChaosEvent(3, "node", 1),))
-    with pytest.raises(ConfigError, match="memckpt kill"):
+               chaos=(memckpt.ChaosEvent(3, "worker", 1, during="restore"),))
+    with pytest.raises(ConfigError, match="during='restore' is not available under Ray Train"):
         run_config(cfg, 3, None)
+    ok = (memckpt.ChaosEvent(3, "worker", ranks=(0, 1)), memckpt.ChaosEvent(4, "node", 2))
+    cfg = base(workers=memckpt.WorkersConfig(num_workers=3), chaos=ok)
+    assert run_config(cfg, 3, None).chaos == ok

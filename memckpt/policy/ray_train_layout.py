@@ -14,6 +14,9 @@ from memckpt.policy.recovery_plan import repair_holders
 
 TIER_FOLDER = "memckpt"  # under Ray Train's experiment folder
 KEEP_ALL = 10 ** 9  # Ray Train's CheckpointConfig(num_to_keep) decides what goes
+# the chaos targets a Ray Train run carries out: a rank's own signal, or (several ranks at
+# once, a node) the callback's watchdog
+RAY_TRAIN_CHAOS = ("worker", "node")
 
 
 def run_config(config: Config, num_workers: int, tier: Optional[PersistTier]) -> Config:
@@ -22,11 +25,16 @@ def run_config(config: Config, num_workers: int, tier: Optional[PersistTier]) ->
     if not isinstance(config, Config):
         raise ConfigError(f"MemckptCallback(config) needs a memckpt.Config, got "
                           f"{type(config).__name__}")
-    other = sorted({ev.target for ev in config.chaos} - {"worker"})
+    other = sorted({ev.target for ev in config.chaos} - set(RAY_TRAIN_CHAOS))
     if other:
         raise ConfigError(f"chaos targets {other} are not available under Ray Train (only "
-                          "target='worker', KILL or STOP, fires from inside the step): drop them "
-                          "or use memckpt.run / memckpt kill for node, store and coordinator drills")
+                          f"{' and '.join(map(repr, RAY_TRAIN_CHAOS))}, at a step): drop them "
+                          "or use memckpt.run / memckpt kill for store and coordinator drills")
+    phased = [ev for ev in config.chaos if ev.during is not None]
+    if phased:
+        raise ConfigError(f"chaos during={phased[0].during!r} is not available under Ray Train "
+                          "(its group restart is Ray Train's, with no phases memckpt can fire "
+                          "in): schedule the fault at a step, or drill with memckpt.run")
     w = config.workers
     workers = WorkersConfig(num_workers=num_workers, workers_per_node=1,
                             cpus_per_worker=w.cpus_per_worker, gpus_per_worker=w.gpus_per_worker,

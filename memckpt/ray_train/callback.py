@@ -6,7 +6,8 @@ every restart of the worker group. At each worker-group start it places replicas
 the nodes Ray Train chose, decides from the stores' inventory where every rank's
 newest commonly held step is (plan: :func:`memckpt.policy.recovery_plan.plan_in_place`) and
 hands each worker its spec. A watchdog thread turns a rank that stopped heart-beating
-into a worker death (SIGKILL), which Ray Train answers with a restart.
+into a worker death (SIGKILL), which Ray Train answers with a restart, and carries out the
+chaos faults a rank cannot deliver to itself (several ranks at once, a node).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from memckpt.policy.ray_train_layout import holders_for, run_config, train_tier
 from memckpt.policy.recovery_plan import plan_in_place, source_label
 from memckpt.runtime import actors
 from memckpt.runtime.driver import STARTUP_TIMEOUT_S, default_run_dir
-from memckpt.runtime.faults import Fault, send_signal
+from memckpt.runtime.faults import Fault, aim, deliver, send_signal
 from memckpt.runtime.worker import RestoreInstruction, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._killed: set[tuple[int, int]] = set()  # (gen, rank) killed as hung
+        self._faults: tuple[Fault, ...] = ()  # the config's chaos schedule
         self._prune_after: Optional[int] = None  # after a restart: its step (_prune_old_layout)
         self._warned: set[type] = set()  # watchdog errors already logged
 
@@ -95,6 +97,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
                               self.checkpoint_every)
         cfg = run_config(self.base, train_run_context.scaling_config.num_workers, tier)
         self.config = cfg
+        self._faults = tuple(Fault.from_chaos(ev) for ev in cfg.chaos)
         if tier is not None:
             self.report = (len(cfg.persistence) - 1, tier.uri)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -152,12 +155,12 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         # last generation's, and the restore still reads the old copies)
         with self._lock:
             self._prune_after = None if gen == 0 else (-1 if committed is None else committed)
-        faults = tuple(Fault.from_chaos(ev) for ev in cfg.chaos)
         refs = {}
         for i, w in enumerate(workers):
             rank = w.distributed_context.world_rank
             spec = WorkerSpec(rank, cfg.workers.num_workers, gen, cfg, holders.get(rank, ()),
-                              dict(self.stores), self.coordinator, restore.get(rank), faults)
+                              dict(self.stores), self.coordinator, restore.get(rank),
+                              self._faults)
             refs[rank] = worker_group.execute_single_async(i, worker_side.install, spec,
                                                            self.report)
         pids = {rank: ray.get(ref) for rank, ref in refs.items()}
@@ -228,6 +231,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
                     self._event("hung_rank_killed", gen=gen, rank=rank, node=node, pid=pid,
                                 timeout_s=timeout)
                     send_signal(node, pid, "KILL", timeout_s=10)
+                self._carry_out_faults()
                 self._prune_old_layout()
             except Exception as e:  # noqa: BLE001 (a restarting coordinator, a dead node: next round)
                 import ray
@@ -237,6 +241,23 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
                     logger.warning("memckpt watchdog: %r (retrying every %s s)", e,
                                    cfg.failure.heartbeat_interval_s)
                 time.sleep(cfg.failure.heartbeat_interval_s)
+
+    def _carry_out_faults(self) -> None:
+        """The chaos faults a rank reached and cannot deliver itself (several ranks in the
+        same instant, its node): the rank holds at its step until they are done."""
+        import ray
+        pending = set(ray.get(self.coordinator.pending_faults.remote(), timeout=10))
+        for fault in self._faults:
+            if fault.key not in pending:
+                continue
+            with self._lock:
+                gen, procs = self.gen, dict(self.processes)
+            strike = aim(fault, procs)
+            if strike is not None:
+                self._event("fault_injected", gen=gen, **strike.details())
+                deliver(strike, coordinator=self.coordinator,
+                        store_pid=lambda node: ray.get(self.stores[node].ping.remote())["pid"])
+            ray.get(self.coordinator.fault_done.remote(fault.key), timeout=10)
 
     def _prune_old_layout(self) -> None:
         """After a restart moved ranks (Ray Train places the new group anew), free the

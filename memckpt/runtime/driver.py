@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import random
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from memckpt.runtime.control_plane import ControlPlane, alive_node_ids, eligible
 from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE
 from memckpt.policy.failure import Action, Decision, Observation, State, decide, next_state
 from memckpt.policy.progress import ProgressKey, progress_due
-from memckpt.runtime.faults import Fault, FaultInjector, kill_node, send_signal, send_signals
+from memckpt.runtime.faults import Fault, FaultInjector, aim, deliver
 from memckpt.runtime.pool import PING_S, Generation, WorkerPool
 from memckpt.runtime.recovery import GRACE_S, DiedDuringRecovery, Recovery, Restore
 from memckpt.runtime.spec import WorkerSpec
@@ -424,28 +423,17 @@ class Runtime:
         self.ray.get(self.coordinator.request_stop.remote(committed + 1, STOP))
 
     def _fire(self, fault: Fault, g: Generation) -> None:
-        ranks = [r if r is not None else random.randrange(len(g.workers)) for r in fault.victims]
-        ranks = [r for r in ranks if r in g.info]  # during a start: a rank not yet started
-        if not ranks:
+        strike = aim(fault, {r: (i["node_id"], i["pid"]) for r, i in g.info.items()})
+        if strike is None:
             return
-        nodes = [g.info[r]["node_id"] for r in ranks]
-        rank, node = ranks[0], nodes[0]
-        self._say(f"injecting fault: {fault.target} (rank(s) {ranks}, node(s) "
-                  f"{[n[:8] for n in nodes]}, {fault.signal})")
-        self.injector.record(fault, node_id=node, pid=g.info[rank]["pid"], ranks=ranks)
-        self._event("fault_injected", target=fault.target, rank=rank, node=node,
-                    signal=fault.signal, ranks=ranks, during=fault.during)
-        if fault.target in ("worker", "random"):  # several ranks: in the same instant
-            send_signals([(n, g.info[r]["pid"]) for r, n in zip(ranks, nodes)], fault.signal)
-        elif fault.target == "node":
-            for n in dict.fromkeys(nodes):
-                (self.injector.node_killer or kill_node)(n)
-        elif fault.target == "store":
-            pid = self.ray.get(self.plane.stores[node].ping.remote())["pid"]
-            send_signal(node, pid, fault.signal)
-        elif fault.target == "coordinator":
-            where = self.ray.get(self.coordinator.whereabouts.remote())
-            send_signal(where["node_id"], where["pid"], fault.signal)
+        self._say(f"injecting fault: {fault.target} (rank(s) {list(strike.ranks)}, node(s) "
+                  f"{[n[:8] for n in strike.nodes]}, {fault.signal})")
+        details = strike.details()
+        self.injector.record(fault, node_id=details["node"], pid=details["pid"],
+                             ranks=details["ranks"])
+        self._event("fault_injected", **{k: v for k, v in details.items() if k != "pid"})
+        deliver(strike, coordinator=self.coordinator, node_killer=self.injector.node_killer,
+                store_pid=lambda node: self.ray.get(self.plane.stores[node].ping.remote())["pid"])
 
     def _fire_during(self, phase: str, g: Generation) -> None:
         """The faults scheduled for ``phase`` of a recovery (once training reached their

@@ -10,10 +10,11 @@ under it (its workers, store and object store) at once.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from memckpt.config import ChaosEvent
 
@@ -139,6 +140,53 @@ class Fault:
         who = ",".join(map(str, self.ranks)) if self.ranks else self.rank
         return f"{self.target}:{who}:{self.at_step}:{self.signal}" + (
             f":during-{self.during}" if self.during else "")
+
+
+@dataclass(frozen=True)
+class Strike:
+    """Whom a fault the runtime carries out hits: its ranks and their (node, pid)."""
+
+    fault: Fault
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    pids: tuple[int, ...]
+
+    def details(self) -> dict[str, Any]:
+        """What the event log and the injector record of it."""
+        return dict(target=self.fault.target, rank=self.ranks[0], node=self.nodes[0],
+                    pid=self.pids[0], signal=self.fault.signal, ranks=list(self.ranks),
+                    during=self.fault.during)
+
+
+def aim(fault: Fault, procs: Mapping[int, tuple[str, int]]) -> Optional[Strike]:
+    """The ranks ``fault`` hits among ``procs`` (rank -> (node, pid) of the running
+    generation; a random rank where it names none); None when none of them runs now (a
+    fault during a start, before its rank started)."""
+    ranks = [r if r is not None else random.randrange(len(procs)) for r in fault.victims]
+    ranks = [r for r in ranks if r in procs]
+    if not ranks:
+        return None
+    return Strike(fault, tuple(ranks), tuple(procs[r][0] for r in ranks),
+                  tuple(procs[r][1] for r in ranks))
+
+
+def deliver(strike: Strike, *, store_pid: Callable[[str], int], coordinator: Any,
+            node_killer: Optional[Callable[[str], None]] = None) -> None:
+    """Carry out a fault the runtime fires (the driver, or the Ray Train callback's
+    watchdog): several ranks' workers in the same instant, their nodes, the first rank's
+    node's store (``store_pid(node)``), or the job's coordinator."""
+    import ray
+    fault = strike.fault
+    if fault.target in ("worker", "random"):
+        send_signals(list(zip(strike.nodes, strike.pids)), fault.signal)
+    elif fault.target == "node":
+        for n in dict.fromkeys(strike.nodes):
+            (node_killer or kill_node)(n)
+    elif fault.target == "store":
+        send_signal(strike.nodes[0], store_pid(strike.nodes[0]), fault.signal)
+    elif fault.target == "coordinator":
+        where = ray.get(coordinator.whereabouts.remote())
+        send_signal(where["node_id"], where["pid"], fault.signal)
 
 
 @dataclass
