@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Callable, TypeVar, Union
@@ -87,9 +86,10 @@ def _shared_cluster():
 
 
 def _ready(c):
-    """``c`` with 3 worker nodes again (a test may have removed some) and this process
-    connected to it (a test may have left it for a private cluster)."""
+    """``c`` with 3 worker nodes again (a test may have removed some, or killed them through
+    Ray) and this process connected to it (a test may have left it for a private cluster)."""
     import ray
+    c.forget_dead_nodes()
     while len(c.nodes) < 3:
         c.add_node()
     if not ray.is_initialized():
@@ -189,7 +189,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             f.write(f"{time.time():.0f} {report.duration:8.2f} {report.when:8} {report.nodeid}\n")
 
 
-# -- a job's coordinator, for drills that act at a step (Ray Train's runs, mostly) --
+# -- a job's coordinator, for drills that watch a run from outside --
 def coordinator(name: str):
     import ray
     from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
@@ -209,39 +209,31 @@ def status_at(name: str, step: int) -> dict | None:
     return None
 
 
-def when_step(name: str, step: int, action) -> threading.Thread:
-    """In the background: once the run's coordinator sees ``step`` reached, ``action(status)``."""
-
-    def watch() -> None:
-        action(wait_for(lambda: status_at(name, step), 300, f"{name} to reach step {step}"))
-
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    return t
+def fired(events: list[dict], target: str) -> dict:
+    """The one ``fault_injected`` event of a run (its fault happened, once, at ``target``)."""
+    hits = [e for e in events if e["event"] == "fault_injected"]
+    assert len(hits) == 1 and hits[0]["target"] == target, hits
+    return hits[0]
 
 
 def fit_losing_a_node(cluster, name: str, loop, loop_config: dict, config, tmp_path,
                       at_step: int = 5) -> None:
     """A 3-rank ``TorchTrainer`` run of ``loop`` (one CPU a worker, spread over the nodes,
     memckpt's Ray Train callback with ``config``, events in ``tmp_path/run``) whose rank 1
-    loses its node once the run reaches ``at_step``. Checks that the run ended without error
-    after exactly that loss, that memckpt planned the recovery around that node, and that
-    every rank of the restarted group restored from RAM (its node's or a peer's), not from
-    Ray Train's checkpoint or step 0."""
+    loses its node at ``at_step`` (a chaos event: the rank holds at that step while the
+    callback kills its node). Checks that the run ended without error after exactly that
+    loss, that memckpt planned the recovery around that node, and that every rank of the
+    restarted group restored from RAM (its node's or a peer's), not from Ray Train's
+    checkpoint or step 0."""
+    import dataclasses
     import json
 
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    import memckpt
     from memckpt.ray_train import MemckptCallback
-    removed: list[str] = []
-
-    def remove(status: dict) -> None:
-        node = status["workers"]["1"]["node_id"]
-        removed.append(node)
-        cluster.remove_node(node)
-
-    watcher = when_step(name, at_step, remove)
+    config = dataclasses.replace(config, chaos=(memckpt.ChaosEvent(at_step, "node", 1),))
     trainer = TorchTrainer(
         loop, train_loop_config=loop_config,
         scaling_config=ray.train.ScalingConfig(num_workers=3, resources_per_worker={"CPU": 1},
@@ -251,10 +243,12 @@ def fit_losing_a_node(cluster, name: str, loop, loop_config: dict, config, tmp_p
             failure_config=ray.train.FailureConfig(max_failures=3),
             callbacks=[MemckptCallback(config, run_dir=tmp_path / "run")]))
     result = trainer.fit()
-    watcher.join(5)
-    assert result.error is None and len(removed) == 1
+    assert result.error is None
     ev = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    killed = fired(ev, "node")
+    assert killed["ranks"] == [1] and killed["gen"] == 0
     (plan,) = [e for e in ev if e["event"] == "recovery_plan"]
-    assert plan["dead_nodes"] == removed
+    assert plan["dead_nodes"] == [killed["node"]] and plan["resumed_step"] == at_step - 1
     restored = [e for e in ev if e["event"] == "restored" and e["gen"] == 1]
     assert len(restored) == 3 and all(e["source"].startswith(("local:", "peer:")) for e in restored)
+    cluster.forget_dead_nodes()

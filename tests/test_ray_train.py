@@ -22,7 +22,7 @@ import pytest
 
 import memckpt
 from memckpt.demo.job import GPTJob
-from conftest import coordinator, status_at, wait_for, when_step
+from conftest import coordinator, fired, status_at, wait_for
 import test_runtime
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -32,11 +32,33 @@ KILL_AT = 6
 EVERY = 4  # Ray Train checkpoints every 4 steps
 
 
+class _HeldAfterRestore:
+    """A context whose ``restore`` waits, once it has restored, until ``release`` exists:
+    the rank holds before its first step, so a drill acts on it at a known point."""
+
+    def __init__(self, ctx, release: str) -> None:
+        self._ctx, self._release = ctx, release
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def restore(self, state):
+        step = self._ctx.restore(state)
+        while not os.path.exists(self._release):
+            time.sleep(0.05)
+        return step
+
+
 def train_loop(cfg: dict) -> None:
-    """The TorchTrainer's ``train_loop_per_worker``: the demo GPT with memckpt's context."""
+    """The TorchTrainer's ``train_loop_per_worker``: the demo GPT with memckpt's context.
+    ``cfg["hold"]``: (generation, rank, release file): that rank of that generation holds
+    after its restore until the file exists."""
     from memckpt.ray_train import context
     ctx = context()
-    cfg["job"](ctx)
+    hold = cfg.get("hold")
+    held = _HeldAfterRestore(ctx, hold[2]) if hold and (ctx.generation, ctx.rank) == hold[:2] \
+        else ctx
+    cfg["job"](held)
     ctx.finish()
     out = Path(cfg["out"])
     (out / f"rank{ctx.rank}.digest").write_text(ctx.digest() or "")
@@ -52,7 +74,7 @@ def config(name: str, ram_root: str, **kw) -> memckpt.Config:
 
 
 def fit(cfg: memckpt.Config, tmp: Path, job: GPTJob = JOB, max_failures: int = 3,
-        storage: Path | None = None, name: str | None = None):
+        storage: Path | None = None, name: str | None = None, hold: tuple | None = None):
     """Run the trainer; (result, per-step losses, rank digests, events)."""
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -62,7 +84,7 @@ def fit(cfg: memckpt.Config, tmp: Path, job: GPTJob = JOB, max_failures: int = 3
     out = tmp / "out"
     out.mkdir(parents=True, exist_ok=True)
     trainer = TorchTrainer(
-        train_loop, train_loop_config={"job": job, "out": str(out)},
+        train_loop, train_loop_config={"job": job, "out": str(out), "hold": hold},
         scaling_config=ray.train.ScalingConfig(num_workers=3, resources_per_worker={"CPU": 1},
                                                placement_strategy="SPREAD"),
         run_config=ray.train.RunConfig(
@@ -137,23 +159,17 @@ def test_sigkill_worker_restores_from_own_nodes_ram(full_cluster, reference, tmp
 def test_node_removed_its_rank_restores_from_the_peer_replica(full_cluster, reference, tmp_path,
                                                              ram_root):
     name = "rt-node"
-    removed = []
-
-    def remove(status: dict) -> None:
-        node = status["workers"]["1"]["node_id"]
-        removed.append(node)
-        full_cluster.remove_node(node)
-
-    watcher = when_step(name, KILL_AT, remove)
+    cfg = config(name, ram_root, chaos=(memckpt.ChaosEvent(KILL_AT, "node", 1),))
     # steps stretched (the same arithmetic): the restarted group runs long enough for the
     # watchdog's checks (every 0.25 s) to see it commit past the restored step
-    result, loss, digest, ev = fit(config(name, ram_root), tmp_path,
-                                   job=dataclasses.replace(JOB, step_delay_s=0.3))
-    watcher.join(5)
-    assert result.error is None and len(removed) == 1
+    result, loss, digest, ev = fit(cfg, tmp_path, job=dataclasses.replace(JOB, step_delay_s=0.3))
+    assert result.error is None
+    killed = fired(ev, "node")
+    assert killed["ranks"] == [1] and killed["gen"] == 0
+    removed = [killed["node"]]
     assert (loss, digest) == reference
     (plan,) = [e for e in ev if e["event"] == "recovery_plan"]
-    assert plan["dead_nodes"] == removed
+    assert plan["dead_nodes"] == removed and plan["resumed_step"] == KILL_AT - 1
     # then the layout before the restart was freed on the nodes that no longer serve it
     (freed,) = [e for e in ev if e["event"] == "old_layout_freed"]
     assert freed["gen"] == 1 and freed["committed"] > plan["resumed_step"]
@@ -280,14 +296,14 @@ def kill_ranks(ranks: tuple[int, ...]):
 def test_two_workers_sigkilled_in_the_same_instant_the_group_restarts(full_cluster, reference,
                                                                       tmp_path, ram_root):
     name = "rt-two"
-    watcher = when_step(name, KILL_AT, kill_ranks((0, 1)))
-    result, loss, digest, ev = fit(config(name, ram_root), tmp_path,
-                                   job=dataclasses.replace(JOB, step_delay_s=0.1))
-    watcher.join(5)
+    cfg = config(name, ram_root, chaos=(memckpt.ChaosEvent(KILL_AT, "worker", ranks=(0, 1)),))
+    result, loss, digest, ev = fit(cfg, tmp_path, job=dataclasses.replace(JOB, step_delay_s=0.1))
     assert result.error is None
     assert (loss, digest) == reference
+    killed = fired(ev, "worker")
+    assert killed["ranks"] == [0, 1] and killed["signal"] == "KILL" and killed["gen"] == 0
     plans = [e for e in ev if e["event"] == "recovery_plan"]
-    assert plans and all(p["resumed_step"] >= KILL_AT - 1 for p in plans)
+    assert plans and all(p["resumed_step"] == KILL_AT - 1 for p in plans)
     restored = [e for e in ev if e["event"] == "restored" and e["gen"] == plans[-1]["gen"]]
     assert all(e["source"].startswith(("local:", "peer:")) for e in restored), restored
     assert_clean(ram_root)
@@ -295,31 +311,36 @@ def test_two_workers_sigkilled_in_the_same_instant_the_group_restarts(full_clust
 
 @pytest.mark.chaos
 def test_a_worker_killed_during_the_groups_restart(full_cluster, reference, tmp_path, ram_root):
-    """Rank 1 dies at step 6; when the restarted group's rank 0 has registered (it is
-    restoring step 5) it is SIGKILLed too: Ray Train restarts the group again, exact.
-    The first kill is a chaos event, so it fires at step 6 itself (a watcher polling the
-    coordinator could see a later step on a loaded machine)."""
-    import ray
+    """Rank 1 dies at step 6; the restarted group's rank 0 holds after its restore (of
+    step 5) until the test has SIGKILLed it: Ray Train restarts the group again, exact.
+    The first kill is a chaos event, so it fires at step 6 itself; the second lands in the
+    restart because the rank cannot take a step before the test lets it."""
     name = "rt-during-restart"
+    release = tmp_path / "release"
+    killed: list[int] = []
 
-    def restarted() -> None:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                s = ray.get(coordinator(name).status.remote())
-                if s["gen"] == 1 and "0" in s["workers"]:
-                    kill_ranks((0,))(s)
-                    return
-            except (ValueError, ray.exceptions.RayError):
-                pass
-            time.sleep(0.02)
+    def restarted() -> dict | None:
+        try:
+            s = ray.get(coordinator(name).status.remote())
+        except (ValueError, ray.exceptions.RayError):
+            return None  # not started yet, or restarting
+        return s if s["gen"] == 1 and "0" in s["workers"] else None
 
-    second = threading.Thread(target=restarted, daemon=True)
+    def kill_restarted_rank_0() -> None:
+        try:
+            s = wait_for(restarted, 300, "the restarted group's rank 0 to register")
+            kill_ranks((0,))(s)
+            killed.append(s["workers"]["0"]["pid"])
+        finally:  # held until now: let it go (dead, or the test failed)
+            release.write_text("go")
+
+    import ray
+    second = threading.Thread(target=kill_restarted_rank_0, daemon=True)
     second.start()
-    # steps stretched (the same arithmetic): the restore is far from the next commit
     cfg = config(name, ram_root, chaos=(memckpt.ChaosEvent(KILL_AT, "worker", 1, "KILL"),))
-    result, loss, digest, ev = fit(cfg, tmp_path, job=dataclasses.replace(JOB, step_delay_s=0.3))
+    result, loss, digest, ev = fit(cfg, tmp_path, hold=(1, 0, str(release)))
     second.join(5)
+    assert killed
     assert result.error is None
     assert (loss, digest) == reference
     plans = [e for e in ev if e["event"] == "recovery_plan"]
