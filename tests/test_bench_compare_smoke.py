@@ -28,13 +28,16 @@ def _common(rows):
         for f in FIELDS:
             assert f in r, (f, r)
         assert r["benchmark"] in compare.PARTS
-        assert r["median"] > 0, r
+        # a stall is a difference of two noisy medians: at 2 MiB on a loaded machine it can
+        # be below the noise, reported as 0 (rows.ratio); every other figure is measured
+        diff = r["benchmark"] == "stall" and "own_blocking_s" in r
+        assert r["median"] >= 0 if diff else r["median"] > 0, r
         assert r["state_bytes"] > 0, r
     json.dumps(rows)  # JSON-able
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)  # 75 s on a quiet machine here; CI machines are shared
 def test_stall_and_lost_work(tmp_path, capsys):
     out, png = tmp_path / "rows.json", tmp_path / "plot.png"
     rc = cli.main(["bench", "compare", "--parts", "stall,lost_work", "--sizes", "2M",
@@ -53,9 +56,10 @@ def test_stall_and_lost_work(tmp_path, capsys):
             continue
         assert r["blocking_s"] > 0
         assert r["median"] >= r.get("own_blocking_s", r["blocking_s"])  # at least what it blocks
-        assert r["x_memcpy"] == pytest.approx(r["median"] / memcpy)
+        assert r["x_memcpy"] == pytest.approx(compare_rows.ratio(r["median"], memcpy))
         if m not in compare_rows.LIMITS:
-            assert r["x_memckpt"] == pytest.approx(r["median"] / stall["memckpt"]["median"])
+            assert r["x_memckpt"] == pytest.approx(
+                compare_rows.ratio(r["median"], stall["memckpt"]["median"]))
     assert stall["memckpt"]["store_bytes"]  # read from the stores
     lost = {r["method"]: r for r in rows if r["benchmark"] == "lost_work"}
     assert set(lost) == LOST
@@ -71,7 +75,7 @@ def test_stall_and_lost_work(tmp_path, capsys):
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_scaling(tmp_path, full_cluster):
     rows = compare.run_compare(compare.CompareSettings(
         ("scaling",), tuple(compare.parse_sizes("4M")), steps=2, step_s=0.02,

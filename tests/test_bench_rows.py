@@ -98,3 +98,26 @@ def test_compare_rows_leave_out_what_a_method_did_not_measure():
     assert rows["memckpt"]["replicate_s"] == 0.05 and rows["memckpt"]["harness"] == "memckpt.run"
     assert rows["dcp-async"]["persist_s"] == 0.5 and "replicate_s" not in rows["dcp-async"]
     assert rows["memckpt"]["blocking_s"] == pytest.approx(0.02)
+
+
+def test_a_stall_below_the_noise_is_zero_and_takes_no_ratio():
+    """On a loaded machine a tiny state's step-time increase and extra blocking can both come
+    out negative (two noisy medians subtracted): the stall is 0, not negative, and no ratio
+    divides by it (a ZeroDivisionError once ended the whole benchmark)."""
+    from memckpt.bench.compare.rows import derive, stall_rows
+    raw = {"state_bytes": 2 << 20, "harness": {}, "methods": {
+        "none": {"step_s": [0.030, 0.031], "blocking_s": [0.0, 0.0], "compute_s": [0.02] * 2},
+        "memcpy": {"step_s": [0.001, 0.001], "blocking_s": [0.001, 0.001], "compute_s": [0.0] * 2},
+        "memckpt-none": {"step_s": [0.031, 0.032], "blocking_s": [0.004, 0.004],
+                         "compute_s": [0.02] * 2},
+        # faster than its baseline and blocking less: the noise, not the checkpoint
+        "memckpt": {"step_s": [0.030, 0.030], "blocking_s": [0.003, 0.003],
+                    "compute_s": [0.02] * 2, "replicate_s": 0.01},
+        "torch.save": {"step_s": [0.040, 0.042], "blocking_s": [0.01, 0.012],
+                       "compute_s": [0.02] * 2}}}
+    rows = {r["method"]: r for r in derive(stall_rows("2M", raw, 2, None))
+            if r["benchmark"] == "stall"}
+    assert rows["memckpt"]["stall_s"] == rows["memckpt"]["median"] == 0.0
+    assert rows["memckpt"]["x_memcpy"] == 0.0 and rows["memckpt"]["fraction_of_limit"] is None
+    assert rows["torch.save"]["x_memckpt"] is None  # not against a stall of 0
+    assert rows["torch.save"]["x_memcpy"] == pytest.approx(rows["torch.save"]["stall_s"] / 0.001)

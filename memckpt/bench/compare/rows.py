@@ -130,6 +130,13 @@ class Row(KindedRow):
 
 
 # -- stall ----------------------------------------------------------------------------------------
+def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+    """``num / den``; None where either is missing or ``den`` is not positive: a stall is a
+    difference of two noisy medians, and at a size where it is below the noise (a few MiB
+    on a loaded machine) it comes out as 0, which no ratio can be taken against."""
+    return num / den if num is not None and den is not None and den > 0 else None
+
+
 def _med_if(r: dict[str, Any], key: str) -> Optional[float]:
     """The median of ``r[key]``, a figure only some methods measure; None without it."""
     return med(r[key]) if r.get(key) else None
@@ -174,8 +181,9 @@ def derive_stall(rows: list[dict[str, Any]]) -> None:
             r["step_increase_s"] = increase
             r["own_blocking_s"] = own
             r["base_step_s"] = base["step_s"] if base else None
+            # never below 0: both differences can come out negative in the noise
             r["median"] = r["stall_s"] = max(increase if increase is not None else 0.0, own,
-                                             r.get("write_s") or 0.0)
+                                             r.get("write_s") or 0.0, 0.0)
             r["figure"] = "stall = max(step-time increase, blocking part beyond the baseline's)"
         r["unit"] = "s"
         r["median_s"] = r["median"]
@@ -184,12 +192,12 @@ def derive_stall(rows: list[dict[str, Any]]) -> None:
         ref = by.get((size, "memckpt")) or by.get((size, "memckpt-local"))
         if is_baseline(m):
             continue
-        r["x_memcpy"] = r["stall_s"] / memcpy["stall_s"] if memcpy else None
-        r["x_memckpt"] = r["stall_s"] / ref["stall_s"] if ref and m not in LIMITS else None
+        r["x_memcpy"] = ratio(r["stall_s"], memcpy["stall_s"]) if memcpy else None
+        r["x_memckpt"] = ratio(r["stall_s"], ref["stall_s"]) if ref and m not in LIMITS else None
         if m.startswith("memckpt"):
-            r["fraction_of_limit"] = memcpy["stall_s"] / r["stall_s"] if memcpy else None
+            r["fraction_of_limit"] = ratio(memcpy["stall_s"], r["stall_s"]) if memcpy else None
         if disk and base_method(m) in ("torch.save", "dcp-async", "ray-train"):
-            r["x_disk_write"] = r["stall_s"] / disk["stall_s"]
+            r["x_disk_write"] = ratio(r["stall_s"], disk["stall_s"])
 
 
 
