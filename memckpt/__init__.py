@@ -13,7 +13,7 @@ from memckpt.version import __version__
 # (processes that only move bytes and keep books) never import (0.8 s and ~0.25 GiB each).
 # WorkerContext needs Ray as well.
 _LAZY = {"Checkpointer": "memckpt.checkpointer", "ResumableSampler": "memckpt.format.data",
-         "TrainState": "memckpt.format.state", "WorkerContext": "memckpt.runtime.worker"}
+         "TrainState": "memckpt.format.state", "WorkerContext": "memckpt.runtime.worker.worker"}
 
 
 def __getattr__(name: str) -> _Any:
@@ -36,14 +36,14 @@ def dcp_reader(uri_or_path, step=None):
 
 def keep_workers():
     """A block whose ``memckpt.run`` calls hand their worker processes on to the next
-    one instead of starting new ones; see :mod:`memckpt.runtime.kept`."""
-    from memckpt.runtime.kept import keep_workers as _keep
+    one instead of starting new ones; see :mod:`memckpt.runtime.driver.kept`."""
+    from memckpt.runtime.driver.kept import keep_workers as _keep
     return _keep()
 
 
 def run(train_fn, config, **kwargs):
-    """Run ``train_fn(ctx)`` on Ray with in-memory replicas; see :func:`memckpt.runtime.driver.run`."""
-    from memckpt.runtime.driver import run as _run
+    """Run ``train_fn(ctx)`` on Ray with in-memory replicas; see :func:`memckpt.runtime.driver.driver.run`."""
+    from memckpt.runtime.driver.driver import run as _run
     return _run(train_fn, config, **kwargs)
 
 __all__ = [

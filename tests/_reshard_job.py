@@ -128,7 +128,7 @@ def write_job(rank: int, world: int, port: int, layout: str, root: str, ram: str
         ckpt.wait()
         with ckpt.engine.reading(steps) as shard:
             if stores:
-                from memckpt.runtime.transport import StoreConnection
+                from memckpt.runtime.node.transport import StoreConnection
                 for address in stores[rank]:
                     conn = StoreConnection(tuple(address))
                     conn.send(rank, steps, shard.raw, shard.header["data_xxh3"], gen=-1,
@@ -210,7 +210,7 @@ def ram_restore_job(rank: int, world: int, port: int, layout: str, holders: Any,
     from memckpt.config import CONTENT_KINDS
     from memckpt.format.dcp_reader import MemckptReader
     from memckpt.format.reshard import load_resharded
-    from memckpt.runtime.ram_source import ReplicaSource
+    from memckpt.runtime.worker.ram_source import ReplicaSource
     with _rank(rank, world, port, layout, out):
         model, opt, _ = build(layout, seed=123)
         state = memckpt.TrainState(model=model, optimizer=opt)

@@ -236,6 +236,6 @@ def test_fingerprint_tracks_layout_not_drills():
 
 
 def test_a_steady_chaos_event_schedules_a_steady_fault():
-    from memckpt.runtime.faults import Fault
+    from memckpt.runtime.tools.faults import Fault
     assert Fault.from_chaos(ChaosEvent(step=4, rank=1, steady=True)).steady is True
     assert Fault.from_chaos(ChaosEvent(step=4, rank=1)).steady is False

@@ -80,7 +80,7 @@ def test_documented_name_exists(where, dotted):
 def test_worker_context_is_public_and_lazy():
     """``memckpt.WorkerContext`` (the type the README's Ray example annotates) is exported, and
     importing memckpt alone still loads neither Ray nor torch."""
-    from memckpt.runtime.worker import WorkerContext
+    from memckpt.runtime.worker.worker import WorkerContext
     assert memckpt.WorkerContext is WorkerContext
     assert "WorkerContext" in memckpt.__all__
     code = ("import sys, memckpt; heavy = [m for m in ('ray', 'torch') if m in sys.modules]; "
@@ -110,7 +110,7 @@ def test_every_exported_name_is_documented_and_nothing_else_is_exported():
 
 
 def test_fault_injector_lives_with_the_drills_only():
-    from memckpt.runtime.faults import FaultInjector
+    from memckpt.runtime.tools.faults import FaultInjector
     assert "FaultInjector" not in memckpt.__all__
     assert not hasattr(memckpt, "FaultInjector")
     assert FaultInjector().kill_worker(rank=1, at_step=3).faults[0].target == "worker"

@@ -4,7 +4,7 @@
 (:class:`memckpt.policy.failure.State`): STARTING a generation of workers -> RUNNING,
 watched until every rank returns or a failure shows (an actor died, a node died, a rank
 stopped heart-beating), each observation judged by the pure
-:func:`memckpt.policy.failure.decide` -> RECOVERING (:mod:`memckpt.runtime.recovery`: kill
+:func:`memckpt.policy.failure.decide` -> RECOVERING (:mod:`memckpt.runtime.driver.recovery`: kill
 the generation, ask the stores what RAM copies survive, plan, roll back stores past the
 chosen step) -> STARTING the next generation, each rank restoring from its own node or a
 peer's store; until FINISHED or FAILED.
@@ -27,15 +27,15 @@ from memckpt.config import Config
 from memckpt.engine.stop import STOP, Control
 from memckpt.errors import ConfigError, PlacementError
 from memckpt.policy.recovery_plan import growth_size
-from memckpt.runtime import actors
-from memckpt.runtime.control_plane import ControlPlane, alive_node_ids, eligible_nodes
-from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE
+from memckpt.runtime.driver import actors
+from memckpt.runtime.driver.control_plane import ControlPlane, alive_node_ids, eligible_nodes
+from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE
 from memckpt.policy.failure import Action, Decision, Observation, State, decide, next_state
 from memckpt.policy.progress import ProgressKey, progress_due
-from memckpt.runtime.faults import Fault, FaultInjector, kill_node, send_signal, send_signals
-from memckpt.runtime.pool import PING_S, Generation, WorkerPool
-from memckpt.runtime.recovery import GRACE_S, DiedDuringRecovery, Recovery, Restore
-from memckpt.runtime.spec import WorkerSpec
+from memckpt.runtime.tools.faults import Fault, FaultInjector, kill_node, send_signal, send_signals
+from memckpt.runtime.driver.pool import PING_S, Generation, WorkerPool
+from memckpt.runtime.driver.recovery import GRACE_S, DiedDuringRecovery, Recovery, Restore
+from memckpt.runtime.worker.spec import WorkerSpec
 
 __all__ = ["COORDINATOR_NAMESPACE", "Runtime", "default_run_dir", "progress_line", "run"]
 
