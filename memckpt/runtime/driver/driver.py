@@ -20,7 +20,7 @@ import random
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from memckpt.policy import placement
 from memckpt.config import Config
@@ -37,6 +37,9 @@ from memckpt.runtime.driver.pool import PING_S, Generation, WorkerPool
 from memckpt.runtime.driver.recovery import GRACE_S, DiedDuringRecovery, Recovery, Restore
 from memckpt.runtime.worker.spec import WorkerSpec
 
+if TYPE_CHECKING:
+    from memckpt.runtime.worker.context import WorkerContext
+
 __all__ = ["COORDINATOR_NAMESPACE", "Runtime", "default_run_dir", "progress_line", "run"]
 
 POLL_S = 0.1
@@ -45,7 +48,7 @@ STARTUP_TIMEOUT_S = 120.0  # a rank silent this long before its first step is hu
 
 
 class Runtime:
-    def __init__(self, train_fn: Callable, config: Config, run_dir: Path,
+    def __init__(self, train_fn: Callable[[WorkerContext], Any], config: Config, run_dir: Path,
                  injector: Optional[FaultInjector] = None, quiet: bool = False) -> None:
         self.plane = ControlPlane(config, quiet)
         self.ray = self.plane.ray
@@ -526,8 +529,8 @@ def default_run_dir(job: str) -> Path:
     return Path(tempfile.gettempdir()) / "memckpt-runs" / job
 
 
-def run(train_fn: Callable, config: Config, *, address: Optional[str] = None,
-        summary: Optional[str | Path] = None, run_dir: Optional[str | Path] = None,
+def run(train_fn: Callable[[WorkerContext], Any], config: Config, *, address: Optional[str] = None,
+        summary: Optional[str | os.PathLike[str]] = None, run_dir: Optional[str | os.PathLike[str]] = None,
         injector: Optional[FaultInjector] = None, quiet: bool = False) -> dict[str, Any]:
     """Run ``train_fn(ctx)`` on ``config.workers.num_workers`` Ray workers with in-memory
     replicated snapshots and automatic recovery. Returns (and writes to ``summary``) the
