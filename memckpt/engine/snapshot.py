@@ -16,8 +16,8 @@ chunks are hashed on a small pool of threads (``seal_threads``), which also veri
 a snapshot before it is read back (see :mod:`memckpt.engine.restore`).
 
 A snapshot due while the previous one is still copied or sealed in the background is
-skipped (``on_sealing="skip"``, the default: the step never waits for a seal it does
-not need) or waited for (``"wait"``); :class:`EngineStats` counts what landed.
+waited for (``on_sealing="wait"``, the default: every due snapshot lands) or skipped
+(``"skip"``: the step never waits for a seal); :class:`EngineStats` counts what landed.
 """
 
 from __future__ import annotations
