@@ -93,6 +93,13 @@ def _init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+class _Unpersisted(memckpt.Checkpointer):
+    """The job's Checkpointer, its config's tier left to this script (it stores the shards)."""
+
+    def _make_persister(self) -> None:
+        return None
+
+
 def _config(root: str, ram: str, **load: Any) -> memckpt.Config:
     return memckpt.Config(job_name="reshard", ram_root=ram, persistence=[memckpt.PersistTier(root)],
                           load=memckpt.LoadSpec(**load))
@@ -123,7 +130,7 @@ def write_job(rank: int, world: int, port: int, layout: str, root: str, ram: str
         state = memckpt.TrainState(model=model, optimizer=opt)
         for _ in range(steps):
             train_step(model, opt, rank)
-        ckpt = memckpt.Checkpointer(_config(root, ram), rank, world, persist=False)
+        ckpt = _Unpersisted(_config(root, ram), rank, world)
         ckpt.step(state, steps)
         ckpt.wait()
         with ckpt.engine.reading(steps) as shard:

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from memckpt.checkpointer import RestoreAndStep
 from memckpt.errors import ConfigError, MemckptError
 from memckpt.runtime.worker.worker import RestoreInstruction, WorkerContext, WorkerSpec
 from memckpt.format.state import TrainState
@@ -51,7 +52,7 @@ def context() -> "RayTrainContext":
     return _context
 
 
-class RayTrainContext:
+class RayTrainContext(RestoreAndStep):
     """``restore(state)`` -> the step to continue after; ``step(state, step, **metrics)``
     after each step; ``finish()`` at the end reports the last persisted step to Ray Train."""
 

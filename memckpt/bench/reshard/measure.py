@@ -65,7 +65,7 @@ def _writer(rank: int, world: int, port: int, width: int, work: str, store: Any)
         opt.step()
         state = memckpt.TrainState(model=model, optimizer=opt, rng=False)
         cfg = memckpt.Config(job_name="bench-reshard", ram_root=f"{work}/ram-w")
-        ckpt = memckpt.Checkpointer(cfg, rank, world, persist=False)
+        ckpt = memckpt.Checkpointer(cfg, rank, world)  # no tier: nothing persisted
         ckpt.step(state, 1)
         ckpt.wait()
         with ckpt.engine.reading(1) as shard:

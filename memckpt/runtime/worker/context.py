@@ -40,6 +40,7 @@ from memckpt.runtime.worker.replicator import Replicator
 from memckpt.runtime.worker.spec import RestoreInstruction, WorkerSpec
 from memckpt.runtime.node.transport import StoreConnection
 from memckpt.format.state import TrainState, restore_allocations
+from memckpt.checkpointer import RestoreAndStep
 
 
 class StopTraining(BaseException):
@@ -51,7 +52,7 @@ class StopTraining(BaseException):
         self.step = step
 
 
-class WorkerContext:
+class WorkerContext(RestoreAndStep):
     """What a training function sees: its rank, restore, and the per-step call."""
 
     def __init__(self, spec: WorkerSpec, node_id: str) -> None:
@@ -347,8 +348,7 @@ class WorkerContext:
 
     def _snapshot(self, state: TrainState, step: int) -> None:
         self._state = state
-        if step % self.config.snapshot_every == 0:
-            self.ckpt.step(state, step)
+        self.ckpt.step(state, step)
 
     def batch_plan(self, global_batch: int, micro_batch: int) -> int:
         """Gradient-accumulation steps that keep ``global_batch`` samples per optimizer step
