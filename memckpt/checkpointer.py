@@ -28,10 +28,11 @@ from memckpt.errors import ChecksumError, MemckptError, StateError
 from memckpt.engine.stop import STOP, Control
 from memckpt.util.fsutil import write_atomic
 from memckpt.persist.catalog import protect
+from memckpt.persist.manifest import ShardEntry
 from memckpt.persist.uploader import Persister, persisted_restore
 from memckpt.engine.populate import MIN_BYTES, POOL
 from memckpt.engine.restore import VerifiedViews, load_memory
-from memckpt.engine.snapshot import SnapshotEngine, newest_layout_in
+from memckpt.engine.snapshot import EngineStats, SnapshotEngine, newest_layout_in
 from memckpt.policy.threads import hash_threads, local_ranks_from, usable_cores
 from memckpt.format.state import TrainState, restore_allocations, same_layout
 
@@ -133,7 +134,7 @@ class Checkpointer(RestoreAndStep):
         assert self.persister is not None  # only the persister calls it
         return self.persister.stores[tier].folder_for(step)
 
-    def _commit(self, tier: int, step: int, entry) -> None:
+    def _commit(self, tier: int, step: int, entry: ShardEntry) -> None:
         assert self.persister is not None  # only the persister calls it
         store = self.persister.stores[tier]
         store.commit(step, self.world_size, [entry], self.config.fingerprint(),
@@ -204,7 +205,7 @@ class Checkpointer(RestoreAndStep):
         self.engine.wait()
 
     @property
-    def stats(self):
+    def stats(self) -> EngineStats:
         """The engine's counts: ``landed`` snapshots (sealed, restorable), ``skipped`` ones
         (due while the previous was still busy: ``engine.on_sealing="skip"``), ``requested``."""
         return self.engine.stats

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from memckpt.checkpointer import RestoreAndStep
 from memckpt.errors import ConfigError, MemckptError
+from memckpt.runtime.worker.replicator import Replicator
 from memckpt.runtime.worker.worker import RestoreInstruction, WorkerContext, WorkerSpec
 from memckpt.format.state import TrainState
 
@@ -75,7 +76,7 @@ class RayTrainContext(RestoreAndStep):
         return self._inner.last_step
 
     @property
-    def replicator(self):
+    def replicator(self) -> Replicator:
         return self._inner.replicator
 
     @property
