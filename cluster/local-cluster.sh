@@ -19,7 +19,7 @@ case "${1:-}" in
       echo "already running (pid $(cat "$state/pid")):"; cat "$state/ready.json"; echo; exit 0
     fi
     rm -f "$state/ready.json"
-    RAY_AUTH_MODE=disabled nohup python -m memckpt.runtime.local_cluster --nodes "${2:-3}" \
+    RAY_AUTH_MODE=disabled nohup python -m memckpt.runtime.tools.local_cluster --nodes "${2:-3}" \
       --cpus-per-node "${3:-2}" \
       --dashboard-port "${MEMCKPT_DASHBOARD_PORT:-8265}" --ready-file "$state/ready.json" >"$state/cluster.log" 2>&1 &
     echo $! >"$state/pid"

@@ -1,7 +1,9 @@
 """memckpt: fault-tolerant in-memory replica checkpointing for PyTorch training on Ray."""
 
+import os as _os
+import typing as _typing
 from importlib import import_module as _import_module
-from typing import Any as _Any
+from typing import Any as _Any, Callable as _Callable, ContextManager as _ContextManager
 
 from memckpt import config as _config
 from memckpt.config import (ChaosEvent, Config, EngineConfig, FailureConfig, LoadSpec,
@@ -9,11 +11,19 @@ from memckpt.config import (ChaosEvent, Config, EngineConfig, FailureConfig, Loa
 from memckpt.errors import MemckptError
 from memckpt.version import __version__
 
+if _typing.TYPE_CHECKING:  # what the lazily loaded names are, for type checkers and IDEs
+    from memckpt.checkpointer import Checkpointer
+    from memckpt.format.data import ResumableSampler
+    from memckpt.format.dcp_reader import MemckptReader
+    from memckpt.format.state import TrainState
+    from memckpt.runtime.tools.faults import FaultInjector
+    from memckpt.runtime.worker.context import WorkerContext
+
 # Imported on first use: they need torch, which the replica stores and the coordinator
 # (processes that only move bytes and keep books) never import (0.8 s and ~0.25 GiB each).
 # WorkerContext needs Ray as well.
 _LAZY = {"Checkpointer": "memckpt.checkpointer", "ResumableSampler": "memckpt.format.data",
-         "TrainState": "memckpt.format.state", "WorkerContext": "memckpt.runtime.worker"}
+         "TrainState": "memckpt.format.state", "WorkerContext": "memckpt.runtime.worker.worker"}
 
 
 def __getattr__(name: str) -> _Any:
@@ -26,7 +36,7 @@ def __getattr__(name: str) -> _Any:
     raise AttributeError(f"module 'memckpt' has no attribute {name!r}")
 
 
-def dcp_reader(uri_or_path, step=None):
+def dcp_reader(uri_or_path: str | _os.PathLike[str], step: int | None = None) -> "MemckptReader":
     """A ``torch.distributed.checkpoint`` StorageReader over the newest (or ``step``'s)
     memckpt checkpoint under a local directory or ``s3://bucket/prefix``; see
     :mod:`memckpt.format.dcp_reader` for the names it gives each tensor."""
@@ -34,17 +44,20 @@ def dcp_reader(uri_or_path, step=None):
     return open_reader(uri_or_path, step)
 
 
-def keep_workers():
+def keep_workers() -> _ContextManager[None]:
     """A block whose ``memckpt.run`` calls hand their worker processes on to the next
-    one instead of starting new ones; see :mod:`memckpt.runtime.kept`."""
-    from memckpt.runtime.kept import keep_workers as _keep
+    one instead of starting new ones; see :mod:`memckpt.runtime.driver.kept`."""
+    from memckpt.runtime.driver.kept import keep_workers as _keep
     return _keep()
 
 
-def run(train_fn, config, **kwargs):
-    """Run ``train_fn(ctx)`` on Ray with in-memory replicas; see :func:`memckpt.runtime.driver.run`."""
-    from memckpt.runtime.driver import run as _run
-    return _run(train_fn, config, **kwargs)
+def run(train_fn: _Callable[["WorkerContext"], _Any], config: Config, *, address: str | None = None,
+        summary: str | _os.PathLike[str] | None = None, run_dir: str | _os.PathLike[str] | None = None,
+        injector: "FaultInjector | None" = None, quiet: bool = False) -> dict[str, _Any]:
+    """Run ``train_fn(ctx)`` on Ray with in-memory replicas; see :func:`memckpt.runtime.driver.driver.run`."""
+    from memckpt.runtime.driver.driver import run as _run
+    return _run(train_fn, config, address=address, summary=summary, run_dir=run_dir,
+                injector=injector, quiet=quiet)
 
 __all__ = [
     "Checkpointer", "ChaosEvent", "Config", "EngineConfig", "FailureConfig", "LoadSpec", "MemckptError",

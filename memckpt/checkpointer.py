@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -28,17 +28,37 @@ from memckpt.errors import ChecksumError, MemckptError, StateError
 from memckpt.engine.stop import STOP, Control
 from memckpt.util.fsutil import write_atomic
 from memckpt.persist.catalog import protect
+from memckpt.persist.manifest import ShardEntry
 from memckpt.persist.uploader import Persister, persisted_restore
 from memckpt.engine.populate import MIN_BYTES, POOL
 from memckpt.engine.restore import VerifiedViews, load_memory
-from memckpt.engine.snapshot import SnapshotEngine, newest_layout_in
+from memckpt.engine.snapshot import EngineStats, SnapshotEngine, newest_layout_in
 from memckpt.policy.threads import hash_threads, local_ranks_from, usable_cores
 from memckpt.format.state import TrainState, restore_allocations, same_layout
 
 log = logging.getLogger("memckpt")
 
 
-class Checkpointer:
+@runtime_checkable
+class RestoreAndStep(Protocol):
+    """One rank's restore and step, whichever front door serves it: :class:`Checkpointer`
+    (one process), the runtime's rank (``RankCheckpointer``), the context ``memckpt.run``
+    hands the training function (``WorkerContext``), ``memckpt.ray_train.context()``
+    (``RayTrainContext``) and the integrations' ``Saver`` over any of them.
+
+    ``restore(state)`` loads the step to continue after into ``state`` and returns it (0 on
+    a fresh start); ``step(state, step)`` is called after each finished step and snapshots
+    when ``config.snapshot_every`` says so. Each class adds only what is its own.
+    """
+
+    config: Config
+
+    def restore(self, state: TrainState) -> int: ...
+
+    def step(self, state: TrainState, step: int) -> object: ...
+
+
+class Checkpointer(RestoreAndStep):
     """In-RAM snapshots for one rank, double-buffered in shared memory.
 
     Guarantees: ``step()`` returns once the local copy is taken (in overlap mode,
@@ -47,11 +67,13 @@ class Checkpointer:
     snapshot whose checksums verify, newest first, and says which it skipped.
     """
 
+    # A sealed snapshot counts as committed: one process has no copies elsewhere to wait for.
+    commits_when_sealed = True
+
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1,
-                 directory: Optional[str | Path] = None, *, gated: bool = False,
+                 directory: Optional[str | Path] = None, *,
                  on_sealed: Optional[Callable[[int, Path], None]] = None,
-                 persist: bool = True, local_ranks: Optional[int] = None,
-                 prefill: bool = True) -> None:
+                 local_ranks: Optional[int] = None) -> None:
         if not isinstance(config, Config):
             raise StateError(f"Checkpointer needs a memckpt.Config, got {type(config).__name__}")
         self.config = config
@@ -62,24 +84,27 @@ class Checkpointer:
         # ranks on this node share its cores: LOCAL_WORLD_SIZE (torchrun) unless given
         local = local_ranks if local_ranks is not None else local_ranks_from(os.environ)
         # before the engine maps the slots, so the two run side by side
-        self._prefilled = prefill and self._prefill()
+        self._prefilled = self._prefill()
         self.engine = SnapshotEngine(
             self.directory, mode=config.snapshot_mode, on_fall_behind=config.failure.on_fall_behind,
             identity={"job": config.job_name, "rank": rank, "world_size": world_size,
                       "fingerprint": config.fingerprint()},
-            gated=gated, on_complete=self._sealed, on_sealing=config.engine.on_sealing,
+            gated=not self.commits_when_sealed, on_complete=self._sealed, on_sealing=config.engine.on_sealing,
             seal_threads=hash_threads(config.engine.seal_threads, usable_cores(), local))
         self._on_sealed = on_sealed
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its pre-hook handle
         self.control = Control(config.stop_file)
         self.should_stop = False  # set when a stop file or signal asked the loop to end
-        self.persister: Optional[Persister] = None
-        if persist and config.persistence:
-            self.persister = Persister(
-                config.persistence, rank, lambda s: self.engine.reading(s, verify=False),
-                self.directory / "staging.bin",
-                folder_for=self._folder_for,
-                on_written=self._commit, on_event=self._event, world_size=world_size)
+        self.persister = self._make_persister()
+
+    def _make_persister(self) -> Optional[Persister]:
+        """This process persists its own sealed snapshots to the configured tiers."""
+        if not self.config.persistence:
+            return None
+        return Persister(
+            self.config.persistence, self.rank, lambda s: self.engine.reading(s, verify=False),
+            self.directory / "staging.bin", folder_for=self._folder_for,
+            on_written=self._commit, on_event=self._event, world_size=self.world_size)
 
     def _prefill(self) -> bool:
         """A process that finds a snapshot in RAM (a restart after a crash) is about to
@@ -99,7 +124,7 @@ class Checkpointer:
             POOL.clear()
 
     def _sealed(self, step: int, path: Path) -> None:
-        if self.persister is not None and not self.engine.gated:  # sealed == committed here
+        if self.persister is not None:  # sealed == committed here
             # never waits for storage: an upload in flight makes this a pending request
             self.persister.submit(step, self.persister.due(step), stage_now=True)
         if self._on_sealed is not None:
@@ -109,7 +134,7 @@ class Checkpointer:
         assert self.persister is not None  # only the persister calls it
         return self.persister.stores[tier].folder_for(step)
 
-    def _commit(self, tier: int, step: int, entry) -> None:
+    def _commit(self, tier: int, step: int, entry: ShardEntry) -> None:
         assert self.persister is not None  # only the persister calls it
         store = self.persister.stores[tier]
         store.commit(step, self.world_size, [entry], self.config.fingerprint(),
@@ -129,15 +154,23 @@ class Checkpointer:
         the training loop to end.
         """
         action = self.control.at(step)
-        if step % self.config.snapshot_every and action is None:
+        if not self.due(step) and action is None:
             return False
-        if self.config.snapshot_mode == "overlap":
-            self._hook_optimizers(state)
-        took = self.engine.snapshot(state.capture(step), step)
+        took = self.snapshot(state, step)
         if action is not None:
             self.persist_now(step)
             self.should_stop = action == STOP
         return took
+
+    def due(self, step: int) -> bool:
+        """``step`` is one ``config.snapshot_every`` asks a snapshot of."""
+        return step % self.config.snapshot_every == 0
+
+    def snapshot(self, state: TrainState, step: int) -> bool:
+        """Snapshot ``step`` now, due or not. Returns False when skipped by policy."""
+        if self.config.snapshot_mode == "overlap":
+            self._hook_optimizers(state)
+        return self.engine.snapshot(state.capture(step), step)
 
     def persist_now(self, step: Optional[int] = None, timeout_s: Optional[float] = None) -> bool:
         """Persist the newest (or ``step``'s) snapshot to every tier and wait for it: up to
@@ -172,7 +205,7 @@ class Checkpointer:
         self.engine.wait()
 
     @property
-    def stats(self):
+    def stats(self) -> EngineStats:
         """The engine's counts: ``landed`` snapshots (sealed, restorable), ``skipped`` ones
         (due while the previous was still busy: ``engine.on_sealing="skip"``), ``requested``."""
         return self.engine.stats

@@ -8,7 +8,7 @@ same message. Messages name the setting or action that fixes the problem.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 
 class MemckptError(Exception):
@@ -20,7 +20,7 @@ class MemckptError(Exception):
         super().__init__(message)
         self.message = message
 
-    def __reduce__(self):  # keep the type and message across processes
+    def __reduce__(self) -> tuple[Any, ...]:  # keep the type and message across processes
         return (type(self), (self.message,))
 
 
@@ -82,7 +82,7 @@ class PersistError(MemckptError):
         self.retryable = bool(retryable)
         self.uri = uri
 
-    def __reduce__(self):  # keep the type, message and flags across processes (Ray)
+    def __reduce__(self) -> tuple[Any, ...]:  # keep the type, message and flags across processes (Ray)
         return (type(self), (self.message, self.retryable, self.uri))
 
 

@@ -93,6 +93,13 @@ def _init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
+class _Unpersisted(memckpt.Checkpointer):
+    """The job's Checkpointer, its config's tier left to this script (it stores the shards)."""
+
+    def _make_persister(self) -> None:
+        return None
+
+
 def _config(root: str, ram: str, **load: Any) -> memckpt.Config:
     return memckpt.Config(job_name="reshard", ram_root=ram, persistence=[memckpt.PersistTier(root)],
                           load=memckpt.LoadSpec(**load))
@@ -123,12 +130,12 @@ def write_job(rank: int, world: int, port: int, layout: str, root: str, ram: str
         state = memckpt.TrainState(model=model, optimizer=opt)
         for _ in range(steps):
             train_step(model, opt, rank)
-        ckpt = memckpt.Checkpointer(_config(root, ram), rank, world, persist=False)
+        ckpt = _Unpersisted(_config(root, ram), rank, world)
         ckpt.step(state, steps)
         ckpt.wait()
         with ckpt.engine.reading(steps) as shard:
             if stores:
-                from memckpt.runtime.transport import StoreConnection
+                from memckpt.runtime.node.transport import StoreConnection
                 for address in stores[rank]:
                     conn = StoreConnection(tuple(address))
                     conn.send(rank, steps, shard.raw, shard.header["data_xxh3"], gen=-1,
@@ -210,7 +217,7 @@ def ram_restore_job(rank: int, world: int, port: int, layout: str, holders: Any,
     from memckpt.config import CONTENT_KINDS
     from memckpt.format.dcp_reader import MemckptReader
     from memckpt.format.reshard import load_resharded
-    from memckpt.runtime.ram_source import ReplicaSource
+    from memckpt.runtime.worker.ram_source import ReplicaSource
     with _rank(rank, world, port, layout, out):
         model, opt, _ = build(layout, seed=123)
         state = memckpt.TrainState(model=model, optimizer=opt)

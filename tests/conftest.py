@@ -64,7 +64,7 @@ class _Shared:
     @classmethod
     def get(cls):
         if cls.cluster is None:
-            from memckpt.runtime.local_cluster import LocalCluster
+            from memckpt.runtime.tools.local_cluster import LocalCluster
             # no log monitor (worker_logs=False): it re-reads the size of every log file any
             # worker of the session ever wrote, ten times a second (~600 files by the end),
             # to stream workers' prints to a driver; the tests read events and results
@@ -129,7 +129,7 @@ STORE_JOB, STORE_NODE = "t", "nodeA"
 @pytest.fixture
 def store(ram_root):
     """A real ReplicaStore (no Ray) for job STORE_JOB on node STORE_NODE, cleared after."""
-    from memckpt.runtime.replica_store import ReplicaStore
+    from memckpt.runtime.node.replica_store import ReplicaStore
     s = ReplicaStore(ram_root=ram_root, job=STORE_JOB, node_id=STORE_NODE)
     yield s
     s.clear()
@@ -137,8 +137,8 @@ def store(ram_root):
 
 @pytest.fixture
 def sender(store):
-    """A worker's TCP connection into ``store`` (memckpt.runtime.transport)."""
-    from memckpt.runtime.transport import StoreConnection
+    """A worker's TCP connection into ``store`` (memckpt.runtime.node.transport)."""
+    from memckpt.runtime.node.transport import StoreConnection
     snd = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
     yield snd
     snd.close()
@@ -148,7 +148,7 @@ def held_replica(store, rank: int, step: int):
     """The bytes of ``rank``'s replica of ``step`` as ``store`` holds it on disk."""
     import numpy as np
 
-    from memckpt.runtime.replica_store import scan
+    from memckpt.runtime.node.replica_store import scan
     return np.fromfile(scan(store.replicas)[rank][step], dtype=np.uint8)
 
 
@@ -192,7 +192,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 # -- a job's coordinator, for drills that watch a run from outside --
 def coordinator(name: str):
     import ray
-    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+    from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE, coordinator_name
     return ray.get_actor(coordinator_name(name), namespace=COORDINATOR_NAMESPACE)
 
 

@@ -25,9 +25,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("persist", ("memckpt.persist",)),
     ("engine", ("memckpt.engine",)),
     ("format", ("memckpt.format",)),
-    # the base: configuration, errors, version, pure decisions and plain helpers
-    ("base", ("memckpt.config", "memckpt.errors", "memckpt.version", "memckpt.policy",
-              "memckpt.util")),
+    # configuration checks itself with the pure decisions (placement's feasibility); no
+    # decision reads a Config: the arrow between them points one way
+    ("config", ("memckpt.config",)),
+    # the base: errors, version, pure decisions and plain helpers
+    ("base", ("memckpt.errors", "memckpt.version", "memckpt.policy", "memckpt.util")),
 ]
 # the public face at the top level; every other module lives in a room (sub-package)
 TOP_LEVEL = {"memckpt", "memckpt.config", "memckpt.errors", "memckpt.version",
@@ -36,6 +38,18 @@ FACADE = "memckpt"
 FACADE_LAYER = "runtime"
 MAX_LINES = 600
 PURE_ROOMS = ("memckpt.policy",)  # every module in them imports neither Ray nor torch
+# Inside runtime, one room per process that runs it (and the operator tools). A room never
+# imports the rooms named here: a node's actors and the coordinator run beside the driver and
+# the workers, never as them, and hold neither their code nor torch; a worker is told what to
+# do by the driver and never reaches back. ray_nodes.py, shared by all, imports no room.
+RUNTIME = "memckpt.runtime"
+ROOMS_NOT_IMPORTED: dict[str, tuple[str, ...]] = {
+    "memckpt.runtime.node": ("driver", "worker", "tools"),
+    "memckpt.runtime.coordinator": ("driver", "worker", "tools", "node"),
+    "memckpt.runtime.worker": ("driver",),
+    "memckpt.runtime.tools": ("driver", "worker"),
+    "memckpt.runtime.ray_nodes": ("driver", "worker", "tools", "node", "coordinator"),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -106,6 +120,33 @@ def test_no_import_points_up():
                 up.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} ({names[_layer(module)]})"
                           f" imports {target} ({names[_layer(target)]})")
     assert not up, "imports that point up a layer:\n" + "\n".join(up)
+
+
+def _in(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_runtime_rooms_follow_their_processes():
+    rooms = {m.split(".")[2] for m in MODULES if m.startswith(RUNTIME + ".") and m.count(".") >= 3}
+    assert rooms == {"driver", "worker", "node", "coordinator", "tools"}, rooms
+    wrong = []
+    for module in MODULES:
+        for room, forbidden in ROOMS_NOT_IMPORTED.items():
+            if not _in(module, room):
+                continue
+            for target, _, line in _imports(module):
+                hit = [f for f in forbidden if _in(target, f"{RUNTIME}.{f}")]
+                if hit:
+                    wrong.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports "
+                                 f"{target} (the {hit[0]} room)")
+    assert not wrong, "runtime rooms that import another process's code:\n" + "\n".join(wrong)
+
+
+def test_config_and_policy_import_one_way():
+    graph = _edges()
+    assert "memckpt.policy.placement" in graph["memckpt.config"]  # the checker sees the arrow
+    back = sorted(m for m in graph if _in(m, "memckpt.policy") and "memckpt.config" in graph[m])
+    assert not back, f"policy modules that import memckpt.config: {back}"
 
 
 def test_no_import_cycles():
@@ -209,6 +250,8 @@ def test_the_checker_sees_what_it_checks():
     graph = _edges()
     assert any("memckpt.checkpointer" in graph[m] for m in graph if m.startswith("memckpt.runtime."))
     assert "memckpt.persist.uploader" in graph["memckpt.checkpointer"]
-    assert _layer("memckpt.cli.main") < _layer("memckpt.demo.job") < _layer("memckpt.runtime.driver") \
+    assert _layer("memckpt.cli.main") < _layer("memckpt.demo.job") < _layer("memckpt.runtime.driver.driver") \
         < _layer("memckpt.checkpointer") < _layer("memckpt.persist.uploader") < _layer("memckpt.format.state")
     assert _layer("memckpt.ray_train.anything") == _layer("memckpt.bench.common")
+    assert _layer("memckpt.config") < _layer("memckpt.policy.placement") == _layer("memckpt.errors")
+    assert "memckpt.runtime.node.replica_store" in graph["memckpt.runtime.worker.context"]

@@ -440,3 +440,28 @@ def test_close_removes_the_overlap_hook_from_the_optimizer(ram_root):
     ckpt.close(unlink=True)
     assert len(opt._optimizer_step_pre_hooks) == 0
     opt.step()  # no hook left to call into the closed engine
+
+
+def test_every_ranks_restore_and_step_implements_one_interface():
+    """The five "one rank's restore and step" classes share one Protocol, and Checkpointer
+    takes no flag that only a subclass would set (each says what is its own)."""
+    import inspect
+
+    from memckpt.checkpointer import RestoreAndStep
+    from memckpt.integrations.saver import Saver
+    from memckpt.ray_train.context import RayTrainContext
+    from memckpt.runtime.worker.context import WorkerContext
+    from memckpt.runtime.worker.rank_checkpointer import RankCheckpointer
+    for cls in (memckpt.Checkpointer, RankCheckpointer, WorkerContext, RayTrainContext, Saver):
+        assert RestoreAndStep in cls.__mro__, cls
+    assert not {"gated", "persist", "prefill"} & set(inspect.signature(memckpt.Checkpointer).parameters)
+
+
+def test_snapshot_every_is_read_in_one_place():
+    import ast
+    package = Path(memckpt.__file__).parent
+    readers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
+                     for node in ast.walk(ast.parse(p.read_text()))
+                     if isinstance(node, ast.Attribute) and node.attr == "snapshot_every"
+                     and isinstance(node.ctx, ast.Load) and p.name != "config.py")
+    assert readers == ["checkpointer.py"], readers

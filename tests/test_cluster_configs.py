@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from memckpt.runtime.local_cluster import FAST_HEALTH_CHECKS
+from memckpt.runtime.tools.local_cluster import FAST_HEALTH_CHECKS
 
 ROOT = Path(__file__).resolve().parents[1] / "cluster"
 
@@ -54,14 +54,14 @@ def test_local_cluster_script_usage():
 
 
 def test_local_cluster_refuses_bad_sizes_and_ports_in_one_line():
-    """``python -m memckpt.runtime.local_cluster`` (behind cluster/local-cluster.sh) checks
+    """``python -m memckpt.runtime.tools.local_cluster`` (behind cluster/local-cluster.sh) checks
     its numbers before it starts anything: exit 2 and the usage's one error line."""
     for args, says in ((["--nodes", "0"], "--nodes and --cpus-per-node must be >= 1"),
                        (["--dashboard-port", "70000"], "--dashboard-port must be a TCP port "
                         "(1-65535, or 0 for any free one), not 70000"),
                        (["--dashboard-port", "-1"], "--dashboard-port must be a TCP port "
                         "(1-65535, or 0 for any free one), not -1")):
-        res = subprocess.run([sys.executable, "-m", "memckpt.runtime.local_cluster", *args],
+        res = subprocess.run([sys.executable, "-m", "memckpt.runtime.tools.local_cluster", *args],
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 2, res.stderr
         assert res.stderr.splitlines()[-1].endswith(f"error: {says}"), res.stderr

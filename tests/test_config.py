@@ -236,6 +236,51 @@ def test_fingerprint_tracks_layout_not_drills():
 
 
 def test_a_steady_chaos_event_schedules_a_steady_fault():
-    from memckpt.runtime.faults import Fault
+    from memckpt.runtime.tools.faults import Fault
     assert Fault.from_chaos(ChaosEvent(step=4, rank=1, steady=True)).steady is True
     assert Fault.from_chaos(ChaosEvent(step=4, rank=1)).steady is False
+
+
+def _documented_defaults() -> dict[str, dict[str, str]]:
+    """docs/configuration.md: dataclass name -> field -> the default column's first code span."""
+    import re
+    out: dict[str, dict[str, str]] = {}
+    section = None
+    page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    for line in page.read_text().splitlines():
+        if m := re.match(r"^## `(\w+)`$", line):
+            section = m.group(1)
+            out[section] = {}
+        elif section and (m := re.match(r"^\| `(\w+)` \| ([^|]*) \|", line)):
+            code = re.match(r"`([^`]*)`", m.group(2).strip())
+            out[section][m.group(1)] = code.group(1) if code else m.group(2).strip()
+    return out
+
+
+def test_documented_defaults_are_the_dataclasses_defaults():
+    """Each table of docs/configuration.md names every field of its dataclass, with the
+    default the code has: a default changed in one place fails here until the other follows."""
+    import ast
+    import dataclasses
+
+    import memckpt
+    documented = _documented_defaults()
+    assert set(documented) >= {"Config", "WorkersConfig", "PlacementConfig", "PersistTier",
+                               "EngineConfig", "FailureConfig", "LoadSpec", "ChaosEvent"}
+    for name, fields in documented.items():
+        cls = getattr(memckpt, name)
+        own = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        assert set(fields) == set(own), f"{name}: documented {sorted(fields)}, fields {sorted(own)}"
+        for field_name, text in fields.items():
+            f = own[field_name]
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                assert text == "(required)", f"{name}.{field_name} has no default, the docs say {text}"
+                continue
+            code = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if text.endswith("()") and text[:-2].isidentifier():
+                said = getattr(memckpt, text[:-2])()
+            else:
+                said = ast.literal_eval(text)
+            assert said == code and type(said) is type(code) or \
+                isinstance(code, float) and said == code, \
+                f"{name}.{field_name}: docs/configuration.md says {text}, the code {code!r}"

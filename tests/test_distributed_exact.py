@@ -47,7 +47,7 @@ class _Stop(Exception):
 
 
 class FakeContext:
-    """A minimal stand-in for :class:`memckpt.runtime.worker.WorkerContext`, backed by a Checkpointer.
+    """A minimal stand-in for :class:`memckpt.runtime.worker.worker.WorkerContext`, backed by a Checkpointer.
 
     The job only uses ``rank``, ``world_size``, ``restore(state) -> int`` and
     ``step(state, step, **metrics)``. With ``ckpt`` None nothing is snapshotted (the

@@ -245,7 +245,7 @@ def _reranked(rank: int, world: int, port: int, out: str, forget: bool) -> None:
 
     from memckpt.errors import StateError
     from memckpt.format.dtensor import chunk_meta
-    from memckpt.runtime.worker import reset_framework_state
+    from memckpt.runtime.worker.worker import reset_framework_state
 
     records = []
     for group, r in enumerate((rank, world - 1 - rank)):

@@ -15,7 +15,7 @@ import torch
 
 import memckpt
 from memckpt.errors import RecoveryError
-from memckpt.runtime.faults import FaultInjector
+from memckpt.runtime.tools.faults import FaultInjector
 from conftest import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
@@ -30,7 +30,7 @@ def one_rank_nodes():
     import ray
 
     import _elastic_job
-    from memckpt.runtime.local_cluster import LocalCluster
+    from memckpt.runtime.tools.local_cluster import LocalCluster
     c = LocalCluster(nodes=3, cpus_per_node=1)
     ray.cloudpickle.register_pickle_by_value(_elastic_job)  # the workers cannot import tests/
     with memckpt.keep_workers():  # each job takes the worker processes the last one left

@@ -10,7 +10,7 @@ import memckpt
 from memckpt.cli.kill import ranks_arg
 from memckpt.config import ChaosEvent
 from memckpt.errors import ConfigError
-from memckpt.runtime.faults import Fault, FaultInjector
+from memckpt.runtime.tools.faults import Fault, FaultInjector
 
 
 def test_a_fault_on_several_ranks_is_carried_out_by_the_driver_for_all_of_them():

@@ -14,7 +14,7 @@ import pytest
 
 import memckpt
 from memckpt.demo.job import FSDPJob
-from memckpt.runtime.faults import FaultInjector
+from memckpt.runtime.tools.faults import FaultInjector
 
 KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
 
@@ -101,7 +101,7 @@ def test_fsdp_job_falls_back_to_the_persisted_tier(full_cluster, reference, tmp_
     so every rank reloads its local chunks from the disk tier, and the run is still exact."""
     import ray
 
-    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+    from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE, coordinator_name
 
     ref = reference("fsdp")
 

@@ -11,8 +11,9 @@ import memckpt
 def test_store_coordinator_and_persistence_run_without_torch():
     # A replica store per node and the coordinator: importing torch would cost each 0.8 s of
     # CPU at every job start and ~0.25 GiB of RAM for as long as the job runs.
-    code = ("import sys, memckpt, memckpt.runtime.replica_store, memckpt.runtime.coordinator, "
-            "memckpt.persist, memckpt.runtime.transport, memckpt.config; "
+    code = ("import sys, memckpt, memckpt.runtime.node.replica_store, "
+            "memckpt.runtime.coordinator.coordinator, "
+            "memckpt.persist, memckpt.runtime.node.transport, memckpt.config; "
             "cfg = memckpt.Config(job_name='x'); "
             "sys.exit('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

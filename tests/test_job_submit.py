@@ -1,5 +1,5 @@
 """End to end as a user runs it: a real head with its dashboard on loopback (held by
-``python -m memckpt.runtime.local_cluster`` in its own process), jobs submitted with
+``python -m memckpt.runtime.tools.local_cluster`` in its own process), jobs submitted with
 ``ray job submit``, drills from other processes with ``memckpt status`` / ``kill``."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def head(tmp_path_factory):
     d = tmp_path_factory.mktemp("head")
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     log = open(d / "cluster.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "memckpt.runtime.local_cluster", "--nodes", "3",
+    proc = subprocess.Popen([sys.executable, "-m", "memckpt.runtime.tools.local_cluster", "--nodes", "3",
                              "--dashboard-port", "0",  # any free one: the shared cluster runs too
                              "--ready-file", str(d / "ready.json")],
                             env=env, stdout=log, stderr=subprocess.STDOUT)

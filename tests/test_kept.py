@@ -19,8 +19,8 @@ import pytest
 
 import memckpt
 from memckpt.demo.job import GPTJob
-from memckpt.runtime import kept
-from memckpt.runtime.kept import KeptWorkers
+from memckpt.runtime.driver import kept
+from memckpt.runtime.driver.kept import KeptWorkers
 from conftest import wait_for
 from test_runtime import config
 

@@ -10,8 +10,8 @@ import pytest
 
 import memckpt
 from memckpt.demo.job import GPTJob
-from memckpt.runtime.metrics import failure_target
-from memckpt.runtime.driver import progress_line
+from memckpt.runtime.coordinator.metrics import failure_target
+from memckpt.runtime.driver.driver import progress_line
 from conftest import wait_for
 
 KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)

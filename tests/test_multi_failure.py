@@ -15,7 +15,7 @@ import pytest
 
 import memckpt
 from memckpt.errors import RecoveryError
-from memckpt.runtime.faults import FaultInjector, send_signals
+from memckpt.runtime.tools.faults import FaultInjector, send_signals
 import test_runtime
 from test_runtime import JOB, KILL_AT, assert_same_run, config, events, run_with
 
@@ -100,7 +100,7 @@ def test_a_node_removed_while_a_worker_on_another_node_is_killed(full_cluster, r
     its node (whose store holds rank 1's replica): every copy survives, so it recovers."""
     import ray
 
-    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+    from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE, coordinator_name
 
     def node_and_worker(node_id: str) -> None:
         coord = ray.get_actor(coordinator_name("node-and-worker"),

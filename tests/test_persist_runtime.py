@@ -9,7 +9,7 @@ import pytest
 
 import memckpt
 from memckpt.demo.job import GPTJob
-from memckpt.runtime.faults import FaultInjector
+from memckpt.runtime.tools.faults import FaultInjector
 from memckpt.persist import CheckpointStore
 from s3_server import aws_test_env, s3_endpoint, s3_uri  # noqa: F401 (fixtures)
 
@@ -50,7 +50,7 @@ def test_lost_ram_copies_fall_back_to_persisted(full_cluster, reference, tmp_pat
     """A node and its replica holder die together: RAM cannot help, disk does."""
     import ray
 
-    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+    from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE, coordinator_name
 
     def kill_with_holder(node_id: str) -> None:
         coord = ray.get_actor(coordinator_name("p-lost"), namespace=COORDINATOR_NAMESPACE)
@@ -93,7 +93,7 @@ def test_whole_cluster_lost_then_new_job_auto_resumes(tmp_path, reference, s3_en
     """Kill every node mid-run (no RAM copy survives), start a new cluster, same S3 root (a
     real endpoint: moto's server on loopback; new raylets inherit the environment). The same
     with a disk tier is the demo's drill (test_demo_ray.py, ``--fault cluster``)."""
-    from memckpt.runtime.local_cluster import LocalCluster
+    from memckpt.runtime.tools.local_cluster import LocalCluster
     monkeypatch.setenv("MEMCKPT_S3_ENDPOINT_URL", s3_endpoint)
     root = s3_uri
     ray_mod = pytest.importorskip("ray")

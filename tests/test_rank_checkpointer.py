@@ -1,4 +1,4 @@
-"""The worker's interface to the snapshot engine (memckpt.runtime.rank_checkpointer), without Ray:
+"""The worker's interface to the snapshot engine (memckpt.runtime.worker.rank_checkpointer), without Ray:
 gated commits, rolling back to a restored step, discarding a corrupt copy, installing a
 fetched copy into a slot of its own."""
 
@@ -12,7 +12,7 @@ import torch
 
 import memckpt
 from memckpt.errors import ChecksumError
-from memckpt.runtime.rank_checkpointer import RankCheckpointer
+from memckpt.runtime.worker.rank_checkpointer import RankCheckpointer
 
 
 def _state(seed: int) -> memckpt.TrainState:

@@ -8,7 +8,7 @@ import pytest
 
 import memckpt
 from memckpt.errors import ConfigError, RecoveryError
-from memckpt.policy.ray_train_layout import KEEP_ALL, holders_for, run_config, train_tier
+from memckpt.ray_train.layout import KEEP_ALL, holders_for, run_config, train_tier
 from memckpt.policy.recovery_plan import plan_in_place
 
 

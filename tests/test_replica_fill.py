@@ -20,8 +20,8 @@ import torch
 
 import memckpt
 from memckpt.format import shard as fmt
-from memckpt.runtime.replica_store import scan
-from memckpt.runtime.transport import StoreConnection, _spans
+from memckpt.runtime.node.replica_store import scan
+from memckpt.runtime.node.transport import StoreConnection, _spans
 from conftest import STORE_JOB, held_replica, shm_base
 
 MIB = 1 << 20
@@ -132,7 +132,7 @@ def test_a_holder_whose_own_rank_stays_behind_stops_waiting_for_it(
         store, sender, local_rank, sender_rank, monkeypatch):
     """An own rank that died (or snapshots at other steps) holds an older step forever: one
     bounded wait, then the following puts go straight to the wire."""
-    import memckpt.runtime.replica_store as st
+    import memckpt.runtime.node.replica_store as st
     monkeypatch.setattr(st, "FILL_WAIT_S", 0.3)
     _snapshot(local_rank, _state(moment_shift=1.0), 4)
     state = _state(moment_shift=0.0)
@@ -147,7 +147,7 @@ def test_a_holder_whose_own_rank_stays_behind_stops_waiting_for_it(
 
 
 def test_a_node_without_own_ranks_does_not_wait(store, sender, sender_rank, monkeypatch):
-    import memckpt.runtime.replica_store as st
+    import memckpt.runtime.node.replica_store as st
     monkeypatch.setattr(st, "FILL_WAIT_S", 30.0)
     shard = _snapshot(sender_rank, _state(moment_shift=0.0), 5)
     assert _send(sender, shard) == len(shard.raw)  # returns at once: nothing to wait for

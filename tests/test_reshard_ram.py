@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from memckpt.runtime.replica_store import ReplicaStore
+from memckpt.runtime.node.replica_store import ReplicaStore
 from _procs import spawn
 from _reshard_job import merged, ram_restore_job, write_job
 

@@ -16,8 +16,8 @@ import pytest
 import memckpt
 from memckpt.demo.job import GPTJob
 from memckpt.errors import PlacementError, RecoveryError
-from memckpt.runtime import kept
-from memckpt.runtime.faults import FaultInjector
+from memckpt.runtime.driver import kept
+from memckpt.runtime.tools.faults import FaultInjector
 
 KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
 
@@ -202,7 +202,7 @@ def test_losing_the_standby_itself_is_survived(full_cluster, tmp_path):
     and ends with the same losses and digest."""
     import ray
 
-    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+    from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE, coordinator_name
 
     def kill_standby(_rank_node: str) -> None:
         coord = ray.get_actor(coordinator_name("standby-lost"), namespace=COORDINATOR_NAMESPACE)
@@ -238,7 +238,7 @@ def test_node_and_its_replica_holder_die_together(full_cluster, tmp_path):
     so no RAM copy of rank 1 survives and (no persistence tier) the job stops naming it."""
     import ray
 
-    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+    from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE, coordinator_name
 
     def kill_with_holder(node_id: str) -> None:
         coord = ray.get_actor(coordinator_name("lost-both"), namespace=COORDINATOR_NAMESPACE)
@@ -279,7 +279,7 @@ def test_store_killed(full_cluster, reference, tmp_path):
 def test_starting_a_cluster_leaves_the_shared_health_checks_alone(cluster):
     """Ray adds its spilling settings to the _system_config dict it is given; the shared
     constant must not collect them (nor pass one session's spill folder to the next)."""
-    from memckpt.runtime.local_cluster import FAST_HEALTH_CHECKS
+    from memckpt.runtime.tools.local_cluster import FAST_HEALTH_CHECKS
     assert dict(FAST_HEALTH_CHECKS) == {"health_check_period_ms": 200,
                                         "health_check_failure_threshold": 4,
                                         "health_check_timeout_ms": 500}
@@ -293,7 +293,7 @@ def test_placement_needs_enough_nodes(full_cluster, tmp_path):
         memckpt.run(JOB, cfg, run_dir=tmp_path, quiet=True)
     # the failed start tore down what it had started: no coordinator is left behind
     import ray
-    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+    from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE, coordinator_name
     with pytest.raises(ValueError):
         ray.get_actor(coordinator_name("too-big"), namespace=COORDINATOR_NAMESPACE)
     assert '"job_failed"' in (tmp_path / "events.jsonl").read_text()
@@ -344,7 +344,7 @@ def test_a_committed_step_0_releases_its_waiters(cluster, tmp_path):
     for it is released at once, not after its wait times out."""
     import ray
 
-    from memckpt.runtime.coordinator import Coordinator
+    from memckpt.runtime.coordinator.coordinator import Coordinator
     coord = ray.remote(Coordinator).options(num_cpus=0).remote(
         "step0-commit", str(tmp_path), 1)
     node = ray.get_runtime_context().get_node_id()
@@ -362,7 +362,7 @@ def test_a_steady_fault_waits_for_the_standby(cluster, tmp_path):
     wait runs out); a plain fault, or one already fired, is answered at once."""
     import ray
 
-    from memckpt.runtime.coordinator import Coordinator
+    from memckpt.runtime.coordinator.coordinator import Coordinator
     coord = ray.remote(Coordinator).options(num_cpus=0).remote("steady-claim", str(tmp_path), 1)
     assert ray.get(coord.claim.remote("plain", 0.0)) is True
     waiting = coord.claim.remote("steady", 600.0)

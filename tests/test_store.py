@@ -1,4 +1,4 @@
-"""Unit tests for memckpt.runtime.replica_store.ReplicaStore, used directly (no Ray).
+"""Unit tests for memckpt.runtime.node.replica_store.ReplicaStore, used directly (no Ray).
 
 The shards are real: a Checkpointer snapshots a small model + AdamW into RAM and
 the test streams those bytes into a store the way a peer's replication would.
@@ -14,7 +14,7 @@ import pytest
 import memckpt
 from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError, PlacementError
-from memckpt.runtime.replica_store import SLOTS, ReplicaStore, StaleGenerationError, node_dir, own_dir
+from memckpt.runtime.node.replica_store import SLOTS, ReplicaStore, StaleGenerationError, node_dir, own_dir
 from conftest import STORE_JOB as JOB, STORE_NODE as NODE
 
 from _shards import _snapshot, _train_state, shards  # noqa: F401 (fixture)

@@ -17,8 +17,8 @@ import torch
 from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, NoSnapshotError, PlacementError, StaleGenerationError
 from memckpt.engine.snapshot import SnapshotEngine
-from memckpt.runtime.replica_store import scan
-from memckpt.runtime.transport import StoreConnection, send_msg
+from memckpt.runtime.node.replica_store import scan
+from memckpt.runtime.node.transport import StoreConnection, send_msg
 from _shards import _train_state, shards  # noqa: F401 (fixture)
 from conftest import held_replica
 
@@ -62,7 +62,7 @@ def test_stale_generation_is_refused_by_type(store, sender, shards):
 def test_generation_change_mid_stream_drops_the_shard(store, shards, monkeypatch):
     """Recovery fences a new generation while an old one is still streaming: the rest of
     the bytes are drained, the shard is refused, and the slot is never listed."""
-    import memckpt.runtime.transport as tr
+    import memckpt.runtime.node.transport as tr
     monkeypatch.setattr(tr, "RECV_CHUNK", 4096)
     raw, digest = shards[2]
     assert len(raw) > 3 * 4096
@@ -108,7 +108,7 @@ def test_cancelled_send_stops_and_closes(store, sender, shards):
 
 
 def test_lack_of_ram_reaches_the_sender(store, sender, shards, monkeypatch):
-    import memckpt.runtime.replica_store as st
+    import memckpt.runtime.node.replica_store as st
     raw, digest = shards[1]
     monkeypatch.setattr(st, "RAM_HEADROOM", 1 << 60)
     with pytest.raises(PlacementError, match="lacks RAM"):

@@ -12,7 +12,7 @@ import weakref
 import pytest
 
 from memckpt.errors import GenerationEnded
-from memckpt.runtime.worker import launcher_env, release_frames
+from memckpt.runtime.worker.worker import launcher_env, release_frames
 
 
 class _Model:
@@ -51,7 +51,7 @@ def test_settled_imports_are_frozen_and_later_garbage_is_still_collected():
     code = textwrap.dedent("""
         import gc, weakref
         import torch
-        from memckpt.runtime.worker import settle_imports
+        from memckpt.runtime.worker.worker import settle_imports
         settle_imports()
         frozen = gc.get_freeze_count()
         model = torch.nn.Linear(4, 4)
@@ -80,7 +80,7 @@ def test_a_survivor_forgets_accelerates_cached_rank():
     code = textwrap.dedent("""
         import os
         from accelerate.state import PartialState
-        from memckpt.runtime.worker import reset_framework_state
+        from memckpt.runtime.worker.worker import reset_framework_state
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="-1")
         assert PartialState(cpu=True).num_processes == 1
         reset_framework_state()

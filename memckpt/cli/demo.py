@@ -126,7 +126,7 @@ def _run_ray(args: argparse.Namespace) -> int:
 def _timeline(job: str) -> None:
     """The elastic demo's picture: loss, failures and the world size over the steps."""
     from memckpt.cli.report import draw, load_timeline
-    from memckpt.runtime.driver import default_run_dir
+    from memckpt.runtime.driver.driver import default_run_dir
     run_dir = default_run_dir(job)
     draw(load_timeline(run_dir), run_dir / "timeline.png")
     print(f"timeline (world size over the steps): {run_dir / 'timeline.png'}; "

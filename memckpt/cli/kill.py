@@ -6,8 +6,8 @@ import argparse
 import random
 
 from memckpt.errors import MemckptError
-from memckpt.runtime.faults import kill_node, send_signals
-from memckpt.runtime.job_client import fetch_status
+from memckpt.runtime.tools.faults import kill_node, send_signals
+from memckpt.runtime.tools.job_client import fetch_status
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

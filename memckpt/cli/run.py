@@ -54,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from memckpt.runtime.driver import run
-    from memckpt.runtime.job_client import probe
+    from memckpt.runtime.driver.driver import run
+    from memckpt.runtime.tools.job_client import probe
     config = load_config(args.config)
     fn = load_train_fn(args.train)
     probe(args.address)  # a cluster that is not there: one line now, not minutes of retries

@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from memckpt.runtime.job_client import fetch_status
+from memckpt.runtime.tools.job_client import fetch_status
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

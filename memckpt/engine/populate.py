@@ -156,7 +156,7 @@ class TensorPool:
             self._free.clear()
 
 
-POOL = TensorPool()  # the process's pool: filled by memckpt.runtime.worker, drawn from by restores
+POOL = TensorPool()  # the process's pool: filled by memckpt.runtime.worker.worker, drawn from by restores
 # How restores load (TrainState.load's ``memory``): into memory faulted in before the copy.
 FAULTED_IN = LoadMemory(before_copy=functools.partial(populate, unless_resident=True),
                         clone=populated_clone)

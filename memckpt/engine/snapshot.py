@@ -16,8 +16,8 @@ chunks are hashed on a small pool of threads (``seal_threads``), which also veri
 a snapshot before it is read back (see :mod:`memckpt.engine.restore`).
 
 A snapshot due while the previous one is still copied or sealed in the background is
-skipped (``on_sealing="skip"``, the default: the step never waits for a seal it does
-not need) or waited for (``"wait"``); :class:`EngineStats` counts what landed.
+waited for (``on_sealing="wait"``, the default: every due snapshot lands) or skipped
+(``"skip"``: the step never waits for a seal); :class:`EngineStats` counts what landed.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ class SnapshotEngine:
                 source: str) -> fmt.Shard:
         """Hold ``step``'s shard received from elsewhere (a peer's replica of this rank) in a
         slot, as if this engine had taken it: ``receive(into)`` streams the bytes into the
-        array ``into(nbytes)`` returns (see :meth:`memckpt.runtime.transport.StoreConnection.fetch`).
+        array ``into(nbytes)`` returns (see :meth:`memckpt.runtime.node.transport.StoreConnection.fetch`).
         They are verified before the slot counts; returns the verified shard. A restore
         then needs no second copy to re-snapshot, and the bytes land in populated pages."""
         # A previous install may still be mapping the other slot in the background: let it

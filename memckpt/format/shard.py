@@ -15,7 +15,7 @@ on disk, so moving a shard is a byte copy and loading one cannot run code::
     64  header JSON: tensor table (name, dtype, shape, offset, nbytes), metadata,
         xxh3-64 of each ``chunk_bytes`` chunk of the data region (what lets a replica
         holder fill chunks it already holds, see
-        :meth:`memckpt.runtime.replica_store.ReplicaStore.fill_local`), and the data
+        :meth:`memckpt.runtime.node.replica_store.ReplicaStore.fill_local`), and the data
         digest ``data_xxh3``
     ... data: each tensor's bytes, contiguous, 64-byte aligned
 

@@ -76,7 +76,6 @@ class HFSnapshots(TrainerCallback):
         self.trainer = trainer
         self.saver = Saver(target, trainer.args.process_index, trainer.args.world_size,
                            who="memckpt.integrations.hf.attach")
-        self.every = self.saver.config.snapshot_every
         # train() reads a trainer_state.json from the folder it resumes from: this rank's own
         self.marker = Path(trainer.args.output_dir) / ".memckpt-resume" / f"rank{trainer.args.process_index}"
         self.folder: Optional[str] = None

@@ -144,7 +144,6 @@ class MemckptCallback(Callback):
         if self.saver is None:
             self.check_ranks(trainer)
             self.saver = Saver(self.target, trainer.global_rank, trainer.world_size, who=WHERE)
-            self.every = self.saver.config.snapshot_every
         self.position = LoopPosition(self, trainer)
 
     def check_ranks(self, trainer: Any) -> None:

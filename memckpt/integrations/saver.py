@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from memckpt.checkpointer import Checkpointer
+from memckpt.checkpointer import Checkpointer, RestoreAndStep
 from memckpt.config import Config
 from memckpt.errors import StateError
 from memckpt.format.state import TrainState
 
 
-class Saver:
+class Saver(RestoreAndStep):
     """``restore``/``step`` over a Checkpointer this object owns, or over a context it borrows.
 
     A Checkpointer made here is closed by :meth:`finished` (its RAM snapshots freed: a second
@@ -27,8 +27,8 @@ class Saver:
                              f"{world_size}; run the script under memckpt.run and pass its ctx, or "
                              "pass memckpt.ray_train.context() inside a TorchTrainer")
         if self.owned:
-            self.inner: Any = Checkpointer(target, rank=rank, world_size=world_size)
-        elif callable(getattr(target, "restore", None)) and callable(getattr(target, "step", None)):
+            self.inner: RestoreAndStep = Checkpointer(target, rank=rank, world_size=world_size)
+        elif isinstance(target, RestoreAndStep):
             self.inner = target
         else:
             raise StateError(f"{who} needs a memckpt.Config, the ctx memckpt.run passes the training "
@@ -44,12 +44,13 @@ class Saver:
 
     def finished(self) -> None:
         """Training ended normally: free an owned Checkpointer's RAM snapshots."""
-        if self.owned and not self.closed:
-            self.closed = True
-            self.inner.close(unlink=True)
+        self._close(unlink=True)
 
     def failed(self) -> None:
         """Training raised: keep the snapshots for the next run."""
-        if self.owned and not self.closed:
+        self._close(unlink=False)
+
+    def _close(self, unlink: bool) -> None:
+        if isinstance(self.inner, Checkpointer) and self.owned and not self.closed:
             self.closed = True
-            self.inner.close()
+            self.inner.close(unlink=unlink)

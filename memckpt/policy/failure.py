@@ -147,7 +147,7 @@ def _classify(obs: Observation) -> Decision:
 
 
 class State(enum.Enum):
-    """The driver's states; a terminal one ends :meth:`memckpt.runtime.driver.Runtime.run`."""
+    """The driver's states; a terminal one ends :meth:`memckpt.runtime.driver.driver.Runtime.run`."""
 
     STARTING = "starting"  # starting a generation of workers
     RUNNING = "running"  # watching it

@@ -23,13 +23,13 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Worker
 from memckpt.config import Config
 from memckpt.errors import ConfigError, RecoveryError
 from memckpt.ray_train import context as worker_side
-from memckpt.runtime.janitor import start_janitor
-from memckpt.policy.ray_train_layout import holders_for, run_config, train_tier
+from memckpt.runtime.node.janitor import start_janitor
+from memckpt.ray_train.layout import holders_for, run_config, train_tier
 from memckpt.policy.recovery_plan import plan_in_place, source_label
-from memckpt.runtime import actors
-from memckpt.runtime.driver import STARTUP_TIMEOUT_S, default_run_dir
-from memckpt.runtime.faults import Fault, aim, deliver, send_signal
-from memckpt.runtime.worker import RestoreInstruction, WorkerSpec
+from memckpt.runtime.driver import actors
+from memckpt.runtime.driver.driver import STARTUP_TIMEOUT_S, default_run_dir
+from memckpt.runtime.tools.faults import Fault, aim, deliver, send_signal
+from memckpt.runtime.worker.worker import RestoreInstruction, WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 gets from :func:`context`, with the same ``restore`` / ``step`` as ``memckpt.run``'s.
 
 :class:`~memckpt.ray_train.MemckptCallback` hands each Ray Train worker its
-:class:`~memckpt.runtime.worker.WorkerSpec` (rank, generation, replica holders, stores,
+:class:`~memckpt.runtime.worker.worker.WorkerSpec` (rank, generation, replica holders, stores,
 coordinator, where to restore from) before the training function starts; the context
-is memckpt's own :class:`~memckpt.runtime.worker.WorkerContext` built from it, plus a
+is memckpt's own :class:`~memckpt.runtime.worker.worker.WorkerContext` built from it, plus a
 heartbeat (a hung rank is found by the coordinator and killed by the callback) and the
 report of persisted steps to Ray Train as its checkpoints.
 """
@@ -17,8 +17,10 @@ import threading
 import time
 from typing import Any, Optional
 
+from memckpt.checkpointer import RestoreAndStep
 from memckpt.errors import ConfigError, MemckptError
-from memckpt.runtime.worker import RestoreInstruction, WorkerContext, WorkerSpec
+from memckpt.runtime.worker.replicator import Replicator
+from memckpt.runtime.worker.worker import RestoreInstruction, WorkerContext, WorkerSpec
 from memckpt.format.state import TrainState
 
 REPORT_WAIT_S = 600.0  # a reported step's manifest is this late: the persisted tier is stuck
@@ -51,7 +53,7 @@ def context() -> "RayTrainContext":
     return _context
 
 
-class RayTrainContext:
+class RayTrainContext(RestoreAndStep):
     """``restore(state)`` -> the step to continue after; ``step(state, step, **metrics)``
     after each step; ``finish()`` at the end reports the last persisted step to Ray Train."""
 
@@ -74,7 +76,7 @@ class RayTrainContext:
         return self._inner.last_step
 
     @property
-    def replicator(self):
+    def replicator(self) -> Replicator:
         return self._inner.replicator
 
     @property
@@ -82,7 +84,7 @@ class RayTrainContext:
         return getattr(self._inner, "restore_source", None)
 
     def stats(self) -> dict[str, Any]:
-        """See :meth:`memckpt.runtime.context.WorkerContext.stats`."""
+        """See :meth:`memckpt.runtime.worker.context.WorkerContext.stats`."""
         return self._inner.stats()
 
     def _heartbeat(self) -> None:

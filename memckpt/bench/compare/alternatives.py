@@ -272,7 +272,7 @@ class StallJob:
         res["state_bytes"] = state.capture(0).nbytes
         res["replicate_s"] = float(ctx.stats()["replicate_s"])
         if ctx.rank == 0:
-            from memckpt.runtime.actors import held_bytes
+            from memckpt.runtime.driver.actors import held_bytes
             res["store_bytes"] = held_bytes(ctx.config.job_name)  # node id -> bytes held
         return res
 

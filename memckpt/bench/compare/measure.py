@@ -15,7 +15,7 @@ from memckpt.bench.common import GIB, ram_dir, rows_from_child
 from memckpt.bench.compare.rows import (BASELINE_NODE, RECOVERY_METHODS, raytrain_suffix,
                                         recovery_rows, scaling_rows, stall_rows)
 from memckpt.bench.recovery.measure import connect_driver
-from memckpt.runtime.kept import keep_workers
+from memckpt.runtime.driver.kept import keep_workers
 
 PLAIN = ("none", "memcpy", "raw-disk-write", "memckpt-local", "torch.save", "dcp-async")
 SELECTABLE = PLAIN[1:] + ("memckpt", "ray-train")  # --methods (the baselines come along)
@@ -41,7 +41,7 @@ def measure_stall(sizes: list[tuple[str, int]], steps: int, warmup: int, compute
                   log: Callable[[str], None],
                   only: tuple[str, ...] = SELECTABLE) -> list[dict[str, Any]]:
     from memckpt.bench.compare import alternatives as alt
-    from memckpt.runtime.local_cluster import LocalCluster
+    from memckpt.runtime.tools.local_cluster import LocalCluster
     raw: dict[str, dict[str, Any]] = {}
     plain = tuple(m for m in PLAIN if m == "none" or m in only)
     for label, size in sizes:
@@ -118,7 +118,7 @@ def measure_recovery(sizes: list[tuple[str, int]], repeats: int, directory: Path
     from memckpt.bench.recovery import measure as rec
     from memckpt.bench.recovery.bench_actors import ColdWorker
     from memckpt.bench.recovery.workload import DEFAULT_LAYERS
-    from memckpt.runtime.local_cluster import LocalCluster
+    from memckpt.runtime.tools.local_cluster import LocalCluster
     biggest = max(s for _, s in sizes)
     store_mb = max(256, int(1.25 * biggest / 2**20) + 128)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -193,7 +193,7 @@ def measure_scaling(size: int, label: str, node_counts: list[int], steps: int, w
                     cluster: Any = None) -> list[dict[str, Any]]:
     """``cluster``: a LocalCluster of at least ``max(node_counts)`` nodes x 2 CPUs to use (left
     running), else one is started here and shut down after."""
-    from memckpt.runtime.local_cluster import LocalCluster
+    from memckpt.runtime.tools.local_cluster import LocalCluster
     own = cluster is None
     if own:
         log(f"scaling: starting a local {max(node_counts)}-node cluster")

@@ -53,7 +53,7 @@ def main(a: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     cluster = None
     if not ray.is_initialized():
-        from memckpt.runtime.local_cluster import LocalCluster
+        from memckpt.runtime.tools.local_cluster import LocalCluster
         cluster = LocalCluster(nodes=2, cpus_per_node=2)
 
     def log(msg: str) -> None:

@@ -158,7 +158,8 @@ class RawReceiver:
 # -- memckpt's own transfer path, with nothing else running ------------------------------------
 class PathClient:
     """A rank's side of memckpt's transfer path, without a training job around it: streams a
-    sealed shard into a peer's :class:`~memckpt.runtime.replica_store.ReplicaStore` as replication does (the
+    sealed shard into a peer's
+    :class:`~memckpt.runtime.node.replica_store.ReplicaStore` as replication does (the
     store writes it into its slot file and verifies it before it acks), and fetches one back
     as a peer restore does (into a preallocated buffer; a restore verifies afterwards)."""
 
@@ -180,7 +181,7 @@ class PathClient:
         """Seal ``step`` (untimed: the snapshot does that) and replicate it; seconds from the
         first byte to the store's verified ack, over a kept connection as the Replicator."""
         from memckpt.format import shard as fmt
-        from memckpt.runtime.transport import StoreConnection
+        from memckpt.runtime.node.transport import StoreConnection
         digest = fmt.seal(self.region, self.layout, self.cap, step, {})
         address = _as_address(address)
         conn = self._conns.get(address)
@@ -193,7 +194,7 @@ class PathClient:
 
     def fetch(self, address: tuple[str, int], rank: int, step: int) -> float:
         """Fetch ``rank``'s shard of ``step`` from the store at ``address``; seconds."""
-        from memckpt.runtime.transport import StoreConnection
+        from memckpt.runtime.node.transport import StoreConnection
         conn = StoreConnection(_as_address(address))
         try:
             t0 = time.perf_counter()

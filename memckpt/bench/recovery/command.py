@@ -1,7 +1,7 @@
 """Recovery time: memckpt against restarting every worker from a torch.save file.
 
 Everything runs in one process on one local multi-node Ray cluster
-(:class:`memckpt.runtime.local_cluster.LocalCluster`: 3 worker nodes of 2 CPUs, a 0-CPU
+(:class:`memckpt.runtime.tools.local_cluster.LocalCluster`: 3 worker nodes of 2 CPUs, a 0-CPU
 head), so both sides see the same machine:
 
   memckpt-worker     a synthetic 2-rank job (one rank per node, ring placement,
@@ -74,7 +74,7 @@ from memckpt.bench.recovery.measure import (CPUS_PER_NODE, GPT_WARMUP_STEPS, NOD
                                             RecoveryBench, connect_driver)
 from memckpt.bench.recovery.report import report
 from memckpt.bench.recovery.rows import Samples, build_rows
-from memckpt.runtime.kept import keep_workers
+from memckpt.runtime.driver.kept import keep_workers
 from memckpt.util.fsutil import fs_type
 
 DEFAULT_REPEATS = 3
@@ -83,7 +83,7 @@ DEFAULT_GPT_STEPS = 30
 
 def machine_info() -> dict[str, Any]:
     return {**_base_machine_info(),
-            "cluster": f"memckpt.runtime.local_cluster.LocalCluster: {NODES} simulated nodes x "
+            "cluster": f"memckpt.runtime.tools.local_cluster.LocalCluster: {NODES} simulated nodes x "
                        f"{CPUS_PER_NODE} CPUs on one machine + a 0-CPU head"}
 
 
@@ -103,7 +103,7 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
                        log: Optional[Callable[[str], None]] = None) -> list[dict[str, Any]]:
     """Measure everything in one run on one local cluster; returns the result rows.
 
-    ``cluster``: an existing :class:`~memckpt.runtime.local_cluster.LocalCluster` with 3 worker nodes
+    ``cluster``: an existing :class:`~memckpt.runtime.tools.local_cluster.LocalCluster` with 3 worker nodes
     (left running), else one is started and shut down here. ``wait_quiet_s``: before each
     measurement wait up to that long for other processes to leave the CPU (shared machines).
     Every sample records ``foreign_cpu``, the CPU share other processes took during it.
@@ -125,7 +125,7 @@ def run_recovery_bench(state_mb: float = DEFAULT_STATE_MB, repeats: int = DEFAUL
     own = cluster is None
     try:
         if own:
-            from memckpt.runtime.local_cluster import LocalCluster
+            from memckpt.runtime.tools.local_cluster import LocalCluster
             # The object store must hold one whole shard (a peer restore moves it as one object).
             store_mb = max(256, int(1.25 * target / 2**20) + 128)
             log(f"starting a local cluster: {NODES} nodes x {CPUS_PER_NODE} CPUs, "

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from memckpt.bench.foreign_load import ForeignLoad, wait_quiet
 from memckpt.bench.recovery.bench_actors import ColdWorker, PathClient, RawReceiver, RawSender
 from memckpt.bench.recovery.workload import RecoveryJob, StepTimedJob, layout, state_nbytes
-from memckpt.runtime.actors import on_node
+from memckpt.runtime.ray_nodes import on_node
 
 WORLD_SIZE = 2
 NODES = 3
@@ -121,7 +121,7 @@ class RecoveryBench:
 
     def memckpt_recovery(self, kind: str, rep: int) -> dict[str, Any]:
         import memckpt
-        from memckpt.runtime.faults import FaultInjector
+        from memckpt.runtime.tools.faults import FaultInjector
 
         name = self._name(f"bench-recovery-{kind}-{rep}")
         job = RecoveryJob(steps=self.kill_at + self.steps_after, state_bytes=self.state_bytes_target,
@@ -217,11 +217,12 @@ class RecoveryBench:
     def transfer_paths(self, a: str, b: str, nbytes: int) -> dict[str, Any]:
         """memckpt's replication and fetch paths between nodes ``a`` and ``b`` with no job
         running, and raw TCP between the same nodes in the same call. A client per node
-        streams a sealed shard into a :class:`~memckpt.runtime.replica_store.ReplicaStore` on the other node,
+        streams a sealed shard into a
+        :class:`~memckpt.runtime.node.replica_store.ReplicaStore` on the other node,
         both at once, :data:`PATH_ROUNDS` times (a new step each round; the store verifies
         before it acks); then ``b``'s client fetches its shard back from ``a``'s store."""
         ray = self.ray
-        from memckpt.runtime.replica_store import ReplicaStore
+        from memckpt.runtime.node.replica_store import ReplicaStore
         raw_2way = self.raw_tcp([(a, b), (b, a)], nbytes)
         (raw_1way,) = self.raw_tcp([(a, b)], nbytes)
         actors = []

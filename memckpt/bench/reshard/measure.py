@@ -55,7 +55,7 @@ def _writer(rank: int, world: int, port: int, width: int, work: str, store: Any)
 
     import memckpt
     from memckpt.persist import CheckpointStore
-    from memckpt.runtime.transport import StoreConnection
+    from memckpt.runtime.node.transport import StoreConnection
     try:
         _init(rank, world, port)
         torch.manual_seed(rank)
@@ -65,7 +65,7 @@ def _writer(rank: int, world: int, port: int, width: int, work: str, store: Any)
         opt.step()
         state = memckpt.TrainState(model=model, optimizer=opt, rng=False)
         cfg = memckpt.Config(job_name="bench-reshard", ram_root=f"{work}/ram-w")
-        ckpt = memckpt.Checkpointer(cfg, rank, world, persist=False)
+        ckpt = memckpt.Checkpointer(cfg, rank, world)  # no tier: nothing persisted
         ckpt.step(state, 1)
         ckpt.wait()
         with ckpt.engine.reading(1) as shard:
@@ -100,7 +100,7 @@ def _reader(rank: int, world: int, port: int, width: int, work: str, source: str
     from memckpt.persist import CheckpointStore
     from memckpt.persist.dcp_source import PersistedSource, newest_manifest
     from memckpt.format.reshard import load_resharded
-    from memckpt.runtime.ram_source import ReplicaSource
+    from memckpt.runtime.worker.ram_source import ReplicaSource
     try:
         _init(rank, world, port)
         model, opt = _model(width, world, meta=True)
@@ -153,7 +153,7 @@ def run_reshard_bench(size: int, worlds: tuple[int, ...] = (2, 3),
 
     from memckpt.format import shard as fmt
     from memckpt.persist import CheckpointStore, ShardEntry
-    from memckpt.runtime.replica_store import ReplicaStore
+    from memckpt.runtime.node.replica_store import ReplicaStore
     work = tempfile.mkdtemp(prefix="memckpt-bench-reshard-", dir=directory)
     width = _width(size)
     try:

@@ -151,11 +151,13 @@ def run_steps(method: str, size: int, steps: int, directory: Path, ram_root: str
         timed(hooks.saver, "step", blocking)
         if kill_after is not None:
             saver, step_fn = hooks.saver, hooks.saver.step
+            assert isinstance(saver.inner, memckpt.Checkpointer)  # made here from a Config
+            wait = saver.inner.wait
 
             def last(state: Any, step: int) -> None:
                 step_fn(state, step)
                 if step == steps:
-                    saver.inner.wait()
+                    wait()
                     kill_after.write_text(json.dumps(figures(ended=False)))
                     os.kill(os.getpid(), signal.SIGKILL)
             saver.step = last  # type: ignore[method-assign]

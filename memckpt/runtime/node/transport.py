@@ -11,7 +11,7 @@ store, which generation) stays on Ray; only the bytes take this path.
 Before the bytes flow, the store fills the data chunks its own node already holds
 at that step (the same checksum in a shard of another rank: DDP's parameters are
 identical on every rank) with a local copy, and the sender skips them: only what
-the holder lacks crosses the network (see :meth:`memckpt.runtime.replica_store.ReplicaStore.fill_local`).
+the holder lacks crosses the network (see :meth:`memckpt.runtime.node.replica_store.ReplicaStore.fill_local`).
 
 A restore after a node failure pulls a shard the same way in the other direction
 (``fetch``): the store ``sendall``s its file, the worker receives it into one
@@ -58,7 +58,7 @@ _ERRORS: dict[str, type[MemckptError]] = {
 
 
 class Receiver(Protocol):
-    """What the server needs from a store (see :class:`memckpt.runtime.replica_store.ReplicaStore`)."""
+    """What the server needs from a store (see :class:`memckpt.runtime.node.replica_store.ReplicaStore`)."""
 
     def begin(self, rank: int, step: int, nbytes: int, checksum: str, gen: int = -1) -> bool: ...
 

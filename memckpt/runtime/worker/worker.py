@@ -1,6 +1,6 @@
 """A training worker: one rank's process, as a long-lived Ray actor (:class:`Worker`).
 
-Each generation it runs the user's function with a :class:`~memckpt.runtime.context.WorkerContext`
+Each generation it runs the user's function with a :class:`~memckpt.runtime.worker.context.WorkerContext`
 (the context, the replicator and the rank's checkpointer live in their own modules); a
 survivor is reused for the next generation, and a spare made ahead of time keeps the
 memory a restore fills ready (:meth:`Worker.prefault`).
@@ -24,9 +24,9 @@ from memckpt.engine.buffers import resolve_ram_root
 from memckpt.config import Config
 from memckpt.util.netutil import free_port
 from memckpt.engine.populate import MIN_BYTES, POOL, HostReserve, SlotReserve, spare_budget
-from memckpt.runtime.context import StopTraining, WorkerContext
-from memckpt.runtime.replica_store import node_dir
-from memckpt.runtime.spec import RestoreInstruction, WorkerSpec
+from memckpt.runtime.worker.context import StopTraining, WorkerContext
+from memckpt.runtime.node.replica_store import node_dir
+from memckpt.runtime.worker.spec import RestoreInstruction, WorkerSpec
 from memckpt.engine.snapshot import SLOT_NAMES
 from memckpt.format.state import restore_allocations
 
@@ -129,7 +129,7 @@ class Worker:
 
     def rebind(self, config: Config, coordinator: Any) -> str:
         """Serve ``config``'s job and ``coordinator``: at start, and for a worker kept from a
-        finished job of this driver (:mod:`memckpt.runtime.kept`; :meth:`park` forgot that
+        finished job of this driver (:mod:`memckpt.runtime.driver.kept`; :meth:`park` forgot that
         one). Returns the node it runs on."""
         self.config, self.coordinator = config, coordinator
         self._parked = False
@@ -184,7 +184,8 @@ class Worker:
     def prefault(self, shard: Optional[tuple[int, list, int]], slots: bool = False) -> int:
         """A spare, once the job's shards exist: prepare the memory a restore of ``shard``
         fills (file bytes, tensor table, data bytes: the job's largest shard, from
-        :meth:`memckpt.runtime.replica_store.ReplicaStore.largest_shard`; the spare may take over any rank,
+        :meth:`memckpt.runtime.node.replica_store.ReplicaStore.largest_shard`; the spare may take
+        over any rank,
         a lost node's too). The optimizer state it creates is made ahead in
         :data:`POOL`; for the rest (the parameters), a :class:`HostReserve` is faulted in
         and unmapped at takeover. Either way the restore fills memory the kernel already

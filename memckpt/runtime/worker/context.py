@@ -8,7 +8,7 @@
             ctx.step(state, step, loss=loss)    # snapshot + replicate + report
 
 The step pays only for the local copy into this node's RAM. A background
-:class:`~memckpt.runtime.replicator.Replicator` streams each sealed snapshot to the rank's
+:class:`~memckpt.runtime.worker.replicator.Replicator` streams each sealed snapshot to the rank's
 replica holders, reports it to the coordinator and learns when it is committed; committed
 steps due for persisting go to the rank's :class:`~memckpt.persist.uploader.Persister`.
 """
@@ -33,13 +33,14 @@ from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnaps
 from memckpt.persist.catalog import protect
 from memckpt.persist.uploader import Persister
 from memckpt.engine.populate import MIN_BYTES, POOL
-from memckpt.runtime.faults import SIGNALS, STEADY_WAIT_S
-from memckpt.runtime.rank_checkpointer import RankCheckpointer
-from memckpt.runtime.replica_store import node_dir, own_dir, scan
-from memckpt.runtime.replicator import Replicator
-from memckpt.runtime.spec import RestoreInstruction, WorkerSpec
-from memckpt.runtime.transport import StoreConnection
+from memckpt.runtime.tools.faults import SIGNALS, STEADY_WAIT_S
+from memckpt.runtime.worker.rank_checkpointer import RankCheckpointer
+from memckpt.runtime.node.replica_store import node_dir, own_dir, scan
+from memckpt.runtime.worker.replicator import Replicator
+from memckpt.runtime.worker.spec import RestoreInstruction, WorkerSpec
+from memckpt.runtime.node.transport import StoreConnection
 from memckpt.format.state import TrainState, restore_allocations
+from memckpt.checkpointer import RestoreAndStep
 
 
 class StopTraining(BaseException):
@@ -51,7 +52,7 @@ class StopTraining(BaseException):
         self.step = step
 
 
-class WorkerContext:
+class WorkerContext(RestoreAndStep):
     """What a training function sees: its rank, restore, and the per-step call."""
 
     def __init__(self, spec: WorkerSpec, node_id: str) -> None:
@@ -272,7 +273,7 @@ class WorkerContext:
         import torch.distributed as dist
         from memckpt.format.dcp_reader import MemckptReader
         from memckpt.format.reshard import load_resharded
-        from memckpt.runtime.ram_source import ReplicaSource
+        from memckpt.runtime.worker.ram_source import ReplicaSource
         assert instr.reshard is not None and instr.from_size is not None
         nodes = sorted({n for ns in instr.reshard.values() for n in ns})
         where = dict(zip(nodes, ray.get([self.spec.stores[n].address.remote() for n in nodes])))
@@ -347,8 +348,7 @@ class WorkerContext:
 
     def _snapshot(self, state: TrainState, step: int) -> None:
         self._state = state
-        if step % self.config.snapshot_every == 0:
-            self.ckpt.step(state, step)
+        self.ckpt.step(state, step)
 
     def batch_plan(self, global_batch: int, micro_batch: int) -> int:
         """Gradient-accumulation steps that keep ``global_batch`` samples per optimizer step

@@ -8,9 +8,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from memckpt.runtime import kept
-from memckpt.runtime.control_plane import ControlPlane, affinity, alive_node_ids
-from memckpt.runtime.worker import Worker
+from memckpt.runtime.driver import kept
+from memckpt.runtime.driver.control_plane import ControlPlane, affinity, alive_node_ids
+from memckpt.runtime.worker.worker import Worker
 
 LARGEST_SHARD_WAIT_S = 2.0  # stores answering what spares prepare for (see _largest_shard)
 # a worker that does not answer its liveness ping in this long counts as dead: a dead one

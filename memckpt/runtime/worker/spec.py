@@ -32,5 +32,5 @@ class WorkerSpec:
     stores: dict[str, Any]  # node id -> ReplicaStore actor handle
     coordinator: Any
     restore: Optional[RestoreInstruction]
-    faults: tuple = ()  # memckpt.runtime.faults.Fault: fired from inside the step, exactly at at_step
+    faults: tuple = ()  # memckpt.runtime.tools.faults.Fault: fired from inside the step, exactly at at_step
     resized: bool = False  # this generation runs at another world size than the last

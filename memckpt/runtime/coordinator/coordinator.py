@@ -7,7 +7,7 @@ fire-once chaos claims and events, which it appends as JSON lines to
 ``<run_dir>/events.jsonl``. Per step it appends rank 0's loss to ``losses.jsonl``
 and, once every rank has reported the step, each rank's snapshot stall to
 ``steps.jsonl`` (what ``memckpt report`` draws), and records the Ray metrics of
-``memckpt.runtime.metrics``.
+``memckpt.runtime.coordinator.metrics``.
 
 It is no single point of failure: its small state is written to Ray's GCS
 key-value store on every change, so when its process is killed Ray restarts it
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from memckpt.persist.catalog import protect
-from memckpt.runtime.metrics import JobMetrics
+from memckpt.runtime.coordinator.metrics import JobMetrics
 
 COORDINATOR_NAMESPACE = "memckpt"
 

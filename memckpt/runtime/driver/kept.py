@@ -1,12 +1,12 @@
 """Worker processes kept between the jobs of one driver (:func:`keep_workers`).
 
 A job's worker is a Ray actor that imported torch and warmed it up (~2-6 CPU-seconds, see
-:func:`memckpt.runtime.worker.warm_torch`); a job of 3 ranks with warm spares starts 6. A
+:func:`memckpt.runtime.worker.worker.warm_torch`); a job of 3 ranks with warm spares starts 6. A
 driver that runs jobs one after another (a sweep, a reference run beside a faulted one, a
 test suite) can keep the processes of a finished job for the next one instead: the next
 job's ranks and spares take a kept process on their node with the same resources, which
-forgets the old job (:meth:`memckpt.runtime.worker.Worker.park`) and joins the new one
-(:meth:`~memckpt.runtime.worker.Worker.rebind`).
+forgets the old job (:meth:`memckpt.runtime.worker.worker.Worker.park`) and joins the new one
+(:meth:`~memckpt.runtime.worker.worker.Worker.rebind`).
 
 A kept process is the same Python process: what the training function left in module
 globals or ``os.environ`` is still there for the next job (memckpt's own state is reset;

@@ -85,7 +85,7 @@ class LocalCluster:
         whole process tree (workers, store actor, agents) first, then Ray's bookkeeping."""
         from ray._private import ray_constants
 
-        from memckpt.runtime.faults import kill_process_tree
+        from memckpt.runtime.tools.faults import kill_process_tree
         node = self.nodes.pop(node_id)
         for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
             kill_process_tree(info.process.pid)
@@ -128,7 +128,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     import signal
     import threading
 
-    p = argparse.ArgumentParser(prog="python -m memckpt.runtime.local_cluster", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m memckpt.runtime.tools.local_cluster",
+                                description=main.__doc__)
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--cpus-per-node", type=int, default=2)
     p.add_argument("--object-store-mb", type=int, default=256)

@@ -1,10 +1,11 @@
 """One rank's snapshots as the runtime drives them, named by what the worker needs.
 
 A :class:`memckpt.Checkpointer` whose steps count as committed only when the coordinator
-says every copy is placed (gated), whose sealed steps go to the replicator, and which a
-restore fills by adopting a replica's files, fetching a peer's copy into a slot, or
-taking a spare's prepared slot file. The worker, its context and its replicator reach the
-snapshot engine only through these methods.
+says every copy is placed, whose sealed steps go to the replicator, which persists nothing
+itself (the worker's context persists committed steps) and reads no stop file (the driver
+does, and asks every rank), and which a restore fills by adopting a replica's files,
+fetching a peer's copy into a slot, or taking a spare's prepared slot file. The worker, its
+context and its replicator reach the snapshot engine only through these methods.
 """
 
 from __future__ import annotations
@@ -18,13 +19,27 @@ import numpy as np
 from memckpt.format import shard as fmt
 from memckpt.checkpointer import Checkpointer
 from memckpt.config import Config
+from memckpt.format.state import TrainState
+from memckpt.persist.uploader import Persister
 
 
 class RankCheckpointer(Checkpointer):
+    # a step commits when the coordinator says every copy of every rank is placed
+    commits_when_sealed = False
+
     def __init__(self, config: Config, rank: int, world_size: int, directory: Path,
                  on_sealed: Callable[[int, Path], None]) -> None:
-        super().__init__(config, rank, world_size, directory=directory, gated=True,
-                         on_sealed=on_sealed, persist=False, prefill=False)
+        super().__init__(config, rank, world_size, directory=directory, on_sealed=on_sealed)
+
+    def _make_persister(self) -> Optional[Persister]:
+        return None  # committed steps are persisted by the worker's context
+
+    def _prefill(self) -> bool:
+        return False  # the worker fills the restore's memory itself, knowing where it restores from
+
+    def step(self, state: TrainState, step: int) -> bool:
+        """Snapshot ``step`` when due; a stop or persist request reaches the rank as a commit."""
+        return self.due(step) and self.snapshot(state, step)
 
     # -- the committed steps --------------------------------------------------------------------
     def read(self, step: int) -> AbstractContextManager[fmt.Shard]:

@@ -6,7 +6,7 @@ It keeps two kinds of shards, all in shared-memory files under
 * ``own/rank<r>/slot{0,1}.shard``: written by the node's own workers (their
   snapshot slots). They outlive a killed worker; the store only reads them.
 * ``replicas/rank<r>/slot{0,1}.shard``: copies of peer ranks' shards, streamed
-  by the owning worker over TCP straight into the file (:mod:`memckpt.runtime.transport`),
+  by the owning worker over TCP straight into the file (:mod:`memckpt.runtime.node.transport`),
   verified against their checksum before they are acknowledged. Bytes land in
   the store's own memory: an object put by a worker dies with the worker.
 
@@ -36,7 +36,7 @@ import xxhash
 
 from memckpt.format import shard as fmt
 from memckpt.engine.buffers import RamRegion, remove_path, resolve_ram_root
-from memckpt.runtime.transport import ShardServer
+from memckpt.runtime.node.transport import ShardServer
 from memckpt.errors import (MemckptError, NoSnapshotError, PlacementError,
                             StaleGenerationError)
 
@@ -304,7 +304,7 @@ class ReplicaStore:
         return nbytes
 
     def address(self, host: Optional[str] = None) -> tuple[str, int]:
-        """Where workers stream shards to (:mod:`memckpt.runtime.transport`); started on first use."""
+        """Where workers stream shards to (:mod:`memckpt.runtime.node.transport`); started on first use."""
         with self._lock:
             if self._server is None:
                 if host is None:
@@ -363,7 +363,7 @@ class ReplicaStore:
 
     def read(self, rank: int, step: int) -> np.ndarray:
         """The verified bytes of ``rank``'s shard at ``step`` (a Ray call; restores stream
-        them over :mod:`memckpt.runtime.transport` instead, see :meth:`serve_bytes`)."""
+        them over :mod:`memckpt.runtime.node.transport` instead, see :meth:`serve_bytes`)."""
         path = self.locate(rank, step)
         return fmt.open_shard(self.serve_bytes(rank, step), str(path)).raw
 

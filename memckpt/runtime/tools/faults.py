@@ -25,7 +25,7 @@ SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTER
 
 
 def _on_node(node_id: str):
-    from memckpt.runtime.actors import on_node  # imported late: `import memckpt` stays light
+    from memckpt.runtime.ray_nodes import on_node  # imported late: `import memckpt` stays light
     return on_node(node_id)
 
 

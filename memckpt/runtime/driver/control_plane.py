@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memckpt.config import Config
-from memckpt.runtime import actors
-from memckpt.runtime.actors import alive_node_ids
+from memckpt.runtime.driver import actors
+from memckpt.runtime.ray_nodes import alive_node_ids, on_node
 
-affinity = actors.on_node  # the pool pins its workers the same way
+affinity = on_node  # the pool pins its workers the same way
 
 
 def eligible_nodes(config: Config) -> dict[str, int]:

@@ -17,18 +17,9 @@ from memckpt.engine.buffers import remove_path, resolve_ram_root
 from memckpt.config import Config
 from memckpt.errors import ConfigError
 from memckpt.policy.recovery_plan import served_ranks
-from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, Coordinator, coordinator_name
-from memckpt.runtime.replica_store import ReplicaStore
-
-
-def on_node(node_id: str):
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    return NodeAffinitySchedulingStrategy(node_id, soft=False)
-
-
-def alive_node_ids() -> set[str]:
-    import ray
-    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+from memckpt.runtime.ray_nodes import alive_node_ids, on_node
+from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE, Coordinator, coordinator_name
+from memckpt.runtime.node.replica_store import ReplicaStore
 
 
 def store_name(job: str, node: str) -> str:

@@ -1,6 +1,6 @@
 """The RAM copies of a running job as a :class:`~memckpt.format.dcp_reader.ShardSource`: the
 replica stores holding a committed step serve byte ranges of each shard
-(:meth:`memckpt.runtime.transport.StoreConnection.fetch_range`), so a restore into
+(:meth:`memckpt.runtime.node.transport.StoreConnection.fetch_range`), so a restore into
 another world size or layout reads only what overlaps its new chunks."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 
 from memckpt.format.dcp_reader import ShardSource
 from memckpt.errors import MemckptError, NoSnapshotError
-from memckpt.runtime.transport import StoreConnection
+from memckpt.runtime.node.transport import StoreConnection
 
 
 class ReplicaSource(ShardSource):

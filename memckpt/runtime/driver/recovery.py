@@ -11,11 +11,11 @@ from typing import Any, Callable, Optional
 from memckpt.errors import RecoveryError
 from memckpt.policy.recovery_plan import (RecoveryPlan, ResizePlan, plan_from_persisted,
                                    plan_from_scratch, plan_recovery, plan_resize, source_label)
-from memckpt.runtime.control_plane import ControlPlane, eligible_nodes
+from memckpt.runtime.driver.control_plane import ControlPlane, eligible_nodes
 from memckpt.policy.failure import Decision
-from memckpt.runtime.faults import send_signal
-from memckpt.runtime.pool import Generation, WorkerPool
-from memckpt.runtime.spec import RestoreInstruction
+from memckpt.runtime.tools.faults import send_signal
+from memckpt.runtime.driver.pool import Generation, WorkerPool
+from memckpt.runtime.worker.spec import RestoreInstruction
 
 GRACE_S = 3.0  # how long survivors get to notice a failure and return before being killed
 ROOM_POLL_S = 0.5  # how often a shrinking job looks for a node with room

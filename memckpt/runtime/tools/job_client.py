@@ -51,7 +51,7 @@ def connect(address: str = "auto") -> None:
     """Join the Ray cluster at ``address``, or say in one line how to point at one."""
     import ray
 
-    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE
+    from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE
     if ray.is_initialized():
         return
     probe(address)
@@ -68,7 +68,7 @@ def fetch_status(job: str, address: str = "auto") -> dict:
     """The coordinator's status of the running job ``job`` (see ``Coordinator.status``)."""
     import ray
 
-    from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE, coordinator_name
+    from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE, coordinator_name
     connect(address)
     try:
         coord = ray.get_actor(coordinator_name(job), namespace=COORDINATOR_NAMESPACE)

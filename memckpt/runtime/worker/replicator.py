@@ -1,5 +1,5 @@
 """A rank's replicator: each sealed snapshot streamed to the rank's replica holders over
-TCP (:mod:`memckpt.runtime.transport`), reported to the coordinator, and marked committed
+TCP (:mod:`memckpt.runtime.node.transport`), reported to the coordinator, and marked committed
 once the coordinator says every rank's copies are placed."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Callable, Optional
 
 from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, MemckptError
-from memckpt.runtime.spec import WorkerSpec
-from memckpt.runtime.rank_checkpointer import RankCheckpointer
-from memckpt.runtime.transport import StoreConnection
+from memckpt.runtime.worker.spec import WorkerSpec
+from memckpt.runtime.worker.rank_checkpointer import RankCheckpointer
+from memckpt.runtime.node.transport import StoreConnection
 
 RETRIES = 5  # tries per replica holder before the replication fails
 

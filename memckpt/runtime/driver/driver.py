@@ -4,7 +4,7 @@
 (:class:`memckpt.policy.failure.State`): STARTING a generation of workers -> RUNNING,
 watched until every rank returns or a failure shows (an actor died, a node died, a rank
 stopped heart-beating), each observation judged by the pure
-:func:`memckpt.policy.failure.decide` -> RECOVERING (:mod:`memckpt.runtime.recovery`: kill
+:func:`memckpt.policy.failure.decide` -> RECOVERING (:mod:`memckpt.runtime.driver.recovery`: kill
 the generation, ask the stores what RAM copies survive, plan, roll back stores past the
 chosen step) -> STARTING the next generation, each rank restoring from its own node or a
 peer's store; until FINISHED or FAILED.
@@ -19,22 +19,25 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from memckpt.policy import placement
 from memckpt.config import Config
 from memckpt.engine.stop import STOP, Control
 from memckpt.errors import ConfigError, PlacementError
 from memckpt.policy.recovery_plan import growth_size
-from memckpt.runtime import actors
-from memckpt.runtime.control_plane import ControlPlane, alive_node_ids, eligible_nodes
-from memckpt.runtime.coordinator import COORDINATOR_NAMESPACE
+from memckpt.runtime.driver import actors
+from memckpt.runtime.driver.control_plane import ControlPlane, alive_node_ids, eligible_nodes
+from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE
 from memckpt.policy.failure import Action, Decision, Observation, State, decide, next_state
 from memckpt.policy.progress import ProgressKey, progress_due
-from memckpt.runtime.faults import Fault, FaultInjector, aim, deliver
-from memckpt.runtime.pool import PING_S, Generation, WorkerPool
-from memckpt.runtime.recovery import GRACE_S, DiedDuringRecovery, Recovery, Restore
-from memckpt.runtime.spec import WorkerSpec
+from memckpt.runtime.tools.faults import Fault, FaultInjector, aim, deliver
+from memckpt.runtime.driver.pool import PING_S, Generation, WorkerPool
+from memckpt.runtime.driver.recovery import GRACE_S, DiedDuringRecovery, Recovery, Restore
+from memckpt.runtime.worker.spec import WorkerSpec
+
+if TYPE_CHECKING:
+    from memckpt.runtime.worker.context import WorkerContext
 
 __all__ = ["COORDINATOR_NAMESPACE", "Runtime", "default_run_dir", "progress_line", "run"]
 
@@ -44,7 +47,7 @@ STARTUP_TIMEOUT_S = 120.0  # a rank silent this long before its first step is hu
 
 
 class Runtime:
-    def __init__(self, train_fn: Callable, config: Config, run_dir: Path,
+    def __init__(self, train_fn: Callable[[WorkerContext], Any], config: Config, run_dir: Path,
                  injector: Optional[FaultInjector] = None, quiet: bool = False) -> None:
         self.plane = ControlPlane(config, quiet)
         self.ray = self.plane.ray
@@ -514,8 +517,8 @@ def default_run_dir(job: str) -> Path:
     return Path(tempfile.gettempdir()) / "memckpt-runs" / job
 
 
-def run(train_fn: Callable, config: Config, *, address: Optional[str] = None,
-        summary: Optional[str | Path] = None, run_dir: Optional[str | Path] = None,
+def run(train_fn: Callable[[WorkerContext], Any], config: Config, *, address: Optional[str] = None,
+        summary: Optional[str | os.PathLike[str]] = None, run_dir: Optional[str | os.PathLike[str]] = None,
         injector: Optional[FaultInjector] = None, quiet: bool = False) -> dict[str, Any]:
     """Run ``train_fn(ctx)`` on ``config.workers.num_workers`` Ray workers with in-memory
     replicated snapshots and automatic recovery. Returns (and writes to ``summary``) the

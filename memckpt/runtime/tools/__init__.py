@@ -1,0 +1,2 @@
+"""Operator tools beside the processes: fault injection, a local multi-node cluster, the
+client that finds a running job's coordinator."""
