@@ -15,6 +15,14 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Optional
 
 Entry = tuple[int, int, str]  # (load, ring position, node)
+# node -> its failure domain (the value of a Ray node label such as a rack); None, or a
+# node missing from it: every node is its own failure domain
+Domains = Optional[Mapping[str, str]]
+
+
+def domain_of(node: str, domains: Domains) -> str:
+    """``node``'s failure domain: the node itself where ``domains`` does not name one."""
+    return node if domains is None else domains.get(node, node)
 
 
 class LeastLoaded:
@@ -23,14 +31,14 @@ class LeastLoaded:
     ``limit`` (when given; missing: 0) is never picked again."""
 
     def __init__(self, nodes: Sequence[str], load: Optional[Mapping[str, int]] = None,
-                 domains: Optional[Mapping[str, str]] = None,
+                 domains: Domains = None,
                  limit: Optional[Mapping[str, int]] = None) -> None:
         self.pos: dict[str, int] = {}
         for i, n in enumerate(nodes):
             self.pos.setdefault(n, i)
         self.load = {n: (load or {}).get(n, 0) for n in self.pos}
         self._limit = limit
-        self._domain = {n: n if domains is None else domains.get(n, n) for n in self.pos}
+        self._domain = {n: domain_of(n, domains) for n in self.pos}
         self._heaps: dict[str, list[Entry]] = {}
         for n in self.pos:
             if self.open(n):

@@ -38,7 +38,7 @@ from fractions import Fraction
 from typing import Optional
 
 from memckpt.errors import PlacementError
-from memckpt.policy.loads import LeastLoaded
+from memckpt.policy.loads import Domains, LeastLoaded, domain_of
 
 __all__ = [
     "STRATEGIES",
@@ -56,7 +56,6 @@ __all__ = [
 STRATEGIES = ("ring", "group", "mixed")
 
 Plan = dict[str, tuple[str, ...]]
-Domains = Optional[Mapping[str, str]]  # node -> failure domain; None: each node its own
 
 
 def _check_int(name: str, value: object) -> None:
@@ -326,13 +325,12 @@ def validate_plan(plan: Mapping[str, Sequence[str]], replicas: int,
             raise PlacementError(
                 f"node {owner!r} has {len(holders)} holders but placement.replicas={replicas}"
             )
-        inside = [] if domains is None else [h for h in holders
-                                             if domains.get(h, h) == domains.get(owner, owner)]
-        if domains is not None and inside:
+        home = domain_of(owner, domains)
+        inside = [h for h in holders if domains is not None and domain_of(h, domains) == home]
+        if inside:
             setting, noun = _words(label)
             raise PlacementError(f"{setting}: node {owner!r} has holders {inside} in its own "
-                                 f"{noun} {domains.get(owner, owner)!r}: a copy must sit outside "
-                                 f"the owner's {noun}")
+                                 f"{noun} {home!r}: a copy must sit outside the owner's {noun}")
 
 
 def rank_holders(rank_nodes: Mapping[int, str],
@@ -374,15 +372,12 @@ def repair_plan(plan: Mapping[str, Sequence[str]], alive: Sequence[str], replica
     target = max(0, min(replicas, len(alive) - 1))
     owners = [o for o in plan if o in up] + [a for a in alive if a not in plan]
 
-    def domain(n: str) -> str:
-        return n if domains is None else domains.get(n, n)
-
     # Keep survivors in place; None marks a slot that needs a new holder.
     slots: dict[str, list[str | None]] = {}
     for owner in owners:
         kept: list[str | None] = []
         for h in plan.get(owner, ()):
-            ok = h in up and domain(h) != domain(owner) and h not in kept
+            ok = h in up and domain_of(h, domains) != domain_of(owner, domains) and h not in kept
             kept.append(h if ok else None)
         kept += [None] * (target - len(kept))
         while len(kept) > target and None in kept:  # more open slots than alive nodes can fill
@@ -396,7 +391,7 @@ def repair_plan(plan: Mapping[str, Sequence[str]], alive: Sequence[str], replica
         for i, held in enumerate(chosen):
             if held is None:
                 taken = {owner, *(h for h in chosen if h is not None)}
-                pick = nodes.pick(taken, avoid=domain(owner))
+                pick = nodes.pick(taken, avoid=domain_of(owner, domains))
                 if pick is None:  # no alive node outside the domain: one inside it
                     pick = nodes.pick(taken)
                 if pick is None:

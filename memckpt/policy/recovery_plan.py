@@ -11,13 +11,10 @@ from dataclasses import dataclass, field
 from typing import Collection, Mapping, Optional, Sequence
 
 from memckpt.errors import RecoveryError
-from memckpt.policy.loads import LeastLoaded
+from memckpt.policy.loads import Domains, LeastLoaded, domain_of
 
 # node id -> rank -> steps that node holds for that rank (own copy or replica)
 Inventory = Mapping[str, Mapping[int, Sequence[int]]]
-# node id -> its failure domain (the value of a Ray node label such as a rack); a node
-# missing from it, or no mapping at all: every node is its own failure domain
-Domains = Optional[Mapping[str, str]]
 
 
 @dataclass(frozen=True)
@@ -109,15 +106,12 @@ def repair_holders(holders: Mapping[int, Sequence[str]], assignment: Mapping[int
     With ``domains``, a holder sits outside the failure domain of the rank's node: holders
     inside it are replaced, and only when no live node outside it is left does a copy go
     to another node of the same domain (it still survives that node's loss)."""
-    def domain(n: str) -> str:
-        return n if domains is None else domains.get(n, n)
-
     up = set(alive)
     out: dict[int, list[str]] = {}
     for rank in sorted(assignment):
         own = assignment[rank]
         out[rank] = [h for h in holders.get(rank, ())
-                     if h in up and h != own and domain(h) != domain(own)][:replicas]
+                     if h in up and domain_of(h, domains) != domain_of(own, domains)][:replicas]
     load = dict.fromkeys(alive, 0)
     for hs in out.values():
         for n in set(hs):
@@ -127,7 +121,7 @@ def repair_holders(holders: Mapping[int, Sequence[str]], assignment: Mapping[int
         own = assignment[rank]
         while len(hs) < replicas:
             taken = {own, *hs}
-            pick = nodes.pick(taken, avoid=domain(own))
+            pick = nodes.pick(taken, avoid=domain_of(own, domains))
             if pick is None and domains is not None:
                 pick = nodes.pick(taken)  # no live node outside the domain: one inside it
             if pick is None:
@@ -143,8 +137,7 @@ def inside_domain(assignment: Mapping[int, str], holders: Mapping[int, Sequence[
     if domains is None:
         return []
     return sorted(r for r, hs in holders.items()
-                  if any(domains.get(h, h) == domains.get(assignment[r], assignment[r])
-                         for h in hs))
+                  if any(domain_of(h, domains) == domain_of(assignment[r], domains) for h in hs))
 
 
 def plan_recovery(assignment: Mapping[int, str], holders: Mapping[int, Sequence[str]],
