@@ -141,3 +141,13 @@ def test_1024_ranks_resize_agrees(lose):
     sizes = list(range(1024, 0, -8))
     same(lambda m: m.plan_resize(a, alive, c["capacity"], c["inventory"], 1, sizes, 8, "lost", 10))
     same(lambda m: m.repair_holders(c["holders"], a, list(a.values()) + alive, 1))
+
+
+def test_time_plan_names_every_decision():
+    # the benchmark's entry point runs (its figures are not checked: tests time nothing)
+    from memckpt.bench.control_plane.plan import table, time_plan
+    parts = time_plan(256, "rack", repeat=1)
+    assert list(parts) == ["placement", "decide", "inventory", "choose_nodes", "repair_holders",
+                           "plan_recovery", "total"]
+    assert all(v >= 0 for v in parts.values())
+    assert table((128,), "two").splitlines()[1].split()[0] == "128"
