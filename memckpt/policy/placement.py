@@ -42,6 +42,7 @@ from memckpt.policy.loads import Domains, LeastLoaded, domain_of
 
 __all__ = [
     "STRATEGIES",
+    "check_domains",
     "check_feasible",
     "format_plan",
     "lost_nodes",
@@ -180,9 +181,10 @@ def _next_outside(ring: Sequence[str], domains: Mapping[str, str], k: int) -> Pl
     return plan
 
 
-def _check_domains(nodes: Sequence[str], domains: Mapping[str, str], replicas: int,
+def check_domains(nodes: Sequence[str], domains: Mapping[str, str], replicas: int,
                    label: Optional[str]) -> None:
-    """Every node has a domain, and each has ``replicas`` nodes outside its domain."""
+    """Raise :class:`PlacementError` (naming ``label`` and the domains) unless every node
+    has a domain and each has ``replicas`` nodes outside its domain."""
     setting, noun = _words(label)
     missing = [n for n in nodes if n not in domains]
     if missing:
@@ -207,7 +209,7 @@ def _check_domains(nodes: Sequence[str], domains: Mapping[str, str], replicas: i
 def _domain_plan(nodes: Sequence[str], strategy: str, replicas: int, group_size: int,
                  domains: Mapping[str, str], label: Optional[str]) -> Plan:
     """:func:`replica_plan` with every copy outside its owner's failure domain."""
-    _check_domains(nodes, domains, replicas, label)
+    check_domains(nodes, domains, replicas, label)
     ring = _spread(nodes, domains)
     grouped = 0 if strategy == "ring" else (len(ring) // group_size) * group_size
     built = _next_outside(ring, domains, replicas) if grouped < len(ring) else {}
@@ -279,7 +281,7 @@ def standby_plan(active: Sequence[str], standby: Sequence[str], strategy: str, r
     if overlap:
         raise PlacementError(f"nodes {overlap} are both active and standby: pass each node once")
     if domains is not None:
-        _check_domains([*active, *standby], domains, replicas, label)
+        check_domains([*active, *standby], domains, replicas, label)
     rest = (replica_plan(active, strategy, replicas - 1, group_size, domains, label)
             if replicas > 1 else {n: () for n in active})
     plan = {n: (_standby_for(n, i, standby, domains, label), *rest[n])
