@@ -95,3 +95,29 @@ def test_ray_train_refuses_the_first_group_on_one_rack_and_not_a_restart():
         strategy="group", group_size=3, replicas=1, failure_domain="rack"))
     held = holders_for(assignment, grouped, domains=two, strict=True)
     assert all(two[h] != two[assignment[r]] for r, hs in held.items() for h in hs)
+
+
+def test_local_cluster_nodes_carry_their_labels(monkeypatch):
+    """LocalCluster hands each node's labels to Ray's Cluster.add_node (no node starts)."""
+    import ray.cluster_utils
+
+    from memckpt.runtime.local_cluster import LocalCluster
+    added = []
+
+    class FakeCluster:
+        def __init__(self, **_):
+            pass
+
+        def add_node(self, **kwargs):
+            added.append(kwargs.get("labels"))
+            return type("Node", (), {"node_id": f"n{len(added)}"})()
+
+        def wait_for_nodes(self):
+            pass
+
+    monkeypatch.setattr(ray.cluster_utils, "Cluster", FakeCluster)
+    for name, value in (("RAY_AUTH_MODE", "disabled"), ("RAY_DEDUP_LOGS", "0")):
+        monkeypatch.setenv(name, value)  # LocalCluster sets them unless set: restored after
+    c = LocalCluster(nodes=3, connect=False, node_labels=[{"rack": "r1"}, {"rack": "r2"}])
+    assert c.add_node({"rack": "r3"}) == "n4"
+    assert added == [{"rack": "r1"}, {"rack": "r2"}, None, {"rack": "r3"}]
