@@ -78,6 +78,19 @@ def test_a_node_of_the_job_without_the_label_is_refused_at_start(nodes, tmp_path
         runtime(config(), tmp_path).initial_layout()
 
 
+def test_a_recovery_takes_a_node_without_the_label_as_its_own_domain_and_says_so_once(
+        nodes, tmp_path):
+    nodes("r1", "r2", None)
+    ids = [n["NodeID"] for n in table("r1", "r2", None)][1:]
+    rt = runtime(config(), tmp_path)
+    cap = dict.fromkeys(ids, 1)
+    assert rt.recovery._domains(cap) == {ids[0]: "r1", ids[1]: "r2"}
+    rt.recovery._domains(cap)
+    assert [(e["nodes"], e["label"]) for e in rt.events if e["event"] == "unlabelled_nodes"] \
+        == [([ids[2]], "rack")]
+    assert runtime(config(None), tmp_path).recovery._domains(cap) is None
+
+
 def test_ray_train_refuses_the_first_group_on_one_rack_and_not_a_restart():
     assignment = {r: f"n{r}" for r in range(4)}
     one_rack = {n: "r1" for n in assignment.values()}
