@@ -132,7 +132,13 @@ class WorkersConfig:
 
 @dataclass(frozen=True)
 class PlacementConfig:
-    """Which peer nodes keep a copy of each node's shards (never the owner's node)."""
+    """Which peer nodes keep a copy of each node's shards (never the owner's node).
+
+    ``failure_domain``: the name of a Ray node label (``"rack"``, ``"zone"``, set with
+    ``ray start --labels rack=r1``); every copy then sits on a node whose label differs
+    from its owner's, so the loss of a whole rack or zone leaves a copy of each shard.
+    None: every node is its own failure domain.
+    """
 
     strategy: str = "ring"  # ring | group | mixed
     replicas: int = 1  # k copies on k distinct peer nodes
@@ -140,6 +146,7 @@ class PlacementConfig:
     # Extra nodes that run no ranks at the start but hold each node's first replica, so a
     # dead node's ranks restart where their shards already are (a local restore).
     standby_nodes: int = 0
+    failure_domain: Optional[str] = None  # a Ray node label: copies go outside the owner's
 
     def __post_init__(self) -> None:
         _choice("placement.strategy", self.strategy, placement.STRATEGIES)
@@ -150,6 +157,12 @@ class PlacementConfig:
             _fail("placement.standby_nodes", self.standby_nodes,
                   "a standby restores a dead node's ranks from the replicas it holds: set "
                   "placement.replicas >= 1, or placement.standby_nodes=0")
+        domain = self.failure_domain
+        if domain is not None and (not isinstance(domain, str) or not domain.strip()
+                                   or domain != domain.strip() or " " in domain):
+            _fail("placement.failure_domain", domain,
+                  "name a Ray node label such as 'rack' or 'zone' (a non-empty string without "
+                  "spaces), or None for every node its own failure domain")
 
 
 # PersistTier's timeouts: how long storage may keep a job waiting (not in the fingerprint).
@@ -414,6 +427,7 @@ class Config:
         d = self.to_dict()
         for volatile in ("chaos", "job_name", "ram_root", "stop_file", "engine"):
             d.pop(volatile)
+        d["placement"].pop("failure_domain")  # where copies sit, not what a snapshot holds
         for tier in d["persistence"]:
             for name in TIER_TIMEOUTS:
                 tier.pop(name)

@@ -107,8 +107,9 @@ def _classify(obs: Observation) -> Decision:
         raise ValueError(f"Observation.during={obs.during!r}: one of {RECOVERY_PHASES} or None")
     if obs.died:
         died = tuple(sorted(set(obs.died)))
+        gone = set(died)
         return Decision(Action.RECOVER, died_what(died, obs.during), died=died,
-                        hung=tuple(r for r in obs.hung if r in died))
+                        hung=tuple(r for r in obs.hung if r in gone))
     if obs.unloadable is not None:
         return Decision(Action.RAISE, error=unloadable_error(*obs.unloadable))
     if obs.stop_persisted is not None:

@@ -142,7 +142,12 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
             self._ensure_stores(set(assignment.values()))
             if gen == 0:  # a fresh job: nothing an earlier job left in these nodes' RAM
                 ray.get([s.clear.remote() for s in self.stores.values()])
-            holders = holders_for(assignment, cfg, self.holders)
+            # placement.failure_domain: the first group is refused (PlacementError, the
+            # run's error) where copies cannot sit outside each rank's domain; a restart
+            # keeps going with copies inside it, as memckpt.run's recovery does
+            domains = actors.failure_domains(cfg, dict.fromkeys(assignment.values()),
+                                             strict=gen == 0)
+            holders = holders_for(assignment, cfg, self.holders, domains, strict=gen == 0)
             restore = self._plan(gen, assignment, holders)
             self.assignment, self.holders = assignment, holders
             self.processes = {}

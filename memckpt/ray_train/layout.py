@@ -62,18 +62,29 @@ def train_tier(experiment_path: str, filesystem: str, every: int) -> PersistTier
 
 
 def holders_for(assignment: Mapping[int, str], config: Config,
-                previous: Optional[Mapping[int, tuple[str, ...]]] = None) -> dict[int, tuple[str, ...]]:
+                previous: Optional[Mapping[int, tuple[str, ...]]] = None,
+                domains: Optional[Mapping[str, str]] = None,
+                strict: bool = False) -> dict[int, tuple[str, ...]]:
     """Replica holders of each rank over the nodes its workers run on (in rank order),
     by the configured strategy; where the strategy does not fit this many nodes (a
     restart on fewer nodes), the previous holders kept where they can be, and the
-    least-loaded other nodes."""
+    least-loaded other nodes. ``domains`` (node -> the value of its
+    ``placement.failure_domain`` label): copies outside the rank's failure domain.
+
+    ``strict`` (the first worker group): where the nodes cannot keep every copy outside
+    its rank's domain, :class:`PlacementError` names the label and the domains, as
+    ``memckpt.run`` refuses such a job at start. Otherwise (a restart) such copies go to
+    nodes inside the domain (:func:`repair_holders`), as a recovery does."""
     p = config.placement
     nodes = list(dict.fromkeys(assignment[r] for r in sorted(assignment)))
     if not p.replicas or len(nodes) < 2:
         return {r: () for r in assignment}
+    k = min(p.replicas, len(nodes) - 1)
     try:
-        plan = placement.replica_plan(nodes, p.strategy, min(p.replicas, len(nodes) - 1),
-                                      p.group_size)
+        plan = placement.replica_plan(nodes, p.strategy, k, p.group_size, domains,
+                                      p.failure_domain)
         return placement.rank_holders(dict(assignment), plan)
     except PlacementError:
-        return repair_holders(dict(previous or {}), assignment, nodes, p.replicas)
+        if strict and domains is not None:
+            placement.check_domains(nodes, domains, k, p.failure_domain)
+        return repair_holders(dict(previous or {}), assignment, nodes, p.replicas, domains)

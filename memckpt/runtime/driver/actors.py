@@ -11,15 +11,34 @@ as long as their owner lives.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from memckpt.engine.buffers import remove_path, resolve_ram_root
 from memckpt.config import Config
 from memckpt.errors import ConfigError
+from memckpt.policy.placement import node_domains
 from memckpt.policy.recovery_plan import served_ranks
 from memckpt.runtime.ray_nodes import alive_node_ids, on_node
 from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE, Coordinator, coordinator_name
 from memckpt.runtime.node.replica_store import ReplicaStore
+
+
+def failure_domains(config: Config, nodes: Iterable[str],
+                    strict: bool = True) -> Optional[dict[str, str]]:
+    """``nodes`` -> their failure domain: the value of their Ray node label
+    ``config.placement.failure_domain`` (``ray.nodes()`` lists a node's labels under
+    ``"Labels"``); None when that is not set (every node its own domain).
+
+    ``strict``: a node without the label raises :class:`PlacementError` naming it (a job's
+    start); else it is left out, its own domain (a node that joined a running job)."""
+    label = config.placement.failure_domain
+    if label is None:
+        return None
+    import ray
+    labels = {n["NodeID"]: n.get("Labels") or {} for n in ray.nodes()}
+    own = {n: labels.get(n, {}) for n in nodes}
+    return node_domains(own if strict else {n: ls for n, ls in own.items() if ls.get(label)},
+                        label)
 
 
 def store_name(job: str, node: str) -> str:

@@ -99,8 +99,12 @@ class Runtime:
         assignment = {r: used[r // w.workers_per_node] for r in range(w.num_workers)}
         holders: dict[int, tuple[str, ...]] = {r: () for r in assignment}
         if cfg.placement.replicas and len(used) + len(standby) > 1:
+            # placement.failure_domain: a node without the label, or a layout that cannot
+            # keep copies outside the owner's domain, is refused here by name (the job's error)
             plan = placement.standby_plan(used, standby, cfg.placement.strategy,
-                                          cfg.placement.replicas, cfg.placement.group_size)
+                                          cfg.placement.replicas, cfg.placement.group_size,
+                                          actors.failure_domains(cfg, used + standby),
+                                          cfg.placement.failure_domain)
             holders = placement.rank_holders(assignment, plan)
             short = {n: n[:12] for n in used + standby}
             self._say("replica placement (node -> holders of its ranks' shards):\n" +

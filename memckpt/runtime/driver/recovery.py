@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 from memckpt.errors import RecoveryError
 from memckpt.policy.recovery_plan import (RecoveryPlan, ResizePlan, plan_from_persisted,
                                    plan_from_scratch, plan_recovery, plan_resize, source_label)
+from memckpt.runtime.driver.actors import failure_domains
 from memckpt.runtime.driver.control_plane import ControlPlane, eligible_nodes
 from memckpt.policy.failure import Decision
 from memckpt.runtime.tools.faults import send_signal
@@ -41,6 +42,7 @@ class Recovery:
         self.plane, self.pool, self.ray, self.config = plane, pool, plane.ray, plane.config
         self.records: list[dict[str, Any]] = []  # one per recovery, for the run summary
         self._started = 0.0  # when the last recovery's plan was made
+        self._unlabelled: set[str] = set()  # nodes said to lack the failure-domain label
         # called as a recovery enters a phase ("plan"), with the generation it ends: the
         # driver fires the faults scheduled for it (FaultInjector.during)
         self.on_phase: Optional[Callable[[str, Generation], None]] = None
@@ -157,7 +159,23 @@ class Recovery:
         inventory = self.plane.inventory(list(cap))
         committed = self.ray.get(self.plane.coordinator.committed.remote())
         return plan_resize(assignment, list(cap), cap, inventory, self.config.placement.replicas,
-                           w.sizes(), w.workers_per_node, why, committed)
+                           w.sizes(), w.workers_per_node, why, committed, self._domains(cap))
+
+    def _domains(self, cap: dict[str, int]) -> Optional[dict[str, str]]:
+        """The live nodes' failure domains (placement.failure_domain); a node that joined
+        without the label is its own domain, said once: the job goes on."""
+        domains = failure_domains(self.config, cap, strict=False)
+        if domains is None:
+            return None
+        unlabelled = sorted(set(cap) - set(domains) - self._unlabelled)
+        if unlabelled:
+            self._unlabelled.update(unlabelled)
+            self.plane.say(f"node(s) {[n[:12] for n in unlabelled]} have no "
+                           f"{self.config.placement.failure_domain!r} label: each is its own "
+                           "failure domain")
+            self.plane.event("unlabelled_nodes", nodes=unlabelled,
+                             label=self.config.placement.failure_domain)
+        return domains
 
     @staticmethod
     def resize_instructions(plan: ResizePlan) -> Restore:
@@ -237,19 +255,20 @@ class Recovery:
         self.plane.ensure_stores(list(cap))
         inventory = self.plane.inventory(list(cap))
         committed = self.ray.get(self.plane.coordinator.committed.remote())
+        domains = self._domains(cap)
         try:
             return plan_recovery(assignment, holders, list(cap), cap, inventory,
-                                 cfg.placement.replicas, committed), None
+                                 cfg.placement.replicas, committed, domains), None
         except RecoveryError as lost:
             persisted = self.persisted("RAM copies lost")
             if persisted is None and committed is None and not any(inventory.values()):
                 # nothing was ever snapshotted: start over from scratch
                 return plan_from_scratch(assignment, holders, list(cap), cap,
-                                         cfg.placement.replicas), None
+                                         cfg.placement.replicas, domains), None
             if persisted is None:
                 raise
             plan = plan_from_persisted(assignment, holders, list(cap), cap, cfg.placement.replicas,
-                                       persisted[1].step, str(lost))
+                                       persisted[1].step, str(lost), domains)
             self.plane.say(f"{lost}; falling back to persisted step {plan.step}")
             self.plane.event("fallback_to_persisted", step=plan.step, reason=str(lost),
                              tier=cfg.persistence[persisted[0]].uri)

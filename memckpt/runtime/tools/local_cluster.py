@@ -16,7 +16,7 @@ and a raylet then talks to a foreign agent. Only the dashboard's port may be fix
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any, Iterator, Optional
@@ -38,11 +38,16 @@ class LocalCluster:
     files (``/tmp/ray/session_latest/logs``) instead of reaching the driver. The monitor
     polls every log file the cluster's workers ever wrote ten times a second, so on a
     long-lived cluster that starts thousands of workers (a test session) it takes a
-    growing share of a core."""
+    growing share of a core.
+
+    ``node_labels``: the Ray node labels of each worker node in turn (``{"rack": "r1"}``,
+    as ``ray start --labels rack=r1`` gives them; for ``placement.failure_domain``); nodes
+    past its end, and the head, have none."""
 
     def __init__(self, nodes: int = 3, cpus_per_node: int = 2, object_store_mb: int = 256,
                  namespace: str = "memckpt", connect: bool = True, dashboard: bool = False,
-                 worker_logs: bool = True, dashboard_port: int = 0) -> None:
+                 worker_logs: bool = True, dashboard_port: int = 0,
+                 node_labels: Optional[Sequence[Mapping[str, str]]] = None) -> None:
         # A throwaway local cluster needs no token; a real head keeps Ray's default.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -59,8 +64,9 @@ class LocalCluster:
             dashboard_agent_listen_port=0, include_log_monitor=worker_logs,
             _system_config=dict(FAST_HEALTH_CHECKS)))
         self.nodes: dict[str, Any] = {}
-        for _ in range(nodes):
-            self.add_node()
+        labels = list(node_labels or ())
+        for i in range(nodes):
+            self.add_node(labels[i] if i < len(labels) else None)
         self.cluster.wait_for_nodes()
         self.connected = connect
         if connect:
@@ -74,9 +80,11 @@ class LocalCluster:
     def dashboard_url(self) -> str:
         return f"http://{self.cluster.webui_url}"
 
-    def add_node(self) -> str:
+    def add_node(self, labels: Optional[Mapping[str, str]] = None) -> str:
+        """One more worker node (with those Ray node ``labels``); returns its node id."""
         node = self.cluster.add_node(num_cpus=self.cpus_per_node,
-                                     object_store_memory=self.object_store_mb << 20)
+                                     object_store_memory=self.object_store_mb << 20,
+                                     **({"labels": dict(labels)} if labels else {}))
         self.nodes[node.node_id] = node
         return node.node_id
 
