@@ -9,26 +9,9 @@ from typing import Optional
 
 from memckpt.runtime.coordinator.coordinator import (REGISTER_DEBOUNCE_S, Coordinator, Inventory,
                                                      proven_ready)
+from memckpt.runtime.coordinator.coordinator import MemoryStateStore as MemoryState
 
 PER_NODE = 8
-
-
-class MemoryState:
-    """A StateStore in a dict, counting its writes."""
-
-    def __init__(self) -> None:
-        self.data: Optional[bytes] = None
-        self.puts = 0
-
-    def get(self) -> Optional[bytes]:
-        return self.data
-
-    def put(self, data: bytes) -> None:
-        self.data = data
-        self.puts += 1
-
-    def delete(self) -> None:
-        self.data = None
 
 
 class Clock:

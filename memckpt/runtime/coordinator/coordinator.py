@@ -99,6 +99,27 @@ class GcsStateStore:
         self._kv()._internal_kv_del(self.key)
 
 
+class MemoryStateStore:
+    """The state in this process (a test, ``memckpt bench control-plane``): it does not
+    outlive the process. Counts its writes and their bytes."""
+
+    def __init__(self) -> None:
+        self.data: Optional[bytes] = None
+        self.puts = 0
+        self.bytes_written = 0
+
+    def get(self) -> Optional[bytes]:
+        return self.data
+
+    def put(self, data: bytes) -> None:
+        self.data = data
+        self.puts += 1
+        self.bytes_written += len(data)
+
+    def delete(self) -> None:
+        self.data = None
+
+
 async def ray_inventory(stores: Mapping[str, str], timeout_s: float) -> Inventory:
     """node -> rank -> steps, asked of each node's replica store by its actor name (its
     ``inventory`` method); a store that is gone or silent for ``timeout_s`` is left out."""
