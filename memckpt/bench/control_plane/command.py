@@ -11,6 +11,7 @@ network); and the recovery plan's CPU after a node is lost (``plan.time_plan``).
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="PATH", help="write the rows to PATH")
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="write a log-log plot of coordinator CPU per step against ranks")
+    parser.add_argument("--plot-against", default=None, metavar="JSON",
+                        help="with --plot: also draw the rows of an earlier --json (another "
+                             "version), labelled 'before'")
 
 
 HEAD = (f"{'ranks':>6} {'nodes':>5} {'CPU/step':>10} {'msgs/step':>9} {'state B/step':>12} "
@@ -91,7 +95,8 @@ def main(args: argparse.Namespace) -> int:
     print(report(rows))
     write_rows(args.json, rows)
     if args.plot:
-        print(f"plot: {plot(rows, args.plot)}")
+        before = json.loads(Path(args.plot_against).read_text()) if args.plot_against else None
+        print(f"plot: {plot(rows, args.plot, before)}")
     return 0
 
 

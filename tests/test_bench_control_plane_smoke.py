@@ -25,3 +25,7 @@ def test_command_writes_json_and_plot(tmp_path, capsys):
     assert [r["ranks"] for r in rows] == [16, 32]
     assert png.stat().st_size > 0
     assert "CPU/step" in capsys.readouterr().out
+    against = tmp_path / "vs.png"
+    assert _cli(["--ranks", "16", "--steps", "1", "--plot", str(against),
+                 "--plot-against", str(out)]) == 0
+    assert against.stat().st_size > 0
