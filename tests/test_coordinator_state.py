@@ -202,3 +202,26 @@ def json_committed(state: MemoryState):
     import json
     assert state.data is not None
     return json.loads(state.data)["committed"]
+
+
+def test_concurrent_callers_after_a_restart_share_one_rebuild(tmp_path):
+    ranks = 16
+    state, clock, c = fresh(tmp_path, ranks)
+    assignment, holders, _ = layout(ranks)
+    asyncio.run(configure(c, ranks, committed=2))
+    asked = []
+
+    async def slow(names, t):
+        asked.append(1)
+        await asyncio.sleep(0.05)  # the lock is free meanwhile: a report goes through
+        return inventory_of(assignment, holders, {r: [3] for r in range(ranks)})
+
+    c2 = start(tmp_path, state, ranks, clock, inventory=slow)
+
+    async def run() -> list:
+        calls = [c2.committed() for _ in range(5)] + [c2.wait_commit(0, 3, 1.0)]
+        return await asyncio.gather(*calls, c2.report(1, 0, 4, {"stall_s": 0.0}))
+
+    got = asyncio.run(run())
+    assert got[:5] == [3] * 5 and got[5][0] == 3
+    assert asked == [1]
