@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Optional
 
-from memckpt.runtime.coordinator.coordinator import (REGISTER_DEBOUNCE_S, Coordinator, Inventory,
-                                                     proven_ready)
+from memckpt.runtime.coordinator.coordinator import (REBUILD_RETRY_S, REGISTER_DEBOUNCE_S,
+                                                     Coordinator, Inventory, proven_ready)
 from memckpt.runtime.coordinator.coordinator import MemoryStateStore as MemoryState
 
 PER_NODE = 8
@@ -225,3 +225,23 @@ def test_concurrent_callers_after_a_restart_share_one_rebuild(tmp_path):
     got = asyncio.run(run())
     assert got[:5] == [3] * 5 and got[5][0] == 3
     assert asked == [1]
+
+
+def test_a_rebuild_that_missed_a_store_is_retried_while_a_waiter_times_out(tmp_path):
+    ranks = 16
+    state, clock, c = fresh(tmp_path, ranks)
+    assignment, holders, _ = layout(ranks)
+    asyncio.run(configure(c, ranks, committed=2))
+    full = inventory_of(assignment, holders, {r: [3] for r in range(ranks)})
+    answers = [{n: held for n, held in full.items() if n != "n0"}, full]  # n0 silent at first
+    c2 = start(tmp_path, state, ranks, clock, inventory=lambda names, t: answers.pop(0))
+
+    async def run() -> None:
+        assert (await c2.wait_commit(0, 3, 0.01))[0] == 2  # proved too little, timed out
+        assert (await c2.wait_commit(0, 3, 0.01))[0] == 2  # too soon to ask again
+        clock.now += REBUILD_RETRY_S
+        await c2.wait_commit(0, 3, 0.01)  # times out, re-arms the rebuild
+        assert (await c2.wait_commit(0, 3, 0.01))[0] == 3
+        assert answers == []
+
+    asyncio.run(run())

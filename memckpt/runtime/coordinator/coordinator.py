@@ -30,7 +30,9 @@ O(ranks), so a write per rank per step was O(ranks^2) a step). Exactly these wri
 
 ``shard_ready``, ``report``, ``heartbeat`` and ``wait_commit`` never write it: the steps
 committed since the last write are rebuilt after a restart (:meth:`Coordinator.rebuild`)
-from the stores' inventories, once, by the first call that needs the committed step.
+from the stores' inventories, once, by the first call that needs the committed step (again,
+at most every :data:`REBUILD_RETRY_S`, only while a ``wait_commit`` times out and no step
+has committed since the restart: a store that did not answer proves less, never more).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def _at_least(committed: Optional[int], step: int) -> bool:
 
 REGISTER_DEBOUNCE_S = 1.0  # registrations are written at most once per this many seconds
 REBUILD_TIMEOUT_S = 5.0  # a store that has not answered its inventory by then is skipped
+REBUILD_RETRY_S = 10.0  # a rebuild that proved too little is tried again after this long
 
 Inventory = dict[str, dict[int, list[int]]]  # node -> rank -> steps its store holds
 # the stores' names (node -> actor name), a timeout -> their inventory (or an awaitable of it)
@@ -182,6 +185,9 @@ class Coordinator:
         self._newest = -1  # the newest step any rank of this generation reported
         self._rebuild_due = False  # restarted: commits since the last write are unknown
         self._rebuild_task: Optional[asyncio.Future] = None
+        self._rebuilt_at = float("-inf")
+        # restarted, and no step committed since: a rank's shard_ready may have been lost
+        self._stale_ready = False
         self._cond = asyncio.Condition()
         self.heartbeats: dict[int, tuple[float, int]] = {}
         self.metrics: dict[str, dict[str, float]] = {}  # rank -> latest report (not persisted)
@@ -201,7 +207,7 @@ class Coordinator:
             self.s.pop("ready", None)  # an older version's; readiness is rebuilt
             if self.s["assignment"]:  # an elastic job's size is its last generation's
                 self.world_size = len(self.s["assignment"])
-            self._rebuild_due = True
+            self._rebuild_due = self._stale_ready = True
             self._reload_losses()
             protect(self.stores, self.s.get("protected", {}))
             self.event("coordinator_restarted", committed=self.s["committed"], gen=self.s["gen"])
@@ -246,7 +252,7 @@ class Coordinator:
                           committed=committed, workers={}, stores=stores)
             self._ready.clear()
             self._newest = -1
-            self._rebuild_due = False  # the driver's committed step is this generation's
+            self._rebuild_due = self._stale_ready = False  # the driver's step is this gen's
             self.heartbeats.clear()
             self.metrics.clear()
             self._stalls.clear()
@@ -370,6 +376,7 @@ class Coordinator:
                                                                           step):
             return
         self.s["committed"] = step
+        self._stale_ready = False  # whatever readiness the restart lost, a newer step is in
         stop = self.s.get("stop")
         if stop and stop["step"] is None and step >= stop["at"]:
             stop["step"] = step  # every rank must persist this step, even after a restart
@@ -382,9 +389,20 @@ class Coordinator:
                           timeout_s: float) -> tuple[Optional[int], Optional[int], Optional[str]]:
         """Wait until ``step`` is committed (or the generation changes, or time runs out)."""
         await self._rebuilt()
-        await self._until(lambda: self.s["gen"] != gen or _at_least(self.s["committed"], step),
-                          timeout_s)
+        if not await self._until(lambda: self.s["gen"] != gen
+                                 or _at_least(self.s["committed"], step), timeout_s):
+            self._rearm_rebuild()
         return self._commit_view()
+
+    def _rearm_rebuild(self) -> None:
+        """A waiter timed out after a restart and nothing committed since: the first rebuild
+        may have missed a store (and with it some ranks' readiness): ask again, at most once
+        per REBUILD_RETRY_S."""
+        task = self._rebuild_task
+        if (self._stale_ready and task is not None and task.done()
+                and self.clock() - self._rebuilt_at >= REBUILD_RETRY_S):
+            self._rebuild_task = None
+            self._rebuild_due = True
 
     async def _until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until ``predicate()`` holds (checked at every notify); False on timeout."""
@@ -416,13 +434,15 @@ class Coordinator:
         try:
             got = self.inventory_source(dict(self.s.get("stores", {})), REBUILD_TIMEOUT_S)
             inventory = await got if inspect.isawaitable(got) else got
+            if gen != self.s["gen"]:  # a new generation began meanwhile: the driver's step
+                return self.s["committed"]
+            best = await self.verify_committed(inventory)
         except Exception as e:  # noqa: BLE001 - proves nothing; the saved step stands
             self.event("committed_rebuild_failed", error=repr(e))
-            inventory = {}
-        if gen != self.s["gen"]:  # a new generation began meanwhile: its step is the driver's
             return self.s["committed"]
-        best = await self.verify_committed(inventory)
-        self._rebuild_due = False
+        finally:
+            self._rebuild_due = False
+            self._rebuilt_at = self.clock()
         self.event("committed_rebuild_done", committed=best, stores=len(inventory),
                    of_stores=len(self.s.get("stores", {})), seconds=time.time() - t0)
         return best
