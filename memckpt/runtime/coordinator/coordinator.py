@@ -9,20 +9,41 @@ and, once every rank has reported the step, each rank's snapshot stall to
 ``steps.jsonl`` (what ``memckpt report`` draws), and records the Ray metrics of
 ``memckpt.runtime.coordinator.metrics``.
 
-It is no single point of failure: its small state is written to Ray's GCS
-key-value store on every change, so when its process is killed Ray restarts it
-(``max_restarts=-1``), it reloads that state, checks the committed step against
-what the stores actually hold, and callers' retried calls carry on.
+It is no single point of failure: its small state ``s`` goes to a :class:`StateStore`
+(default: Ray's GCS key-value store), so when its process is killed Ray restarts it
+(``max_restarts=-1``), it reloads that state, rebuilds the committed step from what the
+replica stores hold, and callers' retried calls carry on.
+
+The state is written when membership changes, not per step (the whole of ``s`` is
+O(ranks), so a write per rank per step was O(ranks^2) a step). Exactly these write it:
+
+- ``configure`` (a generation starts: start, recovery, resize) and ``finish`` (which
+  removes it);
+- rare changes that must survive a restart at once: ``request_stop``, ``clear_stop``,
+  the stop step being decided (in the ``shard_ready`` that commits it), ``started_over``,
+  ``persist_ready``'s persisted step, a ``claim`` that fires, ``set_elastic``,
+  ``set_standby``, ``request_fault``, ``fault_done``, a restart (the restart count) and
+  a rebuild that raised the committed step;
+- ``register`` only marks the workers' info dirty: it is written by the first call at
+  least :data:`REGISTER_DEBOUNCE_S` after the last write (at most one write a second
+  while dirty, none at all while a generation's ranks register within that time).
+
+``shard_ready``, ``report``, ``heartbeat`` and ``wait_commit`` never write it: the steps
+committed since the last write are rebuilt after a restart (:meth:`Coordinator.rebuild`)
+from the stores' inventories, once, by the first call that needs the committed step (again,
+at most every :data:`REBUILD_RETRY_S`, only while a ``wait_commit`` times out and no step
+has committed since the restart: a store that did not answer proves less, never more).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol, Union
 
 from memckpt.persist.catalog import protect
 from memckpt.runtime.coordinator.metrics import JobMetrics
@@ -40,16 +61,112 @@ def _at_least(committed: Optional[int], step: int) -> bool:
     return committed is not None and committed >= step
 
 
-def _kv():
-    from ray.experimental import internal_kv
-    return internal_kv
+REGISTER_DEBOUNCE_S = 1.0  # registrations are written at most once per this many seconds
+REBUILD_TIMEOUT_S = 5.0  # a store that has not answered its inventory by then is skipped
+REBUILD_RETRY_S = 10.0  # a rebuild that proved too little is tried again after this long
+
+Inventory = dict[str, dict[int, list[int]]]  # node -> rank -> steps its store holds
+# the stores' names (node -> actor name), a timeout -> their inventory (or an awaitable of it)
+InventorySource = Callable[[Mapping[str, str], float],
+                           Union[Inventory, Awaitable[Inventory]]]
+
+
+class StateStore(Protocol):
+    """Where the coordinator's small state survives its process."""
+
+    def get(self) -> Optional[bytes]: ...
+
+    def put(self, data: bytes) -> None: ...
+
+    def delete(self) -> None: ...
+
+
+class GcsStateStore:
+    """The state under ``memckpt/<job>/coordinator`` in Ray's GCS key-value store."""
+
+    def __init__(self, job: str) -> None:
+        self.key = f"memckpt/{job}/coordinator".encode()
+
+    @staticmethod
+    def _kv() -> Any:
+        from ray.experimental import internal_kv
+        return internal_kv
+
+    def get(self) -> Optional[bytes]:
+        return self._kv()._internal_kv_get(self.key)
+
+    def put(self, data: bytes) -> None:
+        self._kv()._internal_kv_put(self.key, data, overwrite=True)
+
+    def delete(self) -> None:
+        self._kv()._internal_kv_del(self.key)
+
+
+class MemoryStateStore:
+    """The state in this process (a test, ``memckpt bench control-plane``): it does not
+    outlive the process. Counts its writes and their bytes."""
+
+    def __init__(self) -> None:
+        self.data: Optional[bytes] = None
+        self.puts = 0
+        self.bytes_written = 0
+
+    def get(self) -> Optional[bytes]:
+        return self.data
+
+    def put(self, data: bytes) -> None:
+        self.data = data
+        self.puts += 1
+        self.bytes_written += len(data)
+
+    def delete(self) -> None:
+        self.data = None
+
+
+async def ray_inventory(stores: Mapping[str, str], timeout_s: float) -> Inventory:
+    """node -> rank -> steps, asked of each node's replica store by its actor name (its
+    ``inventory`` method); a store that is gone or silent for ``timeout_s`` is left out."""
+    import ray
+
+    async def one(name: str) -> Any:
+        return await ray.get_actor(name, namespace=COORDINATOR_NAMESPACE).inventory.remote()
+
+    nodes = list(stores)
+    got = await asyncio.gather(*(asyncio.wait_for(one(stores[n]), timeout_s) for n in nodes),
+                               return_exceptions=True)
+    return {n: {int(r): list(steps) for r, steps in held.items()}
+            for n, held in zip(nodes, got) if isinstance(held, dict)}
+
+
+def proven_ready(inventory: Inventory, assignment: Mapping[str, str],
+                 holders: Mapping[str, list[str]]) -> dict[int, set[int]]:
+    """step -> the ranks whose shard of it the stores prove in place: on the rank's own
+    node and on all its holders (what a rank's ``shard_ready`` says). One pass over the
+    ranks and their holders."""
+    out: dict[int, set[int]] = {}
+    for r, node in assignment.items():
+        steps = set(inventory.get(node, {}).get(int(r), []))
+        for h in holders.get(r, []):
+            if not steps:
+                break
+            steps &= set(inventory.get(h, {}).get(int(r), []))
+        for step in steps:
+            out.setdefault(step, set()).add(int(r))
+    return out
 
 
 class Coordinator:
-    """Run as an async Ray actor: ``ray.remote(Coordinator).options(name=..., ...)``."""
+    """Run as an async Ray actor: ``ray.remote(Coordinator).options(name=..., ...)``.
+
+    ``state``: where the small state survives a restart (default: Ray's GCS);
+    ``inventory``: how a restarted coordinator asks the stores what they hold (default:
+    :func:`ray_inventory`); ``clock``: wall time (tests)."""
 
     def __init__(self, job: str, run_dir: str, world_size: int,
-                 tiers: tuple = (), fingerprint: str = "") -> None:
+                 tiers: tuple = (), fingerprint: str = "", *,
+                 state: Optional[StateStore] = None,
+                 inventory: Optional[InventorySource] = None,
+                 clock: Callable[[], float] = time.time) -> None:
         from memckpt.persist import CheckpointStore
         self.job = job
         self.fingerprint = fingerprint
@@ -59,7 +176,18 @@ class Coordinator:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.world_size = world_size
-        self._key = f"memckpt/{job}/coordinator".encode()
+        self.state: StateStore = state if state is not None else GcsStateStore(job)
+        self.inventory_source: InventorySource = inventory or ray_inventory
+        self.clock = clock
+        self._dirty = False  # registrations not yet written
+        self._saved_at = float("-inf")
+        self._ready: dict[int, set[int]] = {}  # step -> ranks ready (not persisted)
+        self._newest = -1  # the newest step any rank of this generation reported
+        self._rebuild_due = False  # restarted: commits since the last write are unknown
+        self._rebuild_task: Optional[asyncio.Future] = None
+        self._rebuilt_at = float("-inf")
+        # restarted, and no step committed since: a rank's shard_ready may have been lost
+        self._stale_ready = False
         self._cond = asyncio.Condition()
         self.heartbeats: dict[int, tuple[float, int]] = {}
         self.metrics: dict[str, dict[str, float]] = {}  # rank -> latest report (not persisted)
@@ -68,14 +196,18 @@ class Coordinator:
         self._pace: deque[tuple[float, int]] = deque(maxlen=64)  # rank 0's (time, step)
         self.job_metrics = JobMetrics(job)
         self.s: dict[str, Any] = {
-            "gen": -1, "assignment": {}, "holders": {}, "committed": None, "ready": {},
+            "gen": -1, "assignment": {}, "holders": {}, "committed": None,
             "workers": {}, "fired": [], "stores": {}, "stop": None, "persisted": {},
             "started_at": time.time(), "restarts_of_coordinator": 0, "done": False,
         }
-        saved = _kv()._internal_kv_get(self._key)
+        saved = self.state.get()
         if saved:  # restarted after a crash: resume from the last saved view
             self.s = json.loads(saved)
             self.s["restarts_of_coordinator"] += 1
+            self.s.pop("ready", None)  # an older version's; readiness is rebuilt
+            if self.s["assignment"]:  # an elastic job's size is its last generation's
+                self.world_size = len(self.s["assignment"])
+            self._rebuild_due = self._stale_ready = True
             self._reload_losses()
             protect(self.stores, self.s.get("protected", {}))
             self.event("coordinator_restarted", committed=self.s["committed"], gen=self.s["gen"])
@@ -93,7 +225,15 @@ class Coordinator:
 
     # -- persistence of the small state -------------------------------------------------------
     def _save(self) -> None:
-        _kv()._internal_kv_put(self._key, json.dumps(self.s).encode(), overwrite=True)
+        """The full write (see the module's docstring for when)."""
+        self.state.put(json.dumps(self.s).encode())
+        self._dirty = False
+        self._saved_at = self.clock()
+
+    def _save_if_due(self) -> None:
+        """Write the registrations marked dirty, at most once per REGISTER_DEBOUNCE_S."""
+        if self._dirty and self.clock() - self._saved_at >= REGISTER_DEBOUNCE_S:
+            self._save()
 
     def event(self, kind: str, **fields: Any) -> None:
         record = {"time": time.time(), "event": kind, **fields}
@@ -109,7 +249,10 @@ class Coordinator:
             self.world_size = len(assignment)  # an elastic job changes it between generations
             self.s.update(gen=gen, assignment={str(r): n for r, n in assignment.items()},
                           holders={str(r): list(h) for r, h in holders.items()},
-                          committed=committed, ready={}, workers={}, stores=stores)
+                          committed=committed, workers={}, stores=stores)
+            self._ready.clear()
+            self._newest = -1
+            self._rebuild_due = self._stale_ready = False  # the driver's step is this gen's
             self.heartbeats.clear()
             self.metrics.clear()
             self._stalls.clear()
@@ -122,11 +265,13 @@ class Coordinator:
             return
         self.s["workers"][str(rank)] = info
         self.heartbeats[rank] = (time.time(), -1)
-        self._save()
+        self._dirty = True
+        self._save_if_due()
 
     async def heartbeat(self, rank: int, gen: int, step: int) -> None:
         if gen == self.s["gen"]:
             self.heartbeats[rank] = (time.time(), step)
+        self._save_if_due()
 
     # -- persistence ----------------------------------------------------------------------------
     async def request_stop(self, at_step: int, action: str) -> None:
@@ -212,34 +357,52 @@ class Coordinator:
     async def shard_ready(self, rank: int, gen: int, step: int,
                           holders: list[str]) -> tuple[Optional[int], Optional[int], Optional[str]]:
         """``rank``'s shard of ``step`` is local and on ``holders``; returns
-        (committed step, step to persist now or None)."""
+        (committed step, step to persist now or None). O(1): no write, no scan of ranks."""
+        await self._rebuilt()
         async with self._cond:
             if gen != self.s["gen"]:
                 return self._commit_view()
-            need = set(self.s["holders"].get(str(rank), []))
-            if not need <= set(holders):
+            need = self.s["holders"].get(str(rank), [])
+            if not set(need) <= set(holders):
                 return self._commit_view()
-            ready = self.s["ready"].setdefault(str(step), [])
-            if rank not in ready:
-                ready.append(rank)
-            if len(ready) == self.world_size and (self.s["committed"] is None
-                                                  or step > self.s["committed"]):
-                self.s["committed"] = step
-                stop = self.s.get("stop")
-                if stop and stop["step"] is None and step >= stop["at"]:
-                    stop["step"] = step
-                for old in [k for k in self.s["ready"] if int(k) <= step]:
-                    del self.s["ready"][old]
-                self._cond.notify_all()
-            self._save()
+            self._ready.setdefault(step, set()).add(rank)
+            self._maybe_commit(step)
+            self._save_if_due()
             return self._commit_view()
+
+    def _maybe_commit(self, step: int) -> None:
+        """Commit ``step`` if every rank is ready for it and it is newer (call under the lock)."""
+        if len(self._ready.get(step, ())) < self.world_size or _at_least(self.s["committed"],
+                                                                          step):
+            return
+        self.s["committed"] = step
+        self._stale_ready = False  # whatever readiness the restart lost, a newer step is in
+        stop = self.s.get("stop")
+        if stop and stop["step"] is None and step >= stop["at"]:
+            stop["step"] = step  # every rank must persist this step, even after a restart
+            self._save()
+        for old in [k for k in self._ready if k <= step]:  # the steps in flight: a few
+            del self._ready[old]
+        self._cond.notify_all()
 
     async def wait_commit(self, gen: int, step: int,
                           timeout_s: float) -> tuple[Optional[int], Optional[int], Optional[str]]:
         """Wait until ``step`` is committed (or the generation changes, or time runs out)."""
-        await self._until(lambda: self.s["gen"] != gen or _at_least(self.s["committed"], step),
-                          timeout_s)
+        await self._rebuilt()
+        if not await self._until(lambda: self.s["gen"] != gen
+                                 or _at_least(self.s["committed"], step), timeout_s):
+            self._rearm_rebuild()
         return self._commit_view()
+
+    def _rearm_rebuild(self) -> None:
+        """A waiter timed out after a restart and nothing committed since: the first rebuild
+        may have missed a store (and with it some ranks' readiness): ask again, at most once
+        per REBUILD_RETRY_S."""
+        task = self._rebuild_task
+        if (self._stale_ready and task is not None and task.done()
+                and self.clock() - self._rebuilt_at >= REBUILD_RETRY_S):
+            self._rebuild_task = None
+            self._rebuild_due = True
 
     async def _until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until ``predicate()`` holds (checked at every notify); False on timeout."""
@@ -251,27 +414,57 @@ class Coordinator:
                 return False
 
     async def committed(self) -> Optional[int]:
+        await self._rebuilt()
         return self.s["committed"]
 
-    async def verify_committed(self, inventory: dict[str, dict[int, list[int]]]) -> Optional[int]:
+    async def _rebuilt(self) -> None:
+        """After a restart, the first caller starts the rebuild and every caller waits for
+        it (outside the lock); afterwards a no-op."""
+        if not self._rebuild_due:
+            return
+        if self._rebuild_task is None:
+            self._rebuild_task = asyncio.ensure_future(self.rebuild())
+        await asyncio.shield(self._rebuild_task)
+
+    async def rebuild(self) -> Optional[int]:
+        """Ask every store what it holds (REBUILD_TIMEOUT_S; silent ones are skipped, which
+        proves less, never more) and raise the committed step to what that proves."""
+        gen = self.s["gen"]
+        t0 = time.time()
+        try:
+            got = self.inventory_source(dict(self.s.get("stores", {})), REBUILD_TIMEOUT_S)
+            inventory = await got if inspect.isawaitable(got) else got
+            if gen != self.s["gen"]:  # a new generation began meanwhile: the driver's step
+                return self.s["committed"]
+            best = await self.verify_committed(inventory)
+        except Exception as e:  # noqa: BLE001 - proves nothing; the saved step stands
+            self.event("committed_rebuild_failed", error=repr(e))
+            return self.s["committed"]
+        finally:
+            self._rebuild_due = False
+            self._rebuilt_at = self.clock()
+        self.event("committed_rebuild_done", committed=best, stores=len(inventory),
+                   of_stores=len(self.s.get("stores", {})), seconds=time.time() - t0)
+        return best
+
+    async def verify_committed(self, inventory: Inventory) -> Optional[int]:
         """Raise the committed step to what the stores prove: every rank's shard on its own
-        node and on all its holders (used after a coordinator restart)."""
+        node and on all its holders (after a coordinator restart). Steps newer than that
+        which some ranks' shards reached count those ranks as ready (their ``shard_ready``
+        may have been lost with the old process). Never lowers the committed step."""
         async with self._cond:
+            before = self.s["committed"]
+            proven = proven_ready(inventory, self.s["assignment"], self.s["holders"])
+            full = len(self.s["assignment"]) == self.world_size
+            for step in sorted(proven):
+                if _at_least(self.s["committed"], step):
+                    continue
+                if full:
+                    self._ready.setdefault(step, set()).update(proven[step])
+                    self._maybe_commit(step)
             best = self.s["committed"]
-            candidates = {s for held in inventory.values() for steps in held.values() for s in steps}
-            for step in sorted(candidates, reverse=True):
-                if best is not None and step <= best:
-                    break
-                ok = all(step in inventory.get(node, {}).get(int(r), []) and
-                         all(step in inventory.get(h, {}).get(int(r), [])
-                             for h in self.s["holders"].get(r, []))
-                         for r, node in self.s["assignment"].items())
-                if ok and len(self.s["assignment"]) == self.world_size:
-                    best = step
-                    break
-            if best != self.s["committed"]:
-                self.s["committed"] = best
-                self.event("committed_rebuilt", committed=best)
+            if best != before:
+                self.event("committed_rebuilt", committed=best, was=before)
                 self._save()
                 self._cond.notify_all()
             return best
@@ -288,13 +481,15 @@ class Coordinator:
                 f.write(json.dumps({"step": step, "loss": metrics["loss"], "gen": gen}) + "\n")
         now = time.time()
         self.metrics[str(rank)] = dict(metrics, step=step, time=now)
+        self._newest = max(self._newest, step)
         self.heartbeats[rank] = (now, step)
         if rank == 0:
             self._pace.append((now, step))
         if "stall_s" in metrics:
             self._record_stall(rank, gen, step, metrics["stall_s"], now)
         self.job_metrics.step(rank, metrics)
-        self.job_metrics.progress(self._newest_step(), self.s["committed"])
+        self.job_metrics.progress(self._newest, self.s["committed"])
+        self._save_if_due()
 
     def _record_stall(self, rank: int, gen: int, step: int, stall_s: float, now: float) -> None:
         """One line per step in steps.jsonl, once every rank reported it (ranks report in
@@ -310,7 +505,7 @@ class Coordinator:
                                 "stall_s": [got[r] for r in sorted(got)]}) + "\n")
 
     def _newest_step(self) -> int:
-        return max((int(m.get("step", -1)) for m in self.metrics.values()), default=-1)
+        return self._newest
 
     async def claim(self, key: str, standby_timeout_s: float = 0.0) -> bool:
         """Fire-once: True the first time ``key`` is claimed in this job. With a timeout, a
@@ -362,6 +557,7 @@ class Coordinator:
         self.event(kind, **fields)
 
     async def progress(self) -> dict[str, Any]:
+        await self._rebuilt()
         steps = [m.get("step", -1) for m in self.metrics.values()]
         newest = max(steps, default=-1)
         stalls = [m["stall_s"] for m in self.metrics.values() if "stall_s" in m]
@@ -392,4 +588,4 @@ class Coordinator:
 
     async def finish(self) -> None:
         self.s["done"] = True
-        _kv()._internal_kv_del(self._key)
+        self.state.delete()

@@ -19,7 +19,8 @@ from memckpt.errors import ConfigError
 from memckpt.policy.placement import node_domains
 from memckpt.policy.recovery_plan import served_ranks
 from memckpt.runtime.ray_nodes import alive_node_ids, on_node
-from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE, Coordinator, coordinator_name
+from memckpt.runtime.coordinator.coordinator import (COORDINATOR_NAMESPACE, Coordinator,
+                                                     GcsStateStore, coordinator_name)
 from memckpt.runtime.node.replica_store import ReplicaStore
 
 
@@ -72,12 +73,11 @@ def start_store(config: Config, node: str) -> Any:
 def start_coordinator(config: Config, run_dir: Path) -> Any:
     """The job's coordinator, on this process's node; refuses a job name already running."""
     import ray
-    from ray.experimental import internal_kv
     if ray.util.list_named_actors(all_namespaces=True).count(coordinator_name(config.job_name)):
         raise ConfigError(f"job_name={config.job_name!r} is invalid: a job of that name is "
                           "running on this cluster; pick another job_name or stop it with "
                           "memckpt kill")
-    internal_kv._internal_kv_del(f"memckpt/{config.job_name}/coordinator".encode())
+    GcsStateStore(config.job_name).delete()  # a former job's of that name
     here = ray.get_runtime_context().get_node_id()
     coordinator = ray.remote(Coordinator).options(
         name=coordinator_name(config.job_name), namespace=COORDINATOR_NAMESPACE, num_cpus=0,

@@ -1,0 +1,31 @@
+"""``memckpt bench control-plane`` at tiny sizes (no Ray): rows, report, JSON and plot."""
+
+from __future__ import annotations
+
+import json
+
+from memckpt.bench.control_plane.command import _cli
+from memckpt.bench.control_plane.measure import measure
+
+
+def test_rows_count_messages_and_no_state_write_per_step():
+    row = measure(32, per_node=8, steps=2)
+    assert row["ranks"] == 32 and row["nodes"] == 4
+    assert row["messages_per_step"] == 3 * 32
+    assert row["state_writes_per_step"] == 0 and row["state_bytes_per_step"] == 0
+    assert row["start_state_writes"] == 2  # configure, then the registrations once
+    assert row["cpu_per_step_s"] > 0 and row["commit_latency_s"] > 0
+    assert row["plan_after_node_loss_s"] is not None
+
+
+def test_command_writes_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "rows.json", tmp_path / "cp.png"
+    assert _cli(["--ranks", "16,32", "--steps", "1", "--json", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["ranks"] for r in rows] == [16, 32]
+    assert png.stat().st_size > 0
+    assert "CPU/step" in capsys.readouterr().out
+    against = tmp_path / "vs.png"
+    assert _cli(["--ranks", "16", "--steps", "1", "--plot", str(against),
+                 "--plot-against", str(out)]) == 0
+    assert against.stat().st_size > 0
