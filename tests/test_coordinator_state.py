@@ -245,33 +245,3 @@ def test_a_rebuild_that_missed_a_store_is_retried_while_a_waiter_times_out(tmp_p
         assert answers == []
 
     asyncio.run(run())
-
-
-def test_ray_inventory_skips_missing_and_silent_stores(monkeypatch):
-    """The default inventory source's own logic (a stand-in ``ray`` module: by actor name,
-    int ranks, a store that is gone or silent past the timeout left out)."""
-    import sys
-    import types
-
-    from memckpt.runtime.coordinator.coordinator import ray_inventory
-
-    class Store:
-        def __init__(self, held, delay):
-            self.held, self.delay = held, delay
-            self.inventory = types.SimpleNamespace(remote=self.remote)
-
-        async def remote(self):
-            await asyncio.sleep(self.delay)
-            return self.held
-
-    stores = {"a": Store({"0": [1, 2]}, 0.0), "slow": Store({1: [2]}, 1.0)}
-
-    def get_actor(name, namespace):
-        assert namespace == "memckpt"
-        if name not in stores:
-            raise ValueError(name)
-        return stores[name]
-
-    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(get_actor=get_actor))
-    got = asyncio.run(ray_inventory({"n1": "a", "n2": "slow", "n3": "gone"}, 0.05))
-    assert got == {"n1": {0: [1, 2]}}
