@@ -216,7 +216,7 @@ def fired(events: list[dict], target: str) -> dict:
     return hits[0]
 
 
-def fit_losing_a_node(cluster, name: str, loop, loop_config: dict, config, tmp_path,
+def fit_losing_a_node(name: str, loop, loop_config: dict, config, tmp_path,
                       at_step: int = 5) -> None:
     """A 3-rank ``TorchTrainer`` run of ``loop`` (one CPU a worker, spread over the nodes,
     memckpt's Ray Train callback with ``config``, events in ``tmp_path/run``) whose rank 1
@@ -251,4 +251,3 @@ def fit_losing_a_node(cluster, name: str, loop, loop_config: dict, config, tmp_p
     assert plan["dead_nodes"] == [killed["node"]] and plan["resumed_step"] == at_step - 1
     restored = [e for e in ev if e["event"] == "restored" and e["gen"] == 1]
     assert len(restored) == 3 and all(e["source"].startswith(("local:", "peer:")) for e in restored)
-    cluster.forget_dead_nodes()

@@ -151,7 +151,7 @@ def test_trainer_inside_ray_train_survives_a_lost_node(ddp_job, ddp_reference, f
     from conftest import fit_losing_a_node
     name, out = "hf-rt-node", tmp_path / "out"
     out.mkdir()
-    fit_losing_a_node(full_cluster, name, ddp_job.ray_train_loop,
+    fit_losing_a_node(name, ddp_job.ray_train_loop,
                       {"job": ddp_job.HFRankJob(str(out), SAMPLES, ray_train=True)},
                       ddp_config(name, ram_root), tmp_path)
     got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]

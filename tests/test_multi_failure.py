@@ -17,6 +17,7 @@ import memckpt
 from memckpt.errors import RecoveryError
 from memckpt.runtime.tools.faults import FaultInjector, send_signals
 import test_runtime
+from conftest import fired
 from test_runtime import JOB, KILL_AT, assert_same_run, config, events, run_with
 
 KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
@@ -44,8 +45,7 @@ def test_two_workers_on_two_nodes_killed_in_the_same_instant(full_cluster, refer
     assert rec["died_ranks"] == [0, 1] and rec["dead_nodes"] == []
     assert rec["resumed_step"] == KILL_AT - 1
     assert set(rec["sources"].values()) == {"local"}  # both from their own node's RAM
-    (fired,) = [e for e in events(tmp_path) if e["event"] == "fault_injected"]
-    assert fired["ranks"] == [0, 1]
+    assert fired(events(tmp_path), "worker")["ranks"] == [0, 1]
     (gen1,) = [e for e in events(tmp_path) if e["event"] == "generation_started" and e["gen"] == 1]
     assert gen1["workers"]["0"] != "reused" and gen1["workers"]["1"] != "reused"
 
@@ -130,9 +130,9 @@ def test_two_ring_adjacent_nodes_lost_ends_the_job_naming_the_fix(full_cluster, 
     for setting in ("placement.replicas", "placement.standby_nodes", "persistence tier"):
         assert setting in msg
     ev = events(tmp_path)
-    (fired,) = [x for x in ev if x["event"] == "fault_injected"]
+    killed = fired(ev, "node")
     (failed,) = [x for x in ev if x["event"] == "job_failed"]
-    assert failed["time"] - fired["time"] < 60.0  # Ray's verdict on the nodes, then the plan
+    assert failed["time"] - killed["time"] < 60.0  # Ray's verdict on the nodes, then the plan
 
 
 @pytest.mark.chaos
