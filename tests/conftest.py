@@ -167,18 +167,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under ``-n 2 --dist loadgroup`` (pyproject's addopts) the suite runs in two processes.
-    The drills on the session's cluster run in one, in the order collected (they share that
-    cluster, its kept workers and module fixtures). The other takes the drills that start
-    a cluster of their own (a module's ``OWN_CLUSTER = True``, or a test marked
-    ``own_cluster``: the demos, elastic, job submission, failure domains, two benchmarks)
-    first, in order, and then the tests without Ray: those are mostly one core's work, and
-    the drills leave ~30% of two cores idle (timers, heartbeats, processes starting).
-    pytest-xdist hands the largest group out first, so the two groups start at once, one
-    in each process."""
+    Every Ray drill runs in one, in the order collected (they share the session's cluster,
+    its kept workers and module fixtures, and one drill's cluster at a time keeps their
+    timing honest); the other process runs the tests without Ray beside them: mostly one
+    core's work each, and the drills leave ~30% of two cores idle (timers, heartbeats,
+    processes starting). Running the drills that start their own clusters beside the others
+    was faster (about 20 min against 23) but two clusters on two cores made a live rank
+    miss its liveness ping: a drill then saw three deaths for one."""
     for item in items:
-        if getattr(item.module, "OWN_CLUSTER", False) or item.get_closest_marker("own_cluster"):
-            item.add_marker(pytest.mark.xdist_group("own-cluster"))
-        elif item.get_closest_marker("ray") or {"cluster", "full_cluster"} & set(item.fixturenames):
+        if item.get_closest_marker("ray") or {"cluster", "full_cluster"} & set(item.fixturenames):
             item.add_marker(pytest.mark.xdist_group("ray"))
 
 

@@ -37,7 +37,6 @@ def _common(rows):
 
 
 @pytest.mark.ray
-@pytest.mark.own_cluster  # it starts its own 2-node cluster
 @pytest.mark.timeout(420)  # 75 s on a quiet machine here; CI machines are shared
 def test_stall_and_lost_work(tmp_path, capsys):
     out, png = tmp_path / "rows.json", tmp_path / "plot.png"

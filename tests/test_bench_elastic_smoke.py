@@ -9,7 +9,6 @@ import pytest
 from memckpt.cli import main
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
-OWN_CLUSTER = True  # conftest: runs beside the shared cluster's drills
 
 
 def test_elastic_bench_rows(tmp_path, capsys):

@@ -10,7 +10,6 @@ import pytest
 from test_report import assert_readable
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.timeout(900)]
-OWN_CLUSTER = True  # conftest: runs beside the shared cluster's drills
 
 
 def assert_reads_as_a_story(stdout: str) -> list[str]:

@@ -19,7 +19,6 @@ from memckpt.runtime.tools.faults import FaultInjector
 from conftest import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
-OWN_CLUSTER = True  # conftest: runs beside the shared cluster's drills
 
 STEPS, KILL_AT = 8, 4
 STEPS_GROW = 40

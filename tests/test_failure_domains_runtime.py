@@ -12,7 +12,7 @@ The rack is rank 0's, whichever it is: Ray lists nodes in no fixed order, so whi
 run in r1 is only known once the job runs. The r3 nodes join only when the rack is lost,
 so that the job's four nodes are r1, r1, r2, r2 and not four of six.
 
-Alone (it starts its own cluster)::
+Run alone (it starts its own cluster; not beside another Ray drill)::
 
     PYTHONPATH=. python -m pytest -q -n 0 tests/test_failure_domains_runtime.py
 """
@@ -28,7 +28,6 @@ from memckpt.demo.job import GPTJob
 from memckpt.runtime.tools.faults import FaultInjector
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.timeout(600)]
-OWN_CLUSTER = True  # conftest: runs beside the shared cluster's drills
 
 JOB = GPTJob(steps=12, size="tiny", seed=3)
 KILL_AT = 6

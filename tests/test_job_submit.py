@@ -18,7 +18,6 @@ import pytest
 from conftest import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.timeout(900)]
-OWN_CLUSTER = True  # conftest: runs beside the shared cluster's drills
 
 JOB_PY = """from memckpt.demo.job import GPTJob
 train = GPTJob(steps={steps}, size="tiny", seed=3, step_delay_s={delay})
@@ -213,20 +212,12 @@ def _agent_owners(clusters: set[str]) -> dict[int, tuple[str, list[int]]]:
     return out
 
 
-def test_two_local_clusters_keep_their_own_agents(head):
-    """The job-submission head (its own process) and a second local cluster side by side
-    (started here, as a user's second ``LocalCluster`` would be): each raylet's
-    runtime-env agent port is held by that raylet's own agent and nothing else, so no
-    raylet can send a job's runtime env to the other cluster's agent."""
+def test_two_local_clusters_keep_their_own_agents(head, cluster):
+    """The job-submission head (its own process) and the session's cluster side by side:
+    each raylet's runtime-env agent port is held by that raylet's own agent and nothing
+    else, so no raylet can send a job's runtime env to the other cluster's agent."""
     import psutil
-
-    from memckpt.runtime.tools.local_cluster import LocalCluster
-    other = LocalCluster(nodes=1, cpus_per_node=1, connect=False)
-    try:
-        owners = _agent_owners({head["address"], other.address})
-    finally:
-        other.shutdown()
-    assert len({c for c, _ in owners.values()}) == 2, owners
-    assert len(owners) == 6, owners  # (head + 3 nodes) + (head + 1 node)
+    owners = _agent_owners({head["address"], cluster.address})
+    assert len({c for c, _ in owners.values()}) == 2 and len(owners) == 8, owners  # 2 x (head + 3)
     for raylet, (_, pids) in owners.items():
         assert len(pids) == 1 and psutil.Process(pids[0]).ppid() == raylet, (raylet, pids)
