@@ -328,8 +328,11 @@ class Runtime:
             return []
         return sorted(idle - alive_node_ids())
 
-    def _unresponsive(self, g: Generation, ranks: list[int], timeout_s: float = 2.0) -> set[int]:
-        return self.pool.unresponsive({r: g.workers[r] for r in ranks}, timeout_s)
+    def _unresponsive(self, g: Generation, ranks: list[int]) -> set[int]:
+        """A dead worker's ping fails at once and a live one answers in milliseconds, but on
+        a loaded machine a live one has taken over 2 s: :data:`PING_S` (5 s) only delays the
+        verdict on a frozen rank, and the heartbeat finds those."""
+        return self.pool.unresponsive({r: g.workers[r] for r in ranks}, PING_S)
 
     def _sweep(self, g: Generation, ranks: list[int]) -> set[int]:
         """One death found: which other running ``ranks`` are dead too (their node is
@@ -337,7 +340,7 @@ class Runtime:
         planned for together and no plan reuses a dead worker."""
         alive = alive_node_ids()
         gone = {r for r in ranks if g.info[r]["node_id"] not in alive}
-        return gone | self._unresponsive(g, [r for r in ranks if r not in gone], PING_S)
+        return gone | self._unresponsive(g, [r for r in ranks if r not in gone])
 
     def _check_stop(self, committed: Optional[int]) -> Optional[int]:
         """Stop file / SIGTERM: every rank persists the same committed step (chosen by the
