@@ -173,7 +173,7 @@ def test_a_batch_from_an_older_generation_changes_nothing(tmp_path):
     assert asyncio.run(c.shard_ready(0, 0, 2, holders[0])) == STALE
     assert c.s["committed"] == 1 and c._ready == {} and c.node_beats == {}
     assert dict(c.received) == received and state.puts == puts
-    assert steps_file.read_text() == lines and "2" not in c.losses
+    assert steps_file.read_text() == lines and "2" not in c.steps.losses
 
 
 def test_a_node_that_stops_beating_is_named_after_the_timeout(tmp_path):

@@ -1,17 +1,14 @@
 """The coordinator: one named actor per job, holding membership and the commit of steps.
 
-It knows no tensor bytes. Each node's replica store tells it, once per step, that its
-ranks' shards of a step and their replicas are in place, with their step metrics
-(``node_ready``; ``node_metrics`` for a step no rank snapshotted), and once per interval
-that the node is alive, with each rank's last sign of life (``node_heartbeat``): see
-:mod:`memckpt.runtime.node.aggregator`. Once every rank is in, the step is committed. A
-node whose store went silent is frozen or cut off, a rank silent on a live node is hung
-(``liveness``). The per-rank ``shard_ready``, ``report`` and ``heartbeat`` remain for a
-worker with no store on its node. It also takes fire-once chaos claims and events
-(``<run_dir>/events.jsonl``); per step it appends rank 0's loss to ``losses.jsonl`` and,
-once every rank's stall is in, the step's min / median / max stall to ``steps.jsonl``
-(what ``memckpt report`` draws), and records the Ray metrics of
-``memckpt.runtime.coordinator.metrics``.
+It knows no tensor bytes. Each node's store sends it, per step, its ranks' readiness and
+step metrics (``node_ready``; ``node_metrics`` for a step no rank snapshotted) and, per
+interval, each rank's last sign of life (``node_heartbeat``; see
+:mod:`memckpt.runtime.node.aggregator`); a step every rank is ready for is committed. A
+silent store is a frozen or cut-off node (``liveness``). The per-rank ``shard_ready``,
+``report`` and ``heartbeat`` serve a worker with no store on its node. Also: fire-once
+chaos claims, events (``events.jsonl``), rank 0's loss per step (``losses.jsonl``), each
+complete step's min / median / max stall (``steps.jsonl``, what ``memckpt report``
+draws), and the Ray metrics of ``memckpt.runtime.coordinator.metrics``.
 
 It is no single point of failure: its small state ``s`` goes to a :class:`StateStore`
 (default: Ray's GCS key-value store), so when its process is killed Ray restarts it
@@ -45,13 +42,14 @@ import asyncio
 import inspect
 import json
 import time
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from memckpt.persist.catalog import protect
-from memckpt.policy.step_metrics import Summary, stall_stats, summarize
+from memckpt.policy.step_metrics import Summary
 from memckpt.runtime.coordinator.metrics import JobMetrics
+from memckpt.runtime.coordinator.steps import StepLog
 from memckpt.runtime.coordinator.state_store import (COORDINATOR_NAMESPACE, GcsStateStore,
                                                Inventory, InventorySource,
                                                MemoryStateStore, StateStore, proven_ready,
@@ -106,7 +104,6 @@ class Coordinator:
         self._dirty = False  # registrations not yet written
         self._saved_at = float("-inf")
         self._ready: dict[int, set[int]] = {}  # step -> ranks ready (not persisted)
-        self._newest = -1  # the newest step any rank of this generation reported
         self._rebuild_due = False  # restarted: commits since the last write are unknown
         self._rebuild_task: Optional[asyncio.Future] = None
         self._rebuilt_at = float("-inf")
@@ -117,12 +114,8 @@ class Coordinator:
         self.node_beats: dict[str, tuple[float, int]] = {}  # node -> (last beat, newest step)
         self._node_ranks: dict[str, list[int]] = {}  # this generation's ranks per node
         self.received: Counter[str] = Counter()  # node messages taken, by method (tests, bench)
-        self.metrics: dict[str, dict[str, float]] = {}  # rank -> latest step/stall (not persisted)
-        self.losses: dict[str, float] = {}  # step -> loss, appended to losses.jsonl
-        self._stalls: dict[int, dict[int, float]] = {}  # step -> rank -> stall_s, until complete
-        self._counted: dict[tuple[str, int], float] = {}  # per-rank reports' cumulative counts
-        self._pace: deque[tuple[float, int]] = deque(maxlen=64)  # rank 0's (time, step)
         self.job_metrics = JobMetrics(job)
+        self.steps = StepLog(self.run_dir, self.job_metrics)  # losses, stalls, progress
         self.s: dict[str, Any] = {
             "gen": -1, "assignment": {}, "holders": {}, "committed": None,
             "workers": {}, "fired": [], "stores": {}, "stop": None, "persisted": {},
@@ -136,20 +129,16 @@ class Coordinator:
             if self.s["assignment"]:  # an elastic job's size is its last generation's
                 self.world_size = len(self.s["assignment"])
             self._rebuild_due = self._stale_ready = True
-            self._reload_losses()
+            self.steps.reload_losses()
+            self._index_nodes()
             protect(self.stores, self.s.get("protected", {}))
             self.event("coordinator_restarted", committed=self.s["committed"], gen=self.s["gen"])
             self._save()
 
-    def _reload_losses(self) -> None:
-        path = self.run_dir / "losses.jsonl"
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue  # a line torn by the crash
-                self.losses[str(rec["step"])] = rec["loss"]
+    def _index_nodes(self) -> None:
+        self._node_ranks = {}
+        for r, node in self.s["assignment"].items():
+            self._node_ranks.setdefault(node, []).append(int(r))
 
     # -- persistence of the small state -------------------------------------------------------
     def _save(self) -> None:
@@ -179,17 +168,11 @@ class Coordinator:
                           holders={str(r): list(h) for r, h in holders.items()},
                           committed=committed, workers={}, stores=stores)
             self._ready.clear()
-            self._newest = -1
             self._rebuild_due = self._stale_ready = False  # the driver's step is this gen's
             self.heartbeats.clear()
             self.node_beats.clear()
-            self._node_ranks = {}
-            for r, node in assignment.items():
-                self._node_ranks.setdefault(node, []).append(int(r))
-            self.metrics.clear()
-            self._stalls.clear()
-            self._counted.clear()
-            self._pace.clear()
+            self._index_nodes()
+            self.steps.reset()
             self._save()
             self._cond.notify_all()
 
@@ -355,7 +338,7 @@ class Coordinator:
             if gen != self.s["gen"]:
                 return STALE
             self.received["node_ready"] += 1
-            self._take(gen, metrics)
+            self.steps.take(gen, metrics, self.world_size, self.s["committed"])
             need = self.s["holders"]
             got = self._ready.setdefault(step, set())
             for r, placed in ranks.items():
@@ -368,7 +351,7 @@ class Coordinator:
     async def node_metrics(self, node: str, gen: int, metrics: list[Summary]) -> None:
         if gen == self.s["gen"]:
             self.received["node_metrics"] += 1
-            self._take(gen, metrics)
+            self.steps.take(gen, metrics, self.world_size, self.s["committed"])
 
     async def node_heartbeat(self, node: str, gen: int, beats: Mapping[int, tuple[float, int]],
                              metrics: list[Summary]) -> None:
@@ -382,7 +365,7 @@ class Coordinator:
             self.heartbeats[int(r)] = (now - age, step)
             top = max(top, step)
         self.node_beats[node] = (now, top)
-        self._take(gen, metrics)
+        self.steps.take(gen, metrics, self.world_size, self.s["committed"])
         self._save_if_due()
 
     def _rearm_rebuild(self) -> None:
@@ -465,53 +448,12 @@ class Coordinator:
         if gen != self.s["gen"]:
             return
         self.heartbeats[rank] = (self.clock(), step)
-        self._take(gen, [summarize(step, {rank: metrics}, self._counted)])
+        self.steps.take(gen, [self.steps.summarize(rank, step, metrics)], self.world_size,
+                        self.s["committed"])
         self._save_if_due()
 
-    def _take(self, gen: int, summaries: list[Summary]) -> None:
-        """Step summaries (:mod:`memckpt.policy.step_metrics`) of some ranks: rank 0's loss
-        to losses.jsonl, each rank's step and stall (for status and progress), the counters
-        to the Ray metrics; a step's line in steps.jsonl once every rank's stall is in.
-        O(ranks in the summaries)."""
-        now = time.time()
-        for m in summaries:
-            step = int(m["step"])
-            if "loss" in m:
-                # A file, not the GCS: one small append per step, and it outlives this
-                # process. After a rollback the redone steps are appended again; the last
-                # line wins.
-                self.losses[str(step)] = m["loss"]
-                with open(self.run_dir / "losses.jsonl", "a") as f:
-                    f.write(json.dumps({"step": step, "loss": m["loss"], "gen": gen}) + "\n")
-            stalls = {int(r): v for r, v in m.get("stall_s", {}).items()}
-            for r, v in stalls.items():
-                self.metrics[str(r)] = {"step": step, "stall_s": v, "time": now}
-            if 0 in stalls:
-                self._pace.append((now, step))
-            self._newest = max(self._newest, step)
-            self.job_metrics.counted(m)
-            if stalls:
-                self._record_stalls(gen, step, stalls, now)
-        self.job_metrics.progress(self._newest, self.s["committed"])
-
-    def _record_stalls(self, gen: int, step: int, stalls: dict[int, float], now: float) -> None:
-        """One line per step in steps.jsonl (min / median / max over the ranks), once every
-        rank's stall is in (ranks report in order, so an older step still incomplete then
-        never will be: dropped)."""
-        got = self._stalls.setdefault(step, {})
-        got.update(stalls)
-        if len(got) < self.world_size:
-            return
-        for old in [s for s in self._stalls if s <= step]:
-            del self._stalls[old]
-        stats = stall_stats(list(got.values()))
-        self.job_metrics.stalls(stats)
-        with open(self.run_dir / "steps.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "gen": gen, "time": now, "ranks": len(got),
-                                "stall_s": stats}) + "\n")
-
     def _newest_step(self) -> int:
-        return self._newest
+        return self.steps.newest
 
     async def claim(self, key: str, standby_timeout_s: float = 0.0) -> bool:
         """Fire-once: True the first time ``key`` is claimed in this job. With a timeout, a
@@ -564,26 +506,15 @@ class Coordinator:
 
     async def progress(self) -> dict[str, Any]:
         await self._rebuilt()
-        steps = [m.get("step", -1) for m in self.metrics.values()]
-        newest = max(steps, default=-1)
-        stalls = [m["stall_s"] for m in self.metrics.values() if "stall_s" in m]
-        recent = [(t, s) for t, s in self._pace if t > time.time() - 5.0]  # the last 5 s
-        rate = None
-        if len(recent) > 1 and recent[-1][0] > recent[0][0]:
-            rate = (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
-        return {"gen": self.s["gen"], "committed": self.s["committed"],
-                "min_step": min(steps) if len(steps) == self.world_size else -1,
-                "max_step": newest, "last_loss": self.losses.get(str(newest)),
-                "steps_per_s": rate,
-                "stall_ms": max(stalls) * 1000 if stalls else None,
-                "lag": newest - (self.s["committed"] or 0) if newest >= 0 else None}
+        return dict(self.steps.progress(self.world_size, self.s["committed"]),
+                    gen=self.s["gen"], committed=self.s["committed"])
 
     async def all_losses(self) -> dict[str, float]:
-        return self.losses
+        return self.steps.losses
 
     async def status(self) -> dict[str, Any]:
         now = self.clock()
-        return dict(self.s, metrics=self.metrics,
+        return dict(self.s, metrics=self.steps.metrics,
                     heartbeats={str(r): {"age_s": now - t, "step": s}
                                 for r, (t, s) in self.heartbeats.items()},
                     node_beats={n: {"age_s": now - t, "step": s}
