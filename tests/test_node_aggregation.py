@@ -18,7 +18,7 @@ from memckpt.runtime.coordinator.metrics import failure_target
 from memckpt.runtime.node.aggregator import NodeAggregator
 
 RANKS, PER_NODE = 64, 8
-TIMEOUT_S, INTERVAL_S = 4.0, 0.5
+TIMEOUT_S, INTERVAL_S = 5.0, 0.5
 
 
 class Clock:

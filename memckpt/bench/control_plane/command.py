@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memckpt.bench.common import human_bytes, human_s, positive_int, standalone, write_rows
-from memckpt.bench.control_plane.measure import measure_all
+from memckpt.bench.control_plane.measure import (HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S,
+                                                 measure_all)
 
 DEFAULT_RANKS = (64, 256, 1024, 4096)
 
@@ -70,8 +71,9 @@ def report(rows: list[dict[str, Any]]) -> str:
         "coordinator and node aggregators in-process, simulated ranks (median of the timed "
         "steps); CPU/step: the coordinator's; node CPU: each node's aggregation per step; "
         "msgs, B/step: what the coordinator takes; commit: last rank ready -> every rank "
-        "answered; frozen: a silent node named after (heartbeat timeout 4 s, interval "
-        "0.5 s); gen start: configure + every rank's register (writes: state writes then); "
+        "answered; frozen: a silent node named after (heartbeat timeout "
+        f"{HEARTBEAT_TIMEOUT_S:g} s, interval {HEARTBEAT_INTERVAL_S:g} s); gen start: "
+        "configure + every rank's register (writes: state writes then); "
         "plan: the recovery plan after a node loss", HEAD, *map(line, rows)])
 
 

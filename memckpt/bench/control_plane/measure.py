@@ -30,14 +30,15 @@ from statistics import median, quantiles
 from typing import Any, Callable, Optional, Sequence
 
 from memckpt.bench.control_plane.plan import layout, time_plan
+from memckpt.config import FailureConfig
 from memckpt.bench.control_plane.sim import SimJob
 from memckpt.runtime.coordinator.coordinator import (REGISTER_DEBOUNCE_S, Coordinator,
                                                      MemoryStateStore)
 
 # (ranks, run_dir, state store, clock) -> a coordinator: the default is today's
 Factory = Callable[[int, str, MemoryStateStore, Callable[[], float]], Any]
-HEARTBEAT_TIMEOUT_S = 4.0  # FailureConfig's defaults
-HEARTBEAT_INTERVAL_S = 0.5
+HEARTBEAT_TIMEOUT_S = FailureConfig().heartbeat_timeout_s  # the defaults
+HEARTBEAT_INTERVAL_S = FailureConfig().heartbeat_interval_s
 LATENCY_STEPS = 20
 
 
