@@ -33,14 +33,24 @@ COMMIT_WAIT_S = 5.0  # the coordinator holds a node_ready / wait_commit this lon
 KEEP_ANSWERS = 4  # commit answers kept per generation (a few steps in flight)
 
 View = tuple[Optional[int], Optional[int], Optional[str]]
+Get = Callable[[Any, float], Any]  # (a call's reference, timeout) -> its answer; TimeoutError
+
+
+def ray_get(ref: Any, timeout_s: float) -> Any:
+    import ray
+    return ray.get(ref, timeout=timeout_s)  # GetTimeoutError is a TimeoutError
 
 
 class Uplink:
-    """One node's aggregation toward the coordinator (thread-safe)."""
+    """One node's aggregation toward the coordinator (thread-safe). ``coordinator`` (given
+    at ``join``) is called as an actor handle (``.method.remote(...)``), whose references
+    ``get`` resolves (default: ``ray.get``)."""
 
-    def __init__(self, node: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, node: str, clock: Callable[[], float] = time.monotonic,
+                 get: Get = ray_get) -> None:
         self.node = node
         self.clock = clock
+        self.get = get
         self.agg = NodeAggregator(node)
         self.coordinator: Any = None
         self.interval_s = 0.5
@@ -59,6 +69,7 @@ class Uplink:
                 return False
             if gen == self.agg.gen:
                 self.coordinator, self.interval_s = coordinator, interval_s
+                self.agg.beat(rank, gen, -1, self.clock())  # alive from its own join
             if self._thread is None:
                 self._thread = threading.Thread(target=self._beat_loop, daemon=True,
                                                 name="memckpt-node-heartbeat")
@@ -107,7 +118,6 @@ class Uplink:
         """The coordinator's answer for ``step`` (committed step, step to persist, action;
         action "stale": the generation is over), or None if the node's batch was not sent
         or not answered within ``timeout_s``: ask again. Runs in COMMIT_GROUP."""
-        import ray
         deadline = self.clock() + timeout_s
         with self._cond:
             if not self._cond.wait_for(lambda: (gen, step) in self._answers or gen < self.floor
@@ -117,8 +127,8 @@ class Uplink:
         if ref is None:
             return (None, None, "stale")
         try:
-            view = tuple(ray.get(ref, timeout=max(0.01, deadline - self.clock())))
-        except ray.exceptions.GetTimeoutError:
+            view = tuple(self.get(ref, max(0.01, deadline - self.clock())))
+        except TimeoutError:
             return None
         committed = view[0]
         if view[2] != "stale" and (committed is None or committed < step):

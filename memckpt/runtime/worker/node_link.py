@@ -9,6 +9,7 @@ rank loudly (the driver then recovers), instead of the step waiting forever.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, Mapping, Optional
 
@@ -21,6 +22,7 @@ CALL_S = 30.0  # a store's answer to a call that only records
 STORE_SILENT_S = 120.0  # a store silent this long (through retries) fails the rank
 
 View = tuple[Optional[int], Optional[int], Optional[str]]
+log = logging.getLogger(__name__)
 
 
 class NodeLink:
@@ -33,9 +35,15 @@ class NodeLink:
         self._beat: Any = None  # the last beat's answer
 
     def start(self) -> "NodeLink":
-        """Join the node's store now (before the rank's first report or heartbeat)."""
+        """Join the node's store now (before the rank's first report or heartbeat). A store
+        that does not answer (restarting) is joined later, by the first beat or readiness
+        it refuses; one gone for good leaves this rank silent: found hung."""
         if self.store is not None:
-            self.join()
+            try:
+                self.join()
+            except Exception as e:  # noqa: BLE001 - see above
+                log.warning("memckpt: rank %d could not join its node's store yet: %r",
+                            self.spec.rank, e)
         return self
 
     def join(self) -> bool:
