@@ -224,6 +224,8 @@ def test_step_metrics_are_aggregated_over_the_ranks(tmp_path):
     assert stats["median"] == pytest.approx(0.0010315)
     losses = [json.loads(x) for x in (tmp_path / "losses.jsonl").read_text().splitlines()]
     assert [(x["step"], x["loss"]) for x in losses] == [(1, 0.5), (2, 1 / 3)]
+    # each simulated rank's cumulative counts say it landed every due snapshot
+    assert c.steps.snapshots == {"requested": 2.0 * RANKS, "landed": 2.0 * RANKS, "skipped": 0.0}
     prog = asyncio.run(c.progress())
     assert prog["min_step"] == prog["max_step"] == 2 and prog["last_loss"] == 1 / 3
 

@@ -4,15 +4,15 @@ aggregator (its ranks) and the coordinator (the whole job).
 A summary is a plain dict, the wire format between them::
 
     {"step": s, "ranks": n, "stall_s": {rank: seconds}, "loss": rank 0's loss (if among them),
-     "replicated_bytes" / "landed" / "skipped": the increase over those ranks since their
-     last summary (the reports carry cumulative counts per worker process)}
+     "replicated_bytes" / "landed" / "skipped" / "requested": the increase over those ranks
+     since their last summary (the reports carry cumulative counts per worker process)}
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, MutableMapping
 
-COUNTERS = ("replicated_bytes", "landed", "skipped")
+COUNTERS = ("replicated_bytes", "landed", "skipped", "requested")
 Summary = dict[str, Any]
 
 

@@ -537,7 +537,7 @@ class Coordinator:
 
     async def status(self) -> dict[str, Any]:
         now = self.clock()
-        return dict(self.s, metrics=self.steps.metrics,
+        return dict(self.s, metrics=self.steps.metrics, snapshots=self.steps.snapshots,
                     heartbeats={str(r): {"age_s": now - t, "step": s}
                                 for r, (t, s) in self.heartbeats.items()},
                     node_beats={n: {"age_s": now - t, "step": s}

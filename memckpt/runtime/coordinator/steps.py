@@ -29,6 +29,8 @@ class StepLog:
         self._stalls: dict[int, dict[int, float]] = {}  # step -> rank -> stall_s, until complete
         self._counted: dict[tuple[str, int], float] = {}  # per-rank reports' cumulative counts
         self._pace: deque[tuple[float, int]] = deque(maxlen=64)  # rank 0's (time, step)
+        # snapshots due ("requested"), landed and skipped over every rank, the whole job
+        self.snapshots: dict[str, float] = {"requested": 0.0, "landed": 0.0, "skipped": 0.0}
 
     def reset(self) -> None:
         """A generation starts (its losses stay: the file's last line per step wins)."""
@@ -73,6 +75,8 @@ class StepLog:
             if 0 in stalls:
                 self._pace.append((now, step))
             self.newest = max(self.newest, step)
+            for key in self.snapshots:
+                self.snapshots[key] += m.get(key, 0.0)
             self.job_metrics.counted(m)
             if stalls:
                 self._record_stalls(gen, step, stalls, world_size, now)
