@@ -388,6 +388,7 @@ class Coordinator:
             self.heartbeats[int(r)] = (now - age, step)
             top = max(top, step)
         self.node_beats[node] = (now, top)
+        self.steps.newest = max(self.steps.newest, top)  # where the job was, between batches
         self.steps.take(gen, metrics, self.world_size, self.s["committed"])
         self._save_if_due()
 
