@@ -4,7 +4,8 @@ node's ranks into one message per step and one heartbeat per interval at the coo
 names no store for this node or no ranks on it (an older spec).
 
 Every wait is bounded: a store that answers nothing for :data:`STORE_SILENT_S` fails the
-rank loudly (the driver then recovers), instead of the step waiting forever.
+rank loudly instead of the step waiting forever (a frozen node is found sooner: its store's
+heartbeat stops, see ``Coordinator.liveness``).
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ class NodeLink:
             if time.monotonic() - silent_since > STORE_SILENT_S:
                 raise MemckptError(
                     f"rank {spec.rank}: its node's replica store did not answer for "
-                    f"{STORE_SILENT_S:.0f} s (step {step} cannot commit); the driver recovers "
-                    "the job: check the node's raylet and the store actor's log")
+                    f"{STORE_SILENT_S:.0f} s, so step {step} cannot commit: check that node's "
+                    "raylet and the store actor's log (`ray logs`), or restart the job from "
+                    "its persisted tier")
         return None
 
     @staticmethod
