@@ -9,6 +9,9 @@ exactly one message:
   place (``node_ready``), carrying the metrics of the steps its ranks finished meanwhile;
 - or, for a step no local rank snapshotted, the step's metrics alone (``node_metrics``).
 
+(A generation's first step also sends its metrics at once, before its batch: the driver
+times a recovery's resume by them. One more message per node per generation.)
+
 Once per interval, :meth:`NodeAggregator.heartbeat` gives each local rank's last sign of
 life as an *age* (seconds on this node's clock, so the coordinator's own clock places it
 whatever the skew) and its step, plus any metrics still held (a step some ranks
