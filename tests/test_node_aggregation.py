@@ -241,3 +241,21 @@ def test_a_silent_node_is_named_frozen_or_cut_off():
     plain = decide(Observation(pending=(0, 1), hung=(1,), max_restarts=3))
     assert plain.what == "rank(s) [1] stopped heart-beating (hung)"
     assert failure_target(plain.what) == "hung"
+
+
+def test_commit_waiters_are_released_by_the_commit_or_a_new_generation(tmp_path):
+    """Step 0 commits like any other (its waiters go at once, not after their 600 s), and
+    a new generation releases an older one's waiters, answered stale."""
+    async def go() -> None:
+        c = Coordinator("job", str(tmp_path), 1, state=MemoryStateStore(),
+                        inventory=lambda names, t: {})
+        await c.configure(0, {0: "n"}, {0: []}, None, {"n": "store-n"})
+        waiting = asyncio.ensure_future(c.wait_commit(0, 0, 600.0))
+        later = asyncio.ensure_future(c.wait_commit(0, 1, 600.0))
+        await asyncio.sleep(0)
+        assert (await c.node_ready("n", 0, 0, {0: []}, [], 600.0))[0] == 0
+        assert (await asyncio.wait_for(waiting, 5))[0] == 0
+        assert not later.done()  # step 1 has not committed
+        await c.configure(1, {0: "n"}, {0: []}, 0, {"n": "store-n"})
+        assert await asyncio.wait_for(later, 5) == STALE
+    asyncio.run(go())
