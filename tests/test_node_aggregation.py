@@ -236,6 +236,7 @@ def test_a_silent_node_is_named_frozen_or_cut_off():
     d = decide(Observation(pending=(0, 1, 2, 3), hung=(2, 3), silent_nodes=(node,),
                            max_restarts=3))
     assert d.action is Action.RECOVER and d.died == d.hung == (2, 3)
+    assert d.silent_nodes == (node,)
     assert d.what == "node a1b2c3d4e5f6 stopped reporting (frozen or cut off): rank(s) [2, 3] lost"
     assert failure_target(d.what) == "node"
     plain = decide(Observation(pending=(0, 1), hung=(1,), max_restarts=3))

@@ -60,6 +60,7 @@ class Decision:
     what: str = ""  # RECOVER (or RAISE, giving up on one): the failure, in words
     died: tuple[int, ...] = ()  # RECOVER: ranks to kill before recovering
     hung: tuple[int, ...] = ()  # RECOVER: ranks stopped by a signal (they ignore polite kills)
+    silent_nodes: tuple[str, ...] = ()  # RECOVER: nodes that stopped reporting (frozen, cut off)
     error: Optional[BaseException] = None  # RAISE
     step: Optional[int] = None  # STOP: the persisted step
     grace: bool = False  # STOP: let running ranks end (briefly) before stopping
@@ -130,7 +131,7 @@ def _classify(obs: Observation) -> Decision:
     if obs.hung:
         hung = list(obs.hung)
         return Decision(Action.RECOVER, hung_what(hung, obs.silent_nodes),
-                        died=tuple(hung), hung=tuple(hung))
+                        died=tuple(hung), hung=tuple(hung), silent_nodes=obs.silent_nodes)
     if obs.lost_holders:
         return Decision(Action.RECOVER, f"node(s) {[n[:12] for n in obs.lost_holders]} holding "
                         "replicas (and running no rank) died")
