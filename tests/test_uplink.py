@@ -58,11 +58,22 @@ def coordinator(tmp_path) -> Iterator[LoopHandle]:
     thread.join(5)
 
 
+OPEN: list[Uplink] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_uplinks() -> Iterator[None]:
+    yield
+    while OPEN:  # their heartbeat threads end
+        OPEN.pop().close()
+
+
 def links(handle: LoopHandle, gen: int = 0) -> dict[str, Uplink]:
     out = {n: Uplink(n, get=get) for n in NODES}
     for n, up in out.items():
         for r in NODES[n]:
             assert up.join(r, gen, NODES[n], handle, interval_s=60.0)
+    OPEN.extend(out.values())
     return out
 
 

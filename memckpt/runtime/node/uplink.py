@@ -58,7 +58,7 @@ class Uplink:
         self._cond = threading.Condition()
         self._answers: dict[tuple[int, int], Any] = {}  # (gen, step) -> ref of the answer
         self._thread: Optional[threading.Thread] = None
-        self._closed = False
+        self._closed = threading.Event()
 
     # -- called by the node's ranks -------------------------------------------------------
     def join(self, rank: int, gen: int, ranks: Iterable[int], coordinator: Any,
@@ -121,7 +121,8 @@ class Uplink:
         deadline = self.clock() + timeout_s
         with self._cond:
             if not self._cond.wait_for(lambda: (gen, step) in self._answers or gen < self.floor
-                                       or gen < self.agg.gen or self._closed, timeout_s):
+                                       or gen < self.agg.gen or self._closed.is_set(),
+                                       timeout_s):
                 return None
             ref = self._answers.get((gen, step))
         if ref is None:
@@ -149,7 +150,7 @@ class Uplink:
 
     def close(self) -> None:
         with self._cond:
-            self._closed = True
+            self._closed.set()
             self._cond.notify_all()
 
     def heartbeat_once(self) -> bool:
@@ -157,14 +158,14 @@ class Uplink:
         with self._cond:
             hb = self.agg.heartbeat(self.clock())
             coordinator = self.coordinator
-            if hb is None or coordinator is None or hb.gen < self.floor or self._closed:
+            if (hb is None or coordinator is None or hb.gen < self.floor
+                    or self._closed.is_set()):
                 return False
             coordinator.node_heartbeat.remote(self.node, hb.gen, hb.beats, hb.metrics)
         return True
 
     def _beat_loop(self) -> None:
-        while not self._closed:
-            time.sleep(self.interval_s)
+        while not self._closed.wait(self.interval_s):
             try:
                 self.heartbeat_once()
             except Exception:  # noqa: BLE001 - a coordinator restarting: the next tick
