@@ -11,10 +11,15 @@ from memckpt.bench.control_plane.measure import measure
 def test_rows_count_messages_and_no_state_write_per_step():
     row = measure(32, per_node=8, steps=2)
     assert row["ranks"] == 32 and row["nodes"] == 4
-    assert row["messages_per_step"] == 3 * 32
+    assert row["messages_per_step"] == 2 * 4  # per node: its batch and one heartbeat
+    assert row["bytes_per_step"] > 0
     assert row["state_writes_per_step"] == 0 and row["state_bytes_per_step"] == 0
     assert row["start_state_writes"] == 2  # configure, then the registrations once
     assert row["cpu_per_step_s"] > 0 and row["commit_latency_s"] > 0
+    assert row["commit_latency_p99_s"] >= row["commit_latency_s"]
+    # the simulated clock moves a heartbeat interval at a time: timeout + at most one
+    assert row["heartbeat_timeout_s"] < row["frozen_node_detect_s"] \
+        <= row["heartbeat_timeout_s"] + row["heartbeat_interval_s"]
     assert row["plan_after_node_loss_s"] is not None
 
 

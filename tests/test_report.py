@@ -76,8 +76,9 @@ def test_report_of_a_run_with_a_worker_killed(cluster, tmp_path, capsys):
     steps = timeline["steps"]
     assert [s["step"] for s in steps] == list(range(1, JOB.steps + 1))
     assert [s["loss"] for s in steps] == result["losses"]
-    assert all(len(s["stall_ms"]) == 3 and s["stall_ms_max"] == max(s["stall_ms"]) > 0
-               for s in steps)
+    # min / median / max over the ranks (steps.jsonl since #40)
+    assert all(s["stall_of"] == "stats" and len(s["stall_ms"]) == 3
+               and s["stall_ms_max"] == max(s["stall_ms"]) == s["stall_ms"][2] > 0 for s in steps)
 
     # the defaults: next to the run's files
     assert main(["report", str(run_dir)]) == 0
@@ -171,3 +172,20 @@ def test_labels_of_many_incidents_do_not_overlap(tmp_path):
         "".join(json.dumps({"step": s, "loss": 5.0 / s}) + "\n" for s in range(1, 25)))
     fig = draw(load_timeline(tmp_path), tmp_path / "t.png")
     assert_readable(fig)
+
+
+def test_steps_of_either_format_give_the_stall_panel(tmp_path):
+    """steps.jsonl from before #40 (every rank's stall) and after (min / median / max over
+    the ranks) both load and draw."""
+    from memckpt.cli.report import draw, load_timeline
+    (tmp_path / "events.jsonl").write_text(json.dumps({"time": 1.0, "event": "job_started"})
+                                           + "\n")
+    rows = [{"step": 1, "gen": 0, "time": 2.0, "stall_s": [0.001, 0.003]},
+            {"step": 2, "gen": 0, "time": 3.0, "ranks": 4,
+             "stall_s": {"min": 0.001, "median": 0.002, "max": 0.004}}]
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = load_timeline(tmp_path)
+    assert [s["stall_ms"] for s in t["steps"]] == [[1.0, 3.0], [1.0, 2.0, 4.0]]
+    assert [s["stall_ms_max"] for s in t["steps"]] == [3.0, 4.0]
+    draw(t, tmp_path / "t.png")
+    assert png_size(tmp_path / "t.png") == (WIDTH_PX, HEIGHT_PX)

@@ -262,6 +262,29 @@ def test_hung_worker_detected_by_heartbeat(full_cluster, reference, tmp_path):
     assert rec["died_ranks"] == [2]
 
 
+@pytest.mark.chaos
+def test_two_ranks_a_node_report_through_their_store_and_a_hung_one_is_found(full_cluster,
+                                                                              tmp_path):
+    """Two ranks on each of two nodes: each node's store sends the coordinator one batch a
+    step for both ranks (every step's stall line covers all 4). A rank SIGSTOPped while its
+    node-mate and its store go on is found by the age its store reports (hung, not a frozen
+    node) and the job ends as the same job uninterrupted."""
+    def two_a_node(name: str) -> memckpt.Config:
+        return dataclasses.replace(config(name), workers=memckpt.WorkersConfig(
+            num_workers=4, workers_per_node=2, cpus_per_worker=1))
+    ref = memckpt.run(JOB, two_a_node("two-a-node-ref"), run_dir=tmp_path / "ref", quiet=True)
+    rows = [json.loads(x) for x in (tmp_path / "ref" / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows][-JOB.steps:] == list(range(1, JOB.steps + 1))
+    assert all(r["ranks"] == 4 for r in rows)
+    inj = FaultInjector().kill_worker(rank=1, at_step=KILL_AT, signal="STOP")
+    result = memckpt.run(JOB, two_a_node("two-a-node"), run_dir=tmp_path / "run",
+                         injector=inj, quiet=True)
+    assert_same_run(result, ref)
+    (rec,) = result["recoveries"]
+    assert rec["died_ranks"] == [1]
+    assert "hung" in rec["what"] and "frozen" not in rec["what"]
+
+
 def test_coordinator_killed(full_cluster, reference, tmp_path):
     inj = FaultInjector().kill_coordinator(at_step=KILL_AT)
     result = run_with(inj, "kill-coordinator", tmp_path)

@@ -27,6 +27,15 @@ def test_status_shows_placement_progress_and_the_standby_holder():
         "0.0s ago" in lines
 
 
+def test_snapshots_that_did_not_land_are_told_over_the_ranks():
+    lines = format_status("gpt", dict(STATUS, snapshots={"requested": 16.0, "landed": 12.0,
+                                                         "skipped": 4.0}), now=100.0)
+    assert "snapshots landed 12 of 16 due over the ranks (4 skipped)" in lines.splitlines()
+    every = format_status("gpt", dict(STATUS, snapshots={"requested": 16.0, "landed": 16.0}),
+                          now=100.0)
+    assert "due over the ranks" not in every
+
+
 def test_no_standby_line_when_every_holder_runs_ranks():
     ring = dict(STATUS, holders={"0": [STATUS["assignment"]["1"]], "1": [STATUS["assignment"]["0"]]})
     assert "running no rank" not in format_status("gpt", ring, now=100.0)

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 from memckpt.errors import ConfigError, MemckptError
 
 WIDTH_PX, HEIGHT_PX, DPI = 1200, 800, 100
+STALL_STATS = ("min", "median", "max")  # steps.jsonl's stall of a step over the ranks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,11 +70,15 @@ def load_timeline(run_dir: Path) -> dict[str, Any]:
     for rec in _lines(run_dir / "losses.jsonl"):
         losses[int(rec["step"])] = rec["loss"]  # redone steps: the last line wins
     stalls: dict[int, list[float]] = {}
+    stall_of = "ranks"
     for rec in _lines(run_dir / "steps.jsonl"):
-        stalls[int(rec["step"])] = [s * 1000 for s in rec["stall_s"]]
+        got = rec["stall_s"]
+        if isinstance(got, dict):  # min / median / max over the ranks (since #40)
+            got, stall_of = [got[k] for k in STALL_STATS], "stats"
+        stalls[int(rec["step"])] = [s * 1000 for s in got]
     steps = [{"step": s, "loss": losses.get(s),
               "stall_ms_max": max(stalls[s]) if s in stalls else None,
-              "stall_ms": stalls.get(s)}
+              "stall_ms": stalls.get(s), "stall_of": stall_of}
              for s in sorted(set(losses) | set(stalls))]
     failures, recoveries, rollbacks = _incidents(events)
     started = next((e["time"] for e in events if e["event"] == "job_started"), events[0]["time"])
@@ -235,9 +240,11 @@ def _label_rows(ax: Any, labels: list[tuple[float, str, str]], last_step: int,
 def _draw_stalls(ax: Any, steps: list[dict[str, Any]]) -> None:
     with_stall = [s for s in steps if s["stall_ms"]]
     ranks = max((len(s["stall_ms"]) for s in with_stall), default=0)
+    stats = any(s.get("stall_of") == "stats" for s in with_stall)
     for r in range(ranks):
         pts = [(s["step"], s["stall_ms"][r]) for s in with_stall if r < len(s["stall_ms"])]
-        ax.plot(*zip(*pts), ".", ms=4, alpha=0.6, label=f"rank {r}")
+        label = f"{STALL_STATS[r]} over the ranks" if stats else f"rank {r}"
+        ax.plot(*zip(*pts), ".", ms=4, alpha=0.6, label=label)
     if with_stall:
         ax.plot([s["step"] for s in with_stall], [s["stall_ms_max"] for s in with_stall], "-",
                 color="black", lw=1, label="slowest rank")

@@ -38,6 +38,11 @@ def format_status(job: str, s: dict, now: float) -> str:
         if el.get("pending_growth"):
             lines.append(f"pending growth: to {el['pending_growth']} ranks at the next "
                          "committed step (nodes with room appeared)")
+    snaps = s.get("snapshots") or {}
+    if snaps.get("requested") and snaps.get("landed", 0) < snaps["requested"]:
+        # a user who asked for every step sees what they got (over the ranks, the whole job)
+        lines.append(f"snapshots landed {int(snaps['landed'])} of {int(snaps['requested'])} "
+                     f"due over the ranks ({int(snaps.get('skipped', 0))} skipped)")
     for rank, m in sorted(s["metrics"].items(), key=lambda kv: int(kv[0])):
         landed = ""
         if m.get("requested"):  # a user who asked for every step sees what they got

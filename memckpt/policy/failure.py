@@ -40,6 +40,8 @@ class Observation:
     errors: tuple[tuple[int, BaseException], ...] = ()  # (rank, what its train_fn raised)
     error_age_s: float = 0.0  # since the first of ``errors``
     hung: tuple[int, ...] = ()  # running ranks that stopped heart-beating
+    # nodes whose store stopped reporting (frozen or cut off): their ranks are in ``hung``
+    silent_nodes: tuple[str, ...] = ()
     lost_holders: tuple[str, ...] = ()  # dead replica holder nodes that run no rank
     unreachable: Optional[tuple[int, ...]] = None  # pending ranks not answering; None: unasked
     stopped: Optional[int] = None  # a rank returned after persisting this requested stop step
@@ -58,6 +60,7 @@ class Decision:
     what: str = ""  # RECOVER (or RAISE, giving up on one): the failure, in words
     died: tuple[int, ...] = ()  # RECOVER: ranks to kill before recovering
     hung: tuple[int, ...] = ()  # RECOVER: ranks stopped by a signal (they ignore polite kills)
+    silent_nodes: tuple[str, ...] = ()  # RECOVER: nodes that stopped reporting (frozen, cut off)
     error: Optional[BaseException] = None  # RAISE
     step: Optional[int] = None  # STOP: the persisted step
     grace: bool = False  # STOP: let running ranks end (briefly) before stopping
@@ -102,6 +105,17 @@ def died_what(died: tuple[int, ...], during: Optional[str] = None) -> str:
     return what if during is None else f"{what} (during the recovery's {during} phase)"
 
 
+def hung_what(hung: list[int], silent_nodes: tuple[str, ...]) -> str:
+    """Hung ranks, in words: a node that stopped reporting is named as such (frozen or cut
+    off: its store went silent with its ranks), the other ranks as hung."""
+    if not silent_nodes:
+        return f"rank(s) {hung} stopped heart-beating (hung)"
+    nodes = ", ".join(n[:12] for n in silent_nodes)
+    what = (f"node {nodes} stopped reporting (frozen or cut off)" if len(silent_nodes) == 1
+            else f"nodes {nodes} stopped reporting (frozen or cut off)")
+    return f"{what}: rank(s) {hung} lost"
+
+
 def _classify(obs: Observation) -> Decision:
     if obs.during is not None and obs.during not in RECOVERY_PHASES:
         raise ValueError(f"Observation.during={obs.during!r}: one of {RECOVERY_PHASES} or None")
@@ -116,8 +130,8 @@ def _classify(obs: Observation) -> Decision:
         return Decision(Action.STOP, step=obs.stop_persisted)
     if obs.hung:
         hung = list(obs.hung)
-        return Decision(Action.RECOVER, f"rank(s) {hung} stopped heart-beating (hung)",
-                        died=tuple(hung), hung=tuple(hung))
+        return Decision(Action.RECOVER, hung_what(hung, obs.silent_nodes),
+                        died=tuple(hung), hung=tuple(hung), silent_nodes=obs.silent_nodes)
     if obs.lost_holders:
         return Decision(Action.RECOVER, f"node(s) {[n[:12] for n in obs.lost_holders]} holding "
                         "replicas (and running no rank) died")

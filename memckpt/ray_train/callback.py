@@ -29,6 +29,7 @@ from memckpt.policy.recovery_plan import plan_in_place, source_label
 from memckpt.runtime.driver import actors
 from memckpt.runtime.driver.driver import STARTUP_TIMEOUT_S, default_run_dir
 from memckpt.runtime.tools.faults import Fault, aim, deliver, send_signal
+from memckpt.runtime.worker.spec import ranks_by_node
 from memckpt.runtime.worker.worker import RestoreInstruction, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -161,11 +162,12 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         with self._lock:
             self._prune_after = None if gen == 0 else (-1 if committed is None else committed)
         refs = {}
+        by_node = ranks_by_node(assignment)
         for i, w in enumerate(workers):
             rank = w.distributed_context.world_rank
             spec = WorkerSpec(rank, cfg.workers.num_workers, gen, cfg, holders.get(rank, ()),
                               dict(self.stores), self.coordinator, restore.get(rank),
-                              self._faults)
+                              self._faults, node_ranks=by_node[assignment[rank]])
             refs[rank] = worker_group.execute_single_async(i, worker_side.install, spec,
                                                            self.report)
         pids = {rank: ray.get(ref) for rank, ref in refs.items()}

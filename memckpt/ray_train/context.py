@@ -90,10 +90,9 @@ class RayTrainContext(RestoreAndStep):
     def _heartbeat(self) -> None:
         """Beats for as long as the process lives: a rank done with its loop waits for Ray
         Train to end the group and is not hung; a stopped process stops beating."""
-        spec = self._inner.spec
         while True:
             time.sleep(self.config.failure.heartbeat_interval_s)
-            spec.coordinator.heartbeat.remote(spec.rank, spec.gen, self._inner.last_step)
+            self._inner.link.beat(self._inner.last_step)
 
     def restore(self, state: TrainState) -> int:
         """Load the step memckpt chose for this restart (0 on a fresh start): from this

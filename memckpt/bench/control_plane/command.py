@@ -1,11 +1,15 @@
-"""The control plane at many ranks, on one machine: the real coordinator driven in-process by
-simulated ranks (no Ray, no tensors).
+"""The control plane at many ranks, on one machine: the real coordinator and every node's
+real aggregator driven in-process by simulated ranks (no Ray, no tensors).
 
-Per size (``--ranks``, ``--per-node`` a node), after a generation starts, every rank sends
-per step what a worker sends today: its report, a heartbeat and its shard_ready. Reported
-per step: the coordinator's CPU, the messages it takes, the bytes it writes to its state
-store (Ray's GCS in a job), the commit latency (the call that commits: in-process, no
-network); and the recovery plan's CPU after a node is lost (``plan.time_plan``).
+Per size (``--ranks``, ``--per-node`` a node), after a generation starts, every rank
+reports each step and says its shard is placed to its node's aggregator, which sends the
+coordinator one batch per node per step, plus one heartbeat per node per interval (a step
+taken as one interval). Reported per step: the coordinator's CPU, the node side's CPU per
+node, the messages and bytes the coordinator takes, the bytes it writes to its state store
+(Ray's GCS in a job), the commit latency p50 / p99 (last rank ready -> every rank holds
+its answer; in-process, no network); the time until a frozen node is named (on the
+coordinator's clock); and the recovery plan's CPU after a node is lost (``plan.time_plan``).
+See :mod:`memckpt.bench.control_plane.measure`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memckpt.bench.common import human_bytes, human_s, positive_int, standalone, write_rows
-from memckpt.bench.control_plane.measure import measure_all
+from memckpt.bench.control_plane.measure import (HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S,
+                                                 measure_all)
 
 DEFAULT_RANKS = (64, 256, 1024, 4096)
 
@@ -47,22 +52,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "version), labelled 'before'")
 
 
-HEAD = (f"{'ranks':>6} {'nodes':>5} {'CPU/step':>10} {'msgs/step':>9} {'state B/step':>12} "
-        f"{'commit':>9} {'gen start':>9} {'writes':>6} {'plan':>9}")
+HEAD = (f"{'ranks':>6} {'nodes':>5} {'CPU/step':>9} {'node CPU':>9} {'msgs/step':>9} "
+        f"{'B/step':>9} {'state B/step':>12} {'commit p50':>10} {'p99':>9} {'frozen':>7} "
+        f"{'gen start':>9} {'writes':>6} {'plan':>9}")
 
 
 def line(r: dict[str, Any]) -> str:
-    return (f"{r['ranks']:>6} {r['nodes']:>5} {human_s(r['cpu_per_step_s']):>10} "
-            f"{r['messages_per_step']:>9} {human_bytes(r['state_bytes_per_step']):>12} "
-            f"{human_s(r['commit_latency_s']):>9} {human_s(r['start_cpu_s']):>9} "
+    return (f"{r['ranks']:>6} {r['nodes']:>5} {human_s(r['cpu_per_step_s']):>9} "
+            f"{human_s(r['node_cpu_per_step_s']):>9} {r['messages_per_step']:>9g} "
+            f"{human_bytes(r['bytes_per_step']):>9} {human_bytes(r['state_bytes_per_step']):>12} "
+            f"{human_s(r['commit_latency_s']):>10} {human_s(r['commit_latency_p99_s']):>9} "
+            f"{r['frozen_node_detect_s']:>6.2f}s {human_s(r['start_cpu_s']):>9} "
             f"{r['start_state_writes']:>6} {human_s(r['plan_after_node_loss_s']):>9}")
 
 
 def report(rows: list[dict[str, Any]]) -> str:
     return "\n".join([
-        "coordinator in-process, simulated ranks (median of the timed steps); gen start: "
-        "configure + every rank's register (writes: state writes then); plan: the recovery "
-        "plan after a node loss", HEAD, *map(line, rows)])
+        "coordinator and node aggregators in-process, simulated ranks (median of the timed "
+        "steps); CPU/step: the coordinator's; node CPU: each node's aggregation per step; "
+        "msgs, B/step: what the coordinator takes; commit: last rank ready -> every rank "
+        "answered; frozen: a silent node named after (heartbeat timeout "
+        f"{HEARTBEAT_TIMEOUT_S:g} s, interval {HEARTBEAT_INTERVAL_S:g} s); gen start: "
+        "configure + every rank's register (writes: state writes then); "
+        "plan: the recovery plan after a node loss", HEAD, *map(line, rows)])
 
 
 def plot(rows: list[dict[str, Any]], path: str,

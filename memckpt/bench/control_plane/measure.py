@@ -1,15 +1,24 @@
-"""The real coordinator at many ranks, in this process: no Ray, no tensors.
+"""The real coordinator and every node's real aggregator at many ranks, in this process: no
+Ray, no tensors.
 
-Simulated ranks (``per_node`` a node, ring placement of :func:`plan.layout`) drive
-:class:`~memckpt.runtime.coordinator.coordinator.Coordinator` directly, each call awaited
-in turn as its actor's event loop would run it. After a generation starts (``configure``,
-every rank's ``register``), per step every rank sends what a worker sends today: its
-``report`` (the metrics of ``RankContext``'s report, rank 0's loss), a ``heartbeat`` and its
-``shard_ready``. Per size: the coordinator's CPU per step (``time.process_time`` around the
-calls), the messages it takes per step, the bytes written to its state store per step (an
-in-memory store that counts them; in a job, Ray's GCS), the commit latency (the last
-rank's ``shard_ready``, the call that commits: in-process there is no network), and from
-:func:`plan.time_plan` the recovery plan after a node is lost.
+Simulated ranks (``per_node`` a node, ring placement of :func:`plan.layout`) report to
+their node's :class:`~memckpt.runtime.node.aggregator.NodeAggregator`, which sends the
+:class:`~memckpt.runtime.coordinator.coordinator.Coordinator` what a node's store sends
+(:mod:`memckpt.bench.control_plane.sim`): per step one ``node_ready`` per node (its ranks'
+readiness and step summaries) and, a step taking one heartbeat interval, one
+``node_heartbeat`` per node. After a generation starts (``configure``, every rank's
+``register``), per size:
+
+- the coordinator's CPU per step (``time.process_time`` inside its calls, each answered at
+  once), the node side's CPU per node per step, the messages and their pickled bytes per
+  step at the coordinator, and the bytes it writes to its state store per step;
+- the commit latency p50 / p99: every node's batch waits at the coordinator for the
+  commit, as in a job; from the last node's batch (its last rank ready) until every rank
+  holds its answer (in-process: no network);
+- the detection of a frozen node: one node's store stops beating; on the coordinator's
+  clock (moved on one heartbeat interval at a time, the driver checking ``liveness`` each
+  time), how long until it is named (``heartbeat_timeout_s`` + at most one interval);
+- from :func:`plan.time_plan`, the recovery plan after a node is lost.
 """
 
 from __future__ import annotations
@@ -17,27 +26,32 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
-from statistics import median
+from statistics import median, quantiles
 from typing import Any, Callable, Optional, Sequence
 
 from memckpt.bench.control_plane.plan import layout, time_plan
+from memckpt.config import FailureConfig
+from memckpt.bench.control_plane.sim import SimJob
 from memckpt.runtime.coordinator.coordinator import (REGISTER_DEBOUNCE_S, Coordinator,
                                                      MemoryStateStore)
 
-# (ranks, run_dir, state store, clock) -> a coordinator: the default is today's; a
-# comparison may pass another (an older version, writing its state through the same store)
+# (ranks, run_dir, state store, clock) -> a coordinator: the default is today's
 Factory = Callable[[int, str, MemoryStateStore, Callable[[], float]], Any]
-MESSAGES_PER_RANK = 3  # report, heartbeat, shard_ready
+HEARTBEAT_TIMEOUT_S = FailureConfig().heartbeat_timeout_s  # the defaults
+HEARTBEAT_INTERVAL_S = FailureConfig().heartbeat_interval_s
+LATENCY_STEPS = 20
 
 
 class SimClock:
-    """Wall time that the benchmark can move on (past the coordinator's debounce)."""
+    """The coordinator's and the nodes' clock: it stands still unless the benchmark moves
+    it (past the coordinator's debounce; a heartbeat interval at a time)."""
 
     def __init__(self) -> None:
+        self.start = time.time()
         self.offset = 0.0
 
     def __call__(self) -> float:
-        return time.time() + self.offset
+        return self.start + self.offset
 
 
 def current(ranks: int, run_dir: str, state: MemoryStateStore,
@@ -46,55 +60,81 @@ def current(ranks: int, run_dir: str, state: MemoryStateStore,
                        clock=clock)
 
 
-def _metrics(rank: int, step: int) -> dict[str, float]:
-    """A worker's per-step report (memckpt.runtime.worker.context)."""
-    out = {"stall_s": 0.0012, "replicate_s": 0.01, "committed": float(step - 1),
-           "skipped": 0.0, "landed": float(step), "requested": float(step), "waited_s": 0.0,
-           "replicated_bytes": float(step << 20), "replica_filled_bytes": 0.0}
-    if rank == 0:
-        out["loss"] = 1.0 / (step + 1)
-    return out
+async def _start(c: Any, job: SimJob, assignment: dict[int, str], holders: dict[int, list[str]],
+                 stores: dict[str, str], clock: SimClock) -> None:
+    await c.configure(0, assignment, holders, None, stores)
+    for r in assignment:
+        await c.register(r, 0, {"rank": r, "pid": 1000 + r, "node_id": assignment[r]})
+    job.join(0)
+    clock.offset += REGISTER_DEBOUNCE_S  # a second on: the next call writes what is due
+    await job.heartbeats(0, -1)
+
+
+async def _detect(c: Any, job: SimJob, clock: SimClock, step: int) -> tuple[float, float]:
+    """(seconds on the coordinator's clock from a node's last heartbeat until ``liveness``
+    names it, CPU seconds of one ``liveness`` check)."""
+    frozen = next(iter(job.nodes))
+    await job.heartbeats(0, step)
+    last, cpu = clock(), 0.0
+    while clock() - last < 10 * HEARTBEAT_TIMEOUT_S:
+        clock.offset += HEARTBEAT_INTERVAL_S
+        await job.heartbeats(0, step, skip=(frozen,))
+        t0 = time.process_time()
+        ranks, nodes = await c.liveness(HEARTBEAT_TIMEOUT_S, HEARTBEAT_TIMEOUT_S)
+        cpu = time.process_time() - t0
+        if nodes:
+            if nodes != [frozen] or ranks != job.nodes[frozen].ranks:
+                raise RuntimeError(f"liveness named {nodes} / ranks {ranks[:8]}..., not only "
+                                   f"{frozen} and its ranks")
+            return clock() - last, cpu
+    raise RuntimeError(f"{frozen} stopped beating and was never named")
 
 
 async def _run(c: Any, ranks: int, per_node: int, steps: int, state: MemoryStateStore,
                clock: SimClock) -> dict[str, Any]:
-    job = layout(ranks, per_node)
-    holders = {r: list(h) for r, h in job.holders.items()}
-    stores = {n: f"memckpt-store-bench-{n}" for n in job.nodes}
+    lay = layout(ranks, per_node)
+    holders = {r: list(h) for r, h in lay.holders.items()}
+    stores = {n: f"memckpt-store-bench-{n}" for n in lay.nodes}
+    job = SimJob(c, lay.assignment, holders, clock)
     puts0, bytes0 = state.puts, state.bytes_written
     t0 = time.process_time()
-    await c.configure(0, job.assignment, holders, None, stores)
-    for r in job.assignment:
-        await c.register(r, 0, {"rank": r, "pid": 1000 + r, "node_id": job.assignment[r]})
-    clock.offset += REGISTER_DEBOUNCE_S  # a second on: the next call writes what is due
-    await c.heartbeat(0, 0, 0)
+    await _start(c, job, lay.assignment, holders, stores, clock)
     start_cpu = time.process_time() - t0
     start_puts, start_bytes = state.puts - puts0, state.bytes_written - bytes0
-    ranks_now = sorted(job.assignment)
-    cpu, latency, puts, written = [], [], 0, 0
+    cpu, node_cpu, puts, written, msgs, sent = [], [], 0, 0, 0, 0
     for step in range(1, steps + 2):  # step 1 warms up
-        p0, b0 = state.puts, state.bytes_written
+        p0, b0, m0, s0, c0 = (state.puts, state.bytes_written, job.tally.messages,
+                              job.tally.bytes, job.tally.cpu_s)
         t0 = time.process_time()
-        last = 0.0
-        for r in ranks_now:
-            await c.report(r, 0, step, _metrics(r, step))
-            await c.heartbeat(r, 0, step)
-            w0 = time.perf_counter()
-            view = await c.shard_ready(r, 0, step, holders[r])
-            last = time.perf_counter() - w0
-        spent = time.process_time() - t0
-        if view[0] != step:
-            raise RuntimeError(f"step {step} did not commit at {ranks} ranks: {view}")
+        views = await job.step(0, step)
+        await job.heartbeats(0, step)
+        total = time.process_time() - t0
+        if any(v[0] != step for v in views[-per_node:]):
+            raise RuntimeError(f"step {step} did not commit at {ranks} ranks: {views[-1]}")
         if step > 1:
+            spent = job.tally.cpu_s - c0
             cpu.append(spent)
-            latency.append(last)
+            node_cpu.append((total - spent) / len(job.nodes))
             puts += state.puts - p0
             written += state.bytes_written - b0
-    return {"ranks": ranks, "nodes": len(job.nodes), "steps": steps,
+            msgs += job.tally.messages - m0
+            sent += job.tally.bytes - s0
+    latency = []
+    for step in range(steps + 2, steps + 2 + LATENCY_STEPS):
+        views, took = await job.step_concurrently(0, step)
+        if any(v[0] is None or v[0] < step for v in views) or len(views) != ranks:
+            raise RuntimeError(f"step {step}: not every rank was answered with its commit")
+        latency.append(took)
+    detect_s, liveness_cpu = await _detect(c, job, clock, steps + 1 + LATENCY_STEPS)
+    cuts = quantiles(latency, n=100)
+    return {"ranks": ranks, "nodes": len(lay.nodes), "steps": steps,
             "cpu_per_step_s": median(cpu), "cpu_per_step_min_s": min(cpu),
-            "messages_per_step": MESSAGES_PER_RANK * ranks,
+            "node_cpu_per_step_s": median(node_cpu),
+            "messages_per_step": msgs / steps, "bytes_per_step": sent / steps,
             "state_writes_per_step": puts / steps, "state_bytes_per_step": written / steps,
-            "commit_latency_s": median(latency),
+            "commit_latency_s": cuts[49], "commit_latency_p99_s": cuts[98],
+            "frozen_node_detect_s": detect_s, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+            "heartbeat_interval_s": HEARTBEAT_INTERVAL_S, "liveness_cpu_s": liveness_cpu,
             "start_cpu_s": start_cpu, "start_state_writes": start_puts,
             "start_state_bytes": start_bytes}
 

@@ -1,13 +1,14 @@
 """The coordinator: one named actor per job, holding membership and the commit of steps.
 
-It knows no tensor bytes. Workers tell it when their shard of a step and its
-replicas are in place (``shard_ready``); once every rank has, the step is
-committed. It also takes heartbeats (a silent rank is *hung*), per-step metrics,
-fire-once chaos claims and events, which it appends as JSON lines to
-``<run_dir>/events.jsonl``. Per step it appends rank 0's loss to ``losses.jsonl``
-and, once every rank has reported the step, each rank's snapshot stall to
-``steps.jsonl`` (what ``memckpt report`` draws), and records the Ray metrics of
-``memckpt.runtime.coordinator.metrics``.
+It knows no tensor bytes. Each node's store sends it, per step, its ranks' readiness and
+step metrics (``node_ready``; ``node_metrics`` for a step no rank snapshotted) and, per
+interval, each rank's last sign of life (``node_heartbeat``; see
+:mod:`memckpt.runtime.node.aggregator`); a step every rank is ready for is committed. A
+silent store is a frozen or cut-off node (``liveness``). The per-rank ``shard_ready``,
+``report`` and ``heartbeat`` serve a worker with no store on its node. Also: fire-once
+chaos claims, events (``events.jsonl``), rank 0's loss per step (``losses.jsonl``), each
+complete step's min / median / max stall (``steps.jsonl``, what ``memckpt report``
+draws), and the Ray metrics of ``memckpt.runtime.coordinator.metrics``.
 
 It is no single point of failure: its small state ``s`` goes to a :class:`StateStore`
 (default: Ray's GCS key-value store), so when its process is killed Ray restarts it
@@ -20,7 +21,7 @@ O(ranks), so a write per rank per step was O(ranks^2) a step). Exactly these wri
 - ``configure`` (a generation starts: start, recovery, resize) and ``finish`` (which
   removes it);
 - rare changes that must survive a restart at once: ``request_stop``, ``clear_stop``,
-  the stop step being decided (in the ``shard_ready`` that commits it), ``started_over``,
+  the stop step being decided (in the call that commits it), ``started_over``,
   ``persist_ready``'s persisted step, a ``claim`` that fires, ``set_elastic``,
   ``set_standby``, ``request_fault``, ``fault_done``, a restart (the restart count) and
   a rebuild that raised the committed step;
@@ -28,7 +29,7 @@ O(ranks), so a write per rank per step was O(ranks^2) a step). Exactly these wri
   least :data:`REGISTER_DEBOUNCE_S` after the last write (at most one write a second
   while dirty, none at all while a generation's ranks register within that time).
 
-``shard_ready``, ``report``, ``heartbeat`` and ``wait_commit`` never write it: the steps
+The per-step and per-interval calls never write it: the steps
 committed since the last write are rebuilt after a restart (:meth:`Coordinator.rebuild`)
 from the stores' inventories, once, by the first call that needs the committed step (again,
 at most every :data:`REBUILD_RETRY_S`, only while a ``wait_commit`` times out and no step
@@ -41,15 +42,22 @@ import asyncio
 import inspect
 import json
 import time
-from collections import deque
+from collections import Counter
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol, Union
+from typing import Any, Callable, Mapping, Optional
 
 from memckpt.persist.catalog import protect
+from memckpt.policy.step_metrics import Summary
 from memckpt.runtime.coordinator.metrics import JobMetrics
+from memckpt.runtime.coordinator.steps import StepLog
+from memckpt.runtime.coordinator.state_store import (COORDINATOR_NAMESPACE, GcsStateStore,
+                                               Inventory, InventorySource,
+                                               MemoryStateStore, StateStore, proven_ready,
+                                               ray_inventory)
 
-COORDINATOR_NAMESPACE = "memckpt"
-
+__all__ = ["COORDINATOR_NAMESPACE", "Coordinator", "GcsStateStore", "Inventory",
+           "MemoryStateStore", "STALE", "StateStore", "View", "coordinator_name",
+           "proven_ready", "ray_inventory"]
 
 def coordinator_name(job: str) -> str:
     return f"memckpt-coordinator-{job}"
@@ -65,94 +73,8 @@ REGISTER_DEBOUNCE_S = 1.0  # registrations are written at most once per this man
 REBUILD_TIMEOUT_S = 5.0  # a store that has not answered its inventory by then is skipped
 REBUILD_RETRY_S = 10.0  # a rebuild that proved too little is tried again after this long
 
-Inventory = dict[str, dict[int, list[int]]]  # node -> rank -> steps its store holds
-# the stores' names (node -> actor name), a timeout -> their inventory (or an awaitable of it)
-InventorySource = Callable[[Mapping[str, str], float],
-                           Union[Inventory, Awaitable[Inventory]]]
-
-
-class StateStore(Protocol):
-    """Where the coordinator's small state survives its process."""
-
-    def get(self) -> Optional[bytes]: ...
-
-    def put(self, data: bytes) -> None: ...
-
-    def delete(self) -> None: ...
-
-
-class GcsStateStore:
-    """The state under ``memckpt/<job>/coordinator`` in Ray's GCS key-value store."""
-
-    def __init__(self, job: str) -> None:
-        self.key = f"memckpt/{job}/coordinator".encode()
-
-    @staticmethod
-    def _kv() -> Any:
-        from ray.experimental import internal_kv
-        return internal_kv
-
-    def get(self) -> Optional[bytes]:
-        return self._kv()._internal_kv_get(self.key)
-
-    def put(self, data: bytes) -> None:
-        self._kv()._internal_kv_put(self.key, data, overwrite=True)
-
-    def delete(self) -> None:
-        self._kv()._internal_kv_del(self.key)
-
-
-class MemoryStateStore:
-    """The state in this process (a test, ``memckpt bench control-plane``): it does not
-    outlive the process. Counts its writes and their bytes."""
-
-    def __init__(self) -> None:
-        self.data: Optional[bytes] = None
-        self.puts = 0
-        self.bytes_written = 0
-
-    def get(self) -> Optional[bytes]:
-        return self.data
-
-    def put(self, data: bytes) -> None:
-        self.data = data
-        self.puts += 1
-        self.bytes_written += len(data)
-
-    def delete(self) -> None:
-        self.data = None
-
-
-async def ray_inventory(stores: Mapping[str, str], timeout_s: float) -> Inventory:
-    """node -> rank -> steps, asked of each node's replica store by its actor name (its
-    ``inventory`` method); a store that is gone or silent for ``timeout_s`` is left out."""
-    import ray
-
-    async def one(name: str) -> Any:
-        return await ray.get_actor(name, namespace=COORDINATOR_NAMESPACE).inventory.remote()
-
-    nodes = list(stores)
-    got = await asyncio.gather(*(asyncio.wait_for(one(stores[n]), timeout_s) for n in nodes),
-                               return_exceptions=True)
-    return {n: {int(r): list(steps) for r, steps in held.items()}
-            for n, held in zip(nodes, got) if isinstance(held, dict)}
-
-
-def proven_ready(inventory: Inventory, assignment: Mapping[str, str],
-                 holders: Mapping[str, list[str]]) -> dict[int, set[int]]:
-    """step -> the ranks whose shard of it the stores prove in place: on the rank's own
-    node and on all its holders (what a rank's ``shard_ready`` says). One pass over the
-    ranks and their holders."""
-    out: dict[int, set[int]] = {}
-    for r, node in assignment.items():
-        steps = set(inventory.get(node, {}).get(int(r), []))
-        for h in holders.get(r, []):
-            if not steps:
-                break
-            steps &= set(inventory.get(h, {}).get(int(r), []))
-        for step in steps:
-            out.setdefault(step, set()).add(int(r))
-    return out
+View = tuple[Optional[int], Optional[int], Optional[str]]  # see Coordinator._commit_view
+STALE: View = (None, None, "stale")  # the answer to a call of an older generation
 
 
 class Coordinator:
@@ -182,19 +104,19 @@ class Coordinator:
         self._dirty = False  # registrations not yet written
         self._saved_at = float("-inf")
         self._ready: dict[int, set[int]] = {}  # step -> ranks ready (not persisted)
-        self._newest = -1  # the newest step any rank of this generation reported
         self._rebuild_due = False  # restarted: commits since the last write are unknown
         self._rebuild_task: Optional[asyncio.Future] = None
         self._rebuilt_at = float("-inf")
         # restarted, and no step committed since: a rank's shard_ready may have been lost
         self._stale_ready = False
         self._cond = asyncio.Condition()
-        self.heartbeats: dict[int, tuple[float, int]] = {}
-        self.metrics: dict[str, dict[str, float]] = {}  # rank -> latest report (not persisted)
-        self.losses: dict[str, float] = {}  # step -> loss, appended to losses.jsonl
-        self._stalls: dict[int, dict[int, float]] = {}  # step -> rank -> stall_s, until complete
-        self._pace: deque[tuple[float, int]] = deque(maxlen=64)  # rank 0's (time, step)
+        self._moved: Optional[asyncio.Future] = None  # see _wake_commit_waiters
+        self.heartbeats: dict[int, tuple[float, int]] = {}  # rank -> (last sign, its step)
+        self.node_beats: dict[str, tuple[float, int]] = {}  # node -> (last beat, newest step)
+        self._node_ranks: dict[str, list[int]] = {}  # this generation's ranks per node
+        self.received: Counter[str] = Counter()  # node messages taken, by method (tests, bench)
         self.job_metrics = JobMetrics(job)
+        self.steps = StepLog(self.run_dir, self.job_metrics)  # losses, stalls, progress
         self.s: dict[str, Any] = {
             "gen": -1, "assignment": {}, "holders": {}, "committed": None,
             "workers": {}, "fired": [], "stores": {}, "stop": None, "persisted": {},
@@ -208,20 +130,16 @@ class Coordinator:
             if self.s["assignment"]:  # an elastic job's size is its last generation's
                 self.world_size = len(self.s["assignment"])
             self._rebuild_due = self._stale_ready = True
-            self._reload_losses()
+            self.steps.reload_losses()
+            self._index_nodes()
             protect(self.stores, self.s.get("protected", {}))
             self.event("coordinator_restarted", committed=self.s["committed"], gen=self.s["gen"])
             self._save()
 
-    def _reload_losses(self) -> None:
-        path = self.run_dir / "losses.jsonl"
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue  # a line torn by the crash
-                self.losses[str(rec["step"])] = rec["loss"]
+    def _index_nodes(self) -> None:
+        self._node_ranks = {}
+        for r, node in self.s["assignment"].items():
+            self._node_ranks.setdefault(node, []).append(int(r))
 
     # -- persistence of the small state -------------------------------------------------------
     def _save(self) -> None:
@@ -251,26 +169,26 @@ class Coordinator:
                           holders={str(r): list(h) for r, h in holders.items()},
                           committed=committed, workers={}, stores=stores)
             self._ready.clear()
-            self._newest = -1
             self._rebuild_due = self._stale_ready = False  # the driver's step is this gen's
             self.heartbeats.clear()
-            self.metrics.clear()
-            self._stalls.clear()
-            self._pace.clear()
+            self.node_beats.clear()
+            self._index_nodes()
+            self.steps.reset()
             self._save()
             self._cond.notify_all()
+            self._wake_commit_waiters()
 
     async def register(self, rank: int, gen: int, info: dict[str, Any]) -> None:
         if gen != self.s["gen"]:
             return
         self.s["workers"][str(rank)] = info
-        self.heartbeats[rank] = (time.time(), -1)
+        self.heartbeats[rank] = (self.clock(), -1)
         self._dirty = True
         self._save_if_due()
 
     async def heartbeat(self, rank: int, gen: int, step: int) -> None:
         if gen == self.s["gen"]:
-            self.heartbeats[rank] = (time.time(), step)
+            self.heartbeats[rank] = (self.clock(), step)
         self._save_if_due()
 
     # -- persistence ----------------------------------------------------------------------------
@@ -340,28 +258,44 @@ class Coordinator:
         return dict(self.s["persisted"])
 
     async def hung(self, timeout_s: float, startup_timeout_s: float) -> list[int]:
-        """Ranks of this generation whose last heartbeat is older than ``timeout_s``
+        """Ranks of this generation whose last sign of life is older than ``timeout_s``
         (``startup_timeout_s`` while a rank has not finished its first step: start-up
-        imports, process-group rendezvous and restore may legitimately take longer)."""
-        now = time.time()
-        return sorted(r for r, (t, step) in self.heartbeats.items()
-                      if now - t > (timeout_s if step >= 0 else startup_timeout_s))
+        imports, process-group rendezvous and restore may legitimately take longer), and
+        every rank of a node that stopped reporting (see :meth:`liveness`)."""
+        return (await self.liveness(timeout_s, startup_timeout_s))[0]
+
+    async def liveness(self, timeout_s: float,
+                       startup_timeout_s: float) -> tuple[list[int], list[str]]:
+        """(hung ranks, silent nodes): a node whose store's heartbeat is older than the
+        timeout is frozen or cut off, with all its ranks; a hung rank on a live node is
+        found by the age its store reports for it. One pass over ranks and nodes."""
+        now = self.clock()
+
+        def stale(t: float, step: int) -> bool:
+            return now - t > (timeout_s if step >= 0 else startup_timeout_s)
+
+        silent = sorted(n for n, (t, step) in self.node_beats.items() if stale(t, step))
+        ranks = {r for r, (t, step) in self.heartbeats.items() if stale(t, step)}
+        for node in silent:
+            ranks.update(self._node_ranks.get(node, ()))
+        return sorted(ranks), silent
 
     # -- commit -------------------------------------------------------------------------------
-    def _commit_view(self) -> tuple[Optional[int], Optional[int], Optional[str]]:
+    def _commit_view(self) -> View:
         """(committed step, the committed step every rank must persist now or None, and
         what follows it: "stop" or "persist")."""
         stop = self.s.get("stop") or {}
         return self.s["committed"], stop.get("step"), stop.get("action")
 
-    async def shard_ready(self, rank: int, gen: int, step: int,
-                          holders: list[str]) -> tuple[Optional[int], Optional[int], Optional[str]]:
-        """``rank``'s shard of ``step`` is local and on ``holders``; returns
-        (committed step, step to persist now or None). O(1): no write, no scan of ranks."""
+    async def shard_ready(self, rank: int, gen: int, step: int, holders: list[str]) -> View:
+        """``rank``'s shard of ``step`` is local and on ``holders`` (a worker with no store on
+        its node; see node_ready); returns (committed step, step to persist now or None,
+        "stop"/"persist"), or STALE for an older generation. O(1): no write, no scan of
+        ranks."""
         await self._rebuilt()
         async with self._cond:
             if gen != self.s["gen"]:
-                return self._commit_view()
+                return STALE
             need = self.s["holders"].get(str(rank), [])
             if not set(need) <= set(holders):
                 return self._commit_view()
@@ -384,15 +318,79 @@ class Coordinator:
         for old in [k for k in self._ready if k <= step]:  # the steps in flight: a few
             del self._ready[old]
         self._cond.notify_all()
+        self._wake_commit_waiters()
 
-    async def wait_commit(self, gen: int, step: int,
-                          timeout_s: float) -> tuple[Optional[int], Optional[int], Optional[str]]:
-        """Wait until ``step`` is committed (or the generation changes, or time runs out)."""
+    def _wake_commit_waiters(self) -> None:
+        """A step committed or a generation started: every commit waiter checks again."""
+        moved, self._moved = self._moved, None
+        if moved is not None and not moved.done():
+            moved.set_result(None)
+
+    async def _until_committed(self, gen: int, step: int, timeout_s: float) -> bool:
+        """Wait until ``step`` is committed or ``gen`` is over; False on timeout. Waiters
+        share one future, woken at each commit, and take no lock: at 512 nodes' batches
+        waiting, a commit answers them all in one pass of the event loop."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.s["gen"] == gen and not _at_least(self.s["committed"], step):
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            if self._moved is None:
+                self._moved = loop.create_future()
+            await asyncio.wait([self._moved], timeout=left)
+        return True
+
+    async def wait_commit(self, gen: int, step: int, timeout_s: float) -> View:
+        """Wait until ``step`` is committed (or the generation changes, or time runs out);
+        STALE once ``gen`` is not the current generation."""
         await self._rebuilt()
-        if not await self._until(lambda: self.s["gen"] != gen
-                                 or _at_least(self.s["committed"], step), timeout_s):
+        if not await self._until_committed(gen, step, timeout_s):
             self._rearm_rebuild()
-        return self._commit_view()
+        return STALE if gen != self.s["gen"] else self._commit_view()
+
+    # -- node batches: one message per node per step (memckpt.runtime.node.aggregator) --------
+    async def node_ready(self, node: str, gen: int, step: int, ranks: Mapping[int, list[str]],
+                         metrics: list[Summary], wait_s: float) -> View:
+        """Every rank of ``node`` in ``ranks`` placed its shard of ``step`` on the holders
+        given (each checked against placement), with the node's step summaries. Then waits
+        up to ``wait_s`` for the commit: the answer the node's store hands its ranks. STALE
+        for an older generation (nothing changes). O(ranks in the batch)."""
+        await self._rebuilt()
+        async with self._cond:
+            if gen != self.s["gen"]:
+                return STALE
+            self.received["node_ready"] += 1
+            self.steps.take(gen, metrics, self.world_size, self.s["committed"])
+            need = self.s["holders"]
+            got = self._ready.setdefault(step, set())
+            for r, placed in ranks.items():
+                if set(need.get(str(r), ())) <= set(placed):
+                    got.add(int(r))
+            self._maybe_commit(step)
+            self._save_if_due()
+        return await self.wait_commit(gen, step, wait_s)
+
+    async def node_metrics(self, node: str, gen: int, metrics: list[Summary]) -> None:
+        if gen == self.s["gen"]:
+            self.received["node_metrics"] += 1
+            self.steps.take(gen, metrics, self.world_size, self.s["committed"])
+
+    async def node_heartbeat(self, node: str, gen: int, beats: Mapping[int, tuple[float, int]],
+                             metrics: list[Summary]) -> None:
+        """``beats``: each of its ranks' (age of its last sign of life, on the node's clock;
+        its step), placed on this clock. O(ranks of the node)."""
+        if gen != self.s["gen"]:
+            return
+        self.received["node_heartbeat"] += 1
+        now, top = self.clock(), -1
+        for r, (age, step) in beats.items():
+            self.heartbeats[int(r)] = (now - age, step)
+            top = max(top, step)
+        self.node_beats[node] = (now, top)
+        self.steps.newest = max(self.steps.newest, top)  # where the job was, between batches
+        self.steps.take(gen, metrics, self.world_size, self.s["committed"])
+        self._save_if_due()
 
     def _rearm_rebuild(self) -> None:
         """A waiter timed out after a restart and nothing committed since: the first rebuild
@@ -473,39 +471,13 @@ class Coordinator:
     async def report(self, rank: int, gen: int, step: int, metrics: dict[str, float]) -> None:
         if gen != self.s["gen"]:
             return
-        if "loss" in metrics and rank == 0:
-            # A file, not the GCS: one small append per step, and it outlives this process.
-            # After a rollback the redone steps are appended again; the last line wins.
-            self.losses[str(step)] = metrics["loss"]
-            with open(self.run_dir / "losses.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "loss": metrics["loss"], "gen": gen}) + "\n")
-        now = time.time()
-        self.metrics[str(rank)] = dict(metrics, step=step, time=now)
-        self._newest = max(self._newest, step)
-        self.heartbeats[rank] = (now, step)
-        if rank == 0:
-            self._pace.append((now, step))
-        if "stall_s" in metrics:
-            self._record_stall(rank, gen, step, metrics["stall_s"], now)
-        self.job_metrics.step(rank, metrics)
-        self.job_metrics.progress(self._newest, self.s["committed"])
+        self.heartbeats[rank] = (self.clock(), step)
+        self.steps.take(gen, [self.steps.summarize(rank, step, metrics)], self.world_size,
+                        self.s["committed"])
         self._save_if_due()
 
-    def _record_stall(self, rank: int, gen: int, step: int, stall_s: float, now: float) -> None:
-        """One line per step in steps.jsonl, once every rank reported it (ranks report in
-        order, so an older step still incomplete then never will be: dropped)."""
-        got = self._stalls.setdefault(step, {})
-        got[rank] = stall_s
-        if len(got) < self.world_size:
-            return
-        for old in [s for s in self._stalls if s <= step]:
-            del self._stalls[old]
-        with open(self.run_dir / "steps.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "gen": gen, "time": now,
-                                "stall_s": [got[r] for r in sorted(got)]}) + "\n")
-
     def _newest_step(self) -> int:
-        return self._newest
+        return self.steps.newest
 
     async def claim(self, key: str, standby_timeout_s: float = 0.0) -> bool:
         """Fire-once: True the first time ``key`` is claimed in this job. With a timeout, a
@@ -558,27 +530,19 @@ class Coordinator:
 
     async def progress(self) -> dict[str, Any]:
         await self._rebuilt()
-        steps = [m.get("step", -1) for m in self.metrics.values()]
-        newest = max(steps, default=-1)
-        stalls = [m["stall_s"] for m in self.metrics.values() if "stall_s" in m]
-        recent = [(t, s) for t, s in self._pace if t > time.time() - 5.0]  # the last 5 s
-        rate = None
-        if len(recent) > 1 and recent[-1][0] > recent[0][0]:
-            rate = (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
-        return {"gen": self.s["gen"], "committed": self.s["committed"],
-                "min_step": min(steps) if len(steps) == self.world_size else -1,
-                "max_step": newest, "last_loss": self.losses.get(str(newest)),
-                "steps_per_s": rate,
-                "stall_ms": max(stalls) * 1000 if stalls else None,
-                "lag": newest - (self.s["committed"] or 0) if newest >= 0 else None}
+        return dict(self.steps.progress(self.world_size, self.s["committed"]),
+                    gen=self.s["gen"], committed=self.s["committed"])
 
     async def all_losses(self) -> dict[str, float]:
-        return self.losses
+        return self.steps.losses
 
     async def status(self) -> dict[str, Any]:
-        return dict(self.s, metrics=self.metrics,
-                    heartbeats={str(r): {"age_s": time.time() - t, "step": s}
-                                for r, (t, s) in self.heartbeats.items()})
+        now = self.clock()
+        return dict(self.s, metrics=self.steps.metrics, snapshots=self.steps.snapshots,
+                    heartbeats={str(r): {"age_s": now - t, "step": s}
+                                for r, (t, s) in self.heartbeats.items()},
+                    node_beats={n: {"age_s": now - t, "step": s}
+                                for n, (t, s) in self.node_beats.items()})
 
     async def whereabouts(self) -> dict[str, Any]:
         import os

@@ -5,6 +5,10 @@ Prometheus (``http://<node>:<metrics_export_port>/metrics``) and the Ray dashboa
 Grafana panels can plot them. Ray prefixes each name with ``ray_`` and a counter's
 with a ``_total`` suffix: ``memckpt_replicated_bytes`` is scraped as
 ``ray_memckpt_replicated_bytes_total``. Every metric carries the ``job`` tag.
+
+Per step they are recorded from the nodes' step summaries, aggregated over the ranks (one
+series per job, not one per rank: at thousands of ranks a series per rank updated every
+step is the metrics agent's load, not information).
 """
 
 from __future__ import annotations
@@ -16,14 +20,18 @@ STALL_BUCKETS_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 # name -> (kind, description, tag keys besides "job")
 METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "memckpt_snapshot_stall_seconds": (
-        "histogram", "time a training step spent in its snapshot (the local copy)", ("rank",)),
+        "histogram", "time a training step spent in its snapshot (the local copy), its "
+        "slowest rank's", ()),
+    "memckpt_step_stall_seconds": (
+        "gauge", "the last complete step's snapshot stall over the ranks: min, median, max",
+        ("stat",)),
     "memckpt_snapshots_landed": (
-        "counter", "snapshots sealed (restorable) of those due", ("rank",)),
+        "counter", "snapshots sealed (restorable) of those due, over the ranks", ()),
     "memckpt_snapshots_skipped": (
         "counter", "due snapshots skipped (the previous one still sealing or not yet "
-        "committed)", ("rank",)),
+        "committed), over the ranks", ()),
     "memckpt_replicated_bytes": (
-        "counter", "snapshot bytes sent to peer replica stores", ("rank",)),
+        "counter", "snapshot bytes sent to peer replica stores, over the ranks", ()),
     "memckpt_replication_lag_steps": (
         "gauge", "newest step any rank reached minus the last committed step", ()),
     "memckpt_committed_step": ("gauge", "last step every rank's shard and replicas hold", ()),
@@ -39,7 +47,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 def failure_target(what: str) -> str:
     """What a ``failure_detected`` event's text says died (a dead node shows up later,
     in the recovery plan's ``dead_nodes``)."""
-    for marker, target in (("hung", "hung"), ("unreachable", "unreachable"),
+    for marker, target in (("frozen or cut off", "node"), ("hung", "hung"),
+                           ("unreachable", "unreachable"),
                            ("lost a peer", "peer"), ("worker died", "worker")):
         if marker in what:
             return target
@@ -61,28 +70,22 @@ class JobMetrics:
                 m = classes[kind](name, desc, tag_keys=("job",) + tags)
             m.set_default_tags({"job": job})
             self._m[name] = m
-        # (report key, rank) -> the cumulative count last reported
-        self._sent: dict[tuple[str, int], float] = {}
         self._pending_failure: Optional[str] = None
 
-    def step(self, rank: int, report: Mapping[str, float]) -> None:
-        """One rank's per-step report (``stall_s``; ``replicated_bytes``, ``landed`` and
-        ``skipped`` are cumulative per worker process, so a replaced worker starts again
-        from 0)."""
-        tags = {"rank": str(rank)}
-        if "stall_s" in report:
-            self._m["memckpt_snapshot_stall_seconds"].observe(report["stall_s"], tags=tags)
+    def counted(self, summary: Mapping[str, Any]) -> None:
+        """A step summary's counter increases (:mod:`memckpt.policy.step_metrics`)."""
         for key, name in (("replicated_bytes", "memckpt_replicated_bytes"),
                           ("landed", "memckpt_snapshots_landed"),
                           ("skipped", "memckpt_snapshots_skipped")):
-            count = report.get(key)
-            if count is None:
-                continue
-            last = self._sent.get((key, rank), 0.0)
-            delta = count - last if count >= last else count
-            self._sent[(key, rank)] = count
-            if delta > 0:
-                self._m[name].inc(delta, tags=tags)
+            delta = summary.get(key)
+            if delta:
+                self._m[name].inc(float(delta))
+
+    def stalls(self, stats: Mapping[str, float]) -> None:
+        """A complete step's stall over the ranks (min / median / max)."""
+        self._m["memckpt_snapshot_stall_seconds"].observe(stats["max"])
+        for stat, seconds in stats.items():
+            self._m["memckpt_step_stall_seconds"].set(seconds, tags={"stat": stat})
 
     def progress(self, newest_step: int, committed: Optional[int]) -> None:
         self._m["memckpt_committed_step"].set(committed if committed is not None else -1)

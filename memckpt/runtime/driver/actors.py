@@ -22,6 +22,7 @@ from memckpt.runtime.ray_nodes import alive_node_ids, on_node
 from memckpt.runtime.coordinator.coordinator import (COORDINATOR_NAMESPACE, Coordinator,
                                                      GcsStateStore, coordinator_name)
 from memckpt.runtime.node.replica_store import ReplicaStore
+from memckpt.runtime.node.uplink import COMMIT_GROUP, COMMIT_WAITERS
 
 
 def failure_domains(config: Config, nodes: Iterable[str],
@@ -61,12 +62,14 @@ def held_bytes(job: str) -> dict[str, int]:
     return out
 
 def start_store(config: Config, node: str) -> Any:
-    """The replica store of ``node`` (pinned there, no CPU reserved)."""
+    """The replica store of ``node`` (pinned there, no CPU reserved). Its ranks' waits for
+    a commit answer run in their own threads (COMMIT_GROUP), never in the 16 that serve
+    writes, reads and readiness."""
     import ray
     return ray.remote(ReplicaStore).options(
         name=store_name(config.job_name, node), namespace=COORDINATOR_NAMESPACE,
         num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=16,
-        scheduling_strategy=on_node(node),
+        concurrency_groups={COMMIT_GROUP: COMMIT_WAITERS}, scheduling_strategy=on_node(node),
     ).remote(config.ram_root or "", config.job_name, node)
 
 

@@ -34,7 +34,7 @@ from memckpt.policy.progress import ProgressKey, progress_due
 from memckpt.runtime.tools.faults import Fault, FaultInjector, aim, deliver
 from memckpt.runtime.driver.pool import PING_S, Generation, WorkerPool
 from memckpt.runtime.driver.recovery import GRACE_S, DiedDuringRecovery, Recovery, Restore
-from memckpt.runtime.worker.spec import WorkerSpec
+from memckpt.runtime.worker.spec import WorkerSpec, ranks_by_node
 
 if TYPE_CHECKING:
     from memckpt.runtime.worker.context import WorkerContext
@@ -203,10 +203,12 @@ class Runtime:
         workers, how = self.pool.assign(assignment)
         info, master = self._reach_workers(gen, workers, holders)
         refs = {}
+        by_node = ranks_by_node(assignment)
         for rank, w in workers.items():
             spec = WorkerSpec(rank, len(assignment), gen, cfg, tuple(holders.get(rank, ())),
                               dict(self.plane.stores), self.coordinator, restore.get(rank),
-                              self.injector.at_steps(), resized=resized)
+                              self.injector.at_steps(), resized=resized,
+                              node_ranks=by_node[assignment[rank]])
             refs[w.run.remote(self.train_fn, master, spec)] = rank
         self._event("generation_started", gen=gen, world_size=len(assignment),
                     assignment=assignment, holders=holders,
@@ -288,18 +290,21 @@ class Runtime:
             now = time.time()
             stop_step = self._progress_and_faults(g)
             hung: tuple[int, ...] = ()
+            silent: tuple[str, ...] = ()
             lost: tuple[str, ...] = ()
             if now - last_hung_check > cfg.failure.heartbeat_interval_s:
                 last_hung_check = now
-                hung = tuple(r for r in ray.get(self.coordinator.hung.remote(
+                ranks, nodes = ray.get(self.coordinator.liveness.remote(
                     cfg.failure.heartbeat_timeout_s,
-                    max(STARTUP_TIMEOUT_S, cfg.failure.heartbeat_timeout_s))) if r not in g.results)
+                    max(STARTUP_TIMEOUT_S, cfg.failure.heartbeat_timeout_s)))
+                hung = tuple(r for r in ranks if r not in g.results)
+                silent = tuple(nodes) if hung else ()
                 lost = () if hung else tuple(self._lost_holders(g))
             obs = dataclasses.replace(
                 base, pending=tuple(pending.values()), errors=tuple(sorted(errors.items())),
                 error_age_s=now - first_error_at if first_error_at else 0.0, hung=hung,
-                lost_holders=lost, stopped=self._stopped_step(g), stop_persisted=stop_step,
-                grow_to=self._grow_to)
+                silent_nodes=silent, lost_holders=lost, stopped=self._stopped_step(g),
+                stop_persisted=stop_step, grow_to=self._grow_to)
             decision = decide(obs)
             if decision.probe:
                 decision = decide(dataclasses.replace(

@@ -95,7 +95,9 @@ class Recovery:
         else:
             self.plane.say(f"failure detected: {decision.what}")
             self.plane.event("failure_detected", what=decision.what,
-                             ranks=sorted(decision.died), gen=g.gen)
+                             ranks=sorted(decision.died), gen=g.gen,
+                             **({"frozen_nodes": list(decision.silent_nodes)}
+                                if decision.silent_nodes else {}))
         return {"what": decision.what, "died": sorted(decision.died), "grow_to": decision.grow_to,
                 "hung": sorted(decision.hung), "detected_at": t, "fault_at": fault_time}
 

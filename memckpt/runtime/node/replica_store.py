@@ -37,6 +37,7 @@ import xxhash
 from memckpt.format import shard as fmt
 from memckpt.engine.buffers import RamRegion, remove_path, resolve_ram_root
 from memckpt.runtime.node.transport import ShardServer
+from memckpt.runtime.node.uplink import Uplink, View
 from memckpt.errors import (MemckptError, NoSnapshotError, PlacementError,
                             StaleGenerationError)
 
@@ -136,6 +137,7 @@ class ReplicaStore:
         self._mapped: dict[Path, tuple[Optional[int], RamRegion]] = {}  # shard file -> (inode, mapping)
         self._fill_backoff: dict[int, int] = {}  # rank -> puts left that skip the fill wait
         self._filled: dict[tuple[int, int], tuple[fmt.Chunks, set[int]]] = {}  # checked chunks
+        self.uplink = Uplink(node_id)  # the node's readiness, metrics, heartbeats
 
     def set_generation(self, gen: int) -> None:
         """Fence off an older generation's in-flight replication (called during recovery)."""
@@ -143,6 +145,7 @@ class ReplicaStore:
             self.generation = max(self.generation, gen)
             self._open.clear()
             self._filled.clear()
+        self.uplink.fence(gen)
 
     def _fence(self, gen: int) -> None:
         if gen < self.generation:
@@ -151,6 +154,30 @@ class ReplicaStore:
 
     def ping(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "pid": os.getpid()}
+
+    # -- the node's agent toward the coordinator (memckpt.runtime.node.uplink) --------------
+    def join(self, rank: int, gen: int, ranks: list[int], coordinator: Any,
+             interval_s: float) -> bool:
+        """``rank`` of generation ``gen`` reports through this store; ``ranks``: every rank
+        placement put on this node. False: ``gen`` is fenced off."""
+        return gen >= self.generation and self.uplink.join(rank, gen, ranks, coordinator,
+                                                            interval_s)
+
+    def rank_ready(self, rank: int, gen: int, step: int, holders: list[str]) -> bool:
+        """``rank``'s shard of ``step`` is placed (False: join first)."""
+        return self.uplink.rank_ready(rank, gen, step, holders)
+
+    def wait_commit(self, gen: int, step: int, timeout_s: float) -> Optional[View]:
+        """The commit answer for ``step`` (None: none yet). Call it in the ``commit``
+        concurrency group (``.options(concurrency_group="commit")``)."""
+        return self.uplink.wait_commit(gen, step, timeout_s)
+
+    def report(self, rank: int, gen: int, step: int, metrics: dict[str, float],
+               snapshotted: bool) -> bool:
+        return self.uplink.report(rank, gen, step, metrics, snapshotted)
+
+    def beat(self, rank: int, gen: int, step: int) -> bool:
+        return self.uplink.beat(rank, gen, step)
 
     # -- receiving replicas -----------------------------------------------------------------
     def _slot_for(self, rank: int, step: int) -> Path:
@@ -410,7 +437,8 @@ class ReplicaStore:
         return {"held_bytes": used, "available_bytes": psutil.virtual_memory().available}
 
     def clear(self) -> None:
-        """Free everything this node holds for the job (the job finished)."""
+        """Free everything this node holds for the job (the job finished, or a Ray Train
+        job starts afresh: its uplink goes on)."""
         with self._lock:
             self._open.clear()
             self._filled.clear()

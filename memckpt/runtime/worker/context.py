@@ -36,6 +36,7 @@ from memckpt.engine.populate import MIN_BYTES, POOL
 from memckpt.runtime.tools.faults import SIGNALS, STEADY_WAIT_S
 from memckpt.runtime.worker.rank_checkpointer import RankCheckpointer
 from memckpt.runtime.node.replica_store import node_dir, own_dir, scan
+from memckpt.runtime.worker.node_link import NodeLink
 from memckpt.runtime.worker.replicator import Replicator
 from memckpt.runtime.worker.spec import RestoreInstruction, WorkerSpec
 from memckpt.runtime.node.transport import StoreConnection
@@ -55,7 +56,7 @@ class StopTraining(BaseException):
 class WorkerContext(RestoreAndStep):
     """What a training function sees: its rank, restore, and the per-step call."""
 
-    def __init__(self, spec: WorkerSpec, node_id: str) -> None:
+    def __init__(self, spec: WorkerSpec, node_id: str, link: Optional[NodeLink] = None) -> None:
         cfg = spec.config
         self.spec = spec
         self.rank, self.world_size, self.config = spec.rank, spec.world_size, cfg
@@ -67,7 +68,9 @@ class WorkerContext(RestoreAndStep):
         self._ram_root = ram_root
         self.ckpt = RankCheckpointer(cfg, spec.rank, spec.world_size,
                                      own_dir(ram_root, cfg.job_name, node_id), self._sealed)
-        self.replicator = Replicator(spec, self.ckpt)
+        # readiness, reports, heartbeats: through the node's store
+        self.link = link if link is not None else NodeLink(spec, node_id).start()
+        self.replicator = Replicator(spec, self.ckpt, self.link)
         self.persister: Optional[Persister] = None
         self.stop_after: Optional[int] = None  # set once a requested stop step is persisted
         if cfg.persistence:
@@ -318,7 +321,7 @@ class WorkerContext(RestoreAndStep):
             raise StopTraining(self.stop_after)
         self._maybe_fault(step)
         t0 = time.perf_counter()
-        self._snapshot(state, step)
+        snapshotted = self._snapshot(state, step)
         stall = time.perf_counter() - t0
         self.last_step = step
         report = {k: float(v) for k, v in metrics.items()}
@@ -329,7 +332,7 @@ class WorkerContext(RestoreAndStep):
                       requested=float(stats.requested), waited_s=stats.waited_s,
                       replicated_bytes=float(self.replicator.bytes_sent),
                       replica_filled_bytes=float(self.replicator.bytes_filled))
-        self.spec.coordinator.report.remote(self.rank, self.generation, step, report)
+        self.link.report(step, report, snapshotted)
 
     def _maybe_fault(self, step: int) -> None:
         """Scheduled faults fire here, so they hit exactly the step they name (once per job)."""
@@ -346,9 +349,9 @@ class WorkerContext(RestoreAndStep):
                 ray.get(self.spec.coordinator.request_fault.remote(fault.key))
                 ray.get(self.spec.coordinator.wait_fault.remote(fault.key, 60.0))
 
-    def _snapshot(self, state: TrainState, step: int) -> None:
+    def _snapshot(self, state: TrainState, step: int) -> bool:
         self._state = state
-        self.ckpt.step(state, step)
+        return self.ckpt.step(state, step)
 
     def batch_plan(self, global_batch: int, micro_batch: int) -> int:
         """Gradient-accumulation steps that keep ``global_batch`` samples per optimizer step

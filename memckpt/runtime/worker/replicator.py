@@ -1,6 +1,7 @@
 """A rank's replicator: each sealed snapshot streamed to the rank's replica holders over
-TCP (:mod:`memckpt.runtime.node.transport`), reported to the coordinator, and marked committed
-once the coordinator says every rank's copies are placed."""
+TCP (:mod:`memckpt.runtime.node.transport`), reported through the rank's node's store
+(:mod:`memckpt.runtime.worker.node_link`), and marked committed once the coordinator says
+every rank's copies are placed."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Callable, Optional
 
 from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, MemckptError
+from memckpt.runtime.worker.node_link import NodeLink
 from memckpt.runtime.worker.spec import WorkerSpec
 from memckpt.runtime.worker.rank_checkpointer import RankCheckpointer
 from memckpt.runtime.node.transport import StoreConnection
@@ -21,8 +23,8 @@ RETRIES = 5  # tries per replica holder before the replication fails
 class Replicator:
     """Background thread: sealed snapshot -> replica holders -> coordinator commit."""
 
-    def __init__(self, spec: WorkerSpec, ckpt: RankCheckpointer) -> None:
-        self.spec, self.ckpt = spec, ckpt
+    def __init__(self, spec: WorkerSpec, ckpt: RankCheckpointer, link: NodeLink) -> None:
+        self.spec, self.ckpt, self.link = spec, ckpt, link
         self.queue: "queue.Queue[Optional[int]]" = queue.Queue()
         self.error: Optional[BaseException] = None
         self.bytes_sent = 0
@@ -66,13 +68,10 @@ class Replicator:
             for node in spec.holders:
                 self._send(ray, node, step, shard)
         self.last_seconds = time.perf_counter() - t0
-        committed, persist, action = ray.get(spec.coordinator.shard_ready.remote(
-            spec.rank, spec.gen, step, list(spec.holders)))
-        while committed is None or committed < step:
-            if self.cancelled:  # recovery ended this generation: no commit will come
-                return
-            committed, persist, action = ray.get(
-                spec.coordinator.wait_commit.remote(spec.gen, step, 5.0))
+        view = self.link.ready(step, list(spec.holders), lambda: self.cancelled)
+        if view is None:  # recovery ended this generation: no commit will come
+            return
+        _, persist, action = view
         self.ckpt.commit(step)
         if self.on_committed is not None:
             # Called before the next step can commit, so this step's slot is still in RAM.

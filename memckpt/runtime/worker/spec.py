@@ -34,3 +34,14 @@ class WorkerSpec:
     restore: Optional[RestoreInstruction]
     faults: tuple = ()  # memckpt.runtime.tools.faults.Fault: fired from inside the step, exactly at at_step
     resized: bool = False  # this generation runs at another world size than the last
+    # every rank placement put on this rank's node this generation (its own included): its
+    # node's store reports them together (memckpt.runtime.worker.node_link); () reports alone
+    node_ranks: tuple[int, ...] = ()
+
+
+def ranks_by_node(assignment: dict[int, str]) -> dict[str, tuple[int, ...]]:
+    """node -> the ranks ``assignment`` puts on it (each spec's ``node_ranks``)."""
+    out: dict[str, list[int]] = {}
+    for r in sorted(assignment):
+        out.setdefault(assignment[r], []).append(r)
+    return {n: tuple(rs) for n, rs in out.items()}

@@ -25,6 +25,7 @@ from memckpt.config import Config
 from memckpt.util.netutil import free_port
 from memckpt.engine.populate import MIN_BYTES, POOL, HostReserve, SlotReserve, spare_budget
 from memckpt.runtime.worker.context import StopTraining, WorkerContext
+from memckpt.runtime.worker.node_link import NodeLink
 from memckpt.runtime.node.replica_store import node_dir
 from memckpt.runtime.worker.spec import RestoreInstruction, WorkerSpec
 from memckpt.engine.snapshot import SLOT_NAMES
@@ -135,6 +136,7 @@ class Worker:
         self._parked = False
         self.spec: Optional[WorkerSpec] = None
         self.ctx: Optional[WorkerContext] = None
+        self.link: Optional[NodeLink] = None  # this generation's line to its node's store
         self.reserve = HostReserve()  # held while a spare idles (see prefault)
         folder = node_dir(resolve_ram_root(config.ram_root), config.job_name, self.node_id)
         self.slot_reserves = [SlotReserve(folder, i) for i in range(len(SLOT_NAMES))]
@@ -149,7 +151,7 @@ class Worker:
             return False
         with self._takeover:
             self._parked = True  # a prefault asked from now on does nothing
-            self.spec, self.ctx = None, None
+            self.spec, self.ctx, self.link = None, None, None
         deadline = time.monotonic() + PARK_S
         while True:
             self.reserve.release()  # each interrupts a hold under way
@@ -165,12 +167,12 @@ class Worker:
         return not self._prefaulting
 
     def _heartbeat(self) -> None:
+        """Beats to the node's store (its heartbeat carries the rank's to the coordinator)."""
         while True:
             time.sleep(self.config.failure.heartbeat_interval_s)  # a kept worker's job's
-            spec, ctx = self.spec, self.ctx
-            if self._running.is_set() and spec is not None:
-                step = ctx.last_step if ctx is not None else -1
-                self.coordinator.heartbeat.remote(spec.rank, spec.gen, step)
+            link, ctx = self.link, self.ctx
+            if self._running.is_set() and link is not None:
+                link.beat(ctx.last_step if ctx is not None else -1)
 
     def address(self) -> tuple[str, int]:
         return self.ip, free_port()
@@ -256,6 +258,7 @@ class Worker:
         # a spare's: the snapshot slots of a rank this node holds no shard of
         slot_files = [f for f in (r.release() for r in self.slot_reserves) if f is not None]
         self.coordinator.register.remote(spec.rank, spec.gen, self.info())
+        self.link = NodeLink(spec, self.node_id).start()
         self._running.set()
         torch.set_num_threads(max(1, int(spec.config.workers.cpus_per_worker)))
         os.environ.update(launcher_env(spec.rank, spec.world_size, master))
@@ -270,7 +273,7 @@ class Worker:
                                         rank=spec.rank, world_size=spec.world_size,
                                         timeout=datetime.timedelta(
                                             seconds=spec.config.failure.collective_timeout_s))
-            self.ctx = WorkerContext(spec, self.node_id)
+            self.ctx = WorkerContext(spec, self.node_id, self.link)
             if slot_files:
                 self.ctx.ckpt.offer_files(slot_files)
             try:

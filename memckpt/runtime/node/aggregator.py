@@ -1,0 +1,154 @@
+"""A node's agent toward the coordinator: its ranks' readiness, per-step metrics and
+heartbeats, gathered into one message per node per step and one per heartbeat interval.
+
+Plain Python, no Ray: the replica store (one actor per node) hosts a
+:class:`NodeAggregator` and sends what it returns. Per step, a node sends the coordinator
+exactly one message:
+
+- :class:`ReadyBatch` once every local rank's shard of the step and its replicas are in
+  place (``node_ready``), carrying the metrics of the steps its ranks finished meanwhile;
+- or, for a step no local rank snapshotted, the step's metrics alone (``node_metrics``).
+
+(A generation's first step also sends its metrics at once, before its batch: the driver
+times a recovery's resume by them. One more message per node per generation.)
+
+Once per interval, :meth:`NodeAggregator.heartbeat` gives each local rank's last sign of
+life as an *age* (seconds on this node's clock, so the coordinator's own clock places it
+whatever the skew) and its step, plus any metrics still held (a step some ranks
+snapshotted and others skipped: its readiness never completes on this node).
+
+A step's metrics go as a summary of its ranks (:mod:`memckpt.policy.step_metrics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional
+
+from memckpt.policy.step_metrics import Summary, summarize
+
+
+@dataclass(frozen=True)
+class ReadyBatch:
+    """Every local rank's shard of ``step`` is placed: ``ranks`` -> the holders each one
+    placed it on (the coordinator checks them against placement)."""
+
+    gen: int
+    step: int
+    ranks: dict[int, list[str]]
+    metrics: list[Summary] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Each local rank's (age in seconds, last step), and the metrics still held."""
+
+    gen: int
+    beats: dict[int, tuple[float, int]]
+    metrics: list[Summary] = field(default_factory=list)
+
+
+class NodeAggregator:
+    """One node's ranks of the current generation (the store joins each generation with
+    the ranks placement put on the node). Not thread-safe: the store calls it under its
+    lock. Calls of an older generation change nothing (a thawed node's workers)."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.gen = -1
+        self.ranks: frozenset[int] = frozenset()
+        self._ready: dict[int, dict[int, list[str]]] = {}  # step -> rank -> holders
+        self._sent: set[int] = set()  # steps whose ReadyBatch went out (this generation)
+        self._reports: dict[int, dict[int, Mapping[str, float]]] = {}  # step -> rank -> report
+        self._snapshotted: dict[int, int] = {}  # step -> local ranks that snapshotted it
+        self._held: list[Summary] = []  # complete summaries waiting for the step's readiness
+        self._last: dict[int, tuple[float, int]] = {}  # rank -> (time of last sign, step)
+        self._counted: dict[tuple[str, int], float] = {}  # (counter, rank) -> last total
+        self._summarized = False  # a step of this generation was summarised
+
+    # -- membership -------------------------------------------------------------------------
+    def join(self, gen: int, ranks: Iterable[int], now: float) -> bool:
+        """Generation ``gen`` places ``ranks`` on this node. A newer generation starts
+        afresh; the current one is a no-op; an older one is refused (False)."""
+        if gen < self.gen:
+            return False
+        if gen > self.gen:
+            self.gen, self.ranks = gen, frozenset(int(r) for r in ranks)
+            self._ready.clear()
+            self._sent.clear()
+            self._reports.clear()
+            self._snapshotted.clear()
+            self._held.clear()
+            self._counted.clear()
+            self._summarized = False
+            self._last = {r: (now, -1) for r in self.ranks}
+        return True
+
+    def knows(self, gen: int, rank: int) -> bool:
+        return gen == self.gen and rank in self.ranks
+
+    # -- per step ---------------------------------------------------------------------------
+    def ready(self, rank: int, gen: int, step: int, holders: Iterable[str],
+              now: float) -> Optional[ReadyBatch]:
+        """``rank``'s shard of ``step`` is placed on ``holders``. Returns the node's batch
+        once every local rank's is (once per step: a repeated call returns None)."""
+        if not self.knows(gen, rank) or step in self._sent:
+            return None
+        self._touch(rank, now)
+        got = self._ready.setdefault(step, {})
+        got[rank] = list(holders)
+        if len(got) < len(self.ranks):
+            return None
+        del self._ready[step]
+        for old in [s for s in self._ready if s < step]:  # a rank that never will: dropped
+            del self._ready[old]
+        self._sent = {s for s in self._sent if s > step - 8} | {step}
+        held = [m for m in self._held if m["step"] <= step]
+        self._held = [m for m in self._held if m["step"] > step]
+        return ReadyBatch(gen, step, got, held)
+
+    def report(self, rank: int, gen: int, step: int, metrics: Mapping[str, float],
+               snapshotted: bool, now: float) -> list[Summary]:
+        """``rank`` finished ``step`` (its report; ``snapshotted``: it took a snapshot of the
+        step, whose readiness will follow). Returns the summaries to send now: the step's,
+        once every local rank reported it, unless every one snapshotted it (then it rides on
+        the step's ReadyBatch, or on the next heartbeat if that never completes)."""
+        if not self.knows(gen, rank):
+            return []
+        self._last[rank] = (now, step)
+        got = self._reports.setdefault(step, {})
+        got[rank] = metrics
+        if snapshotted:
+            self._snapshotted[step] = self._snapshotted.get(step, 0) + 1
+        if len(got) < len(self.ranks):
+            return []
+        del self._reports[step]
+        for old in [s for s in self._reports if s < step]:  # ranks report in order
+            del self._reports[old]
+            self._snapshotted.pop(old, None)
+        summary = summarize(step, got, self._counted)
+        first, self._summarized = not self._summarized, True
+        every = self._snapshotted.pop(step, 0) == len(self.ranks)
+        # the generation's first step goes at once: the driver times a recovery's resume by it
+        if every and not first and step not in self._sent:
+            self._held.append(summary)
+            return []
+        return [summary]
+
+    # -- liveness -------------------------------------------------------------------------
+    def beat(self, rank: int, gen: int, step: int, now: float) -> None:
+        if self.knows(gen, rank):
+            self._last[rank] = (now, max(step, self._last.get(rank, (now, -1))[1]))
+
+    def _touch(self, rank: int, now: float) -> None:
+        self._last[rank] = (now, self._last.get(rank, (now, -1))[1])
+
+    def heartbeat(self, now: float) -> Optional[Heartbeat]:
+        """The node's heartbeat for this interval (None before any generation joined);
+        takes the metrics still held."""
+        if self.gen < 0:
+            return None
+        held, self._held = self._held, []
+        return Heartbeat(self.gen, {r: (max(0.0, now - t), s) for r, (t, s) in self._last.items()},
+                         held)
+

@@ -1,0 +1,172 @@
+"""The replica store's line to the coordinator: it hosts the node's
+:class:`~memckpt.runtime.node.aggregator.NodeAggregator` and sends what that gathers, one
+message per node per step and one heartbeat per interval (see the aggregator).
+
+Threads. The store is a threaded actor. Calls that record (``rank_ready``, ``report``,
+``beat``, ``join``) only take a lock and submit a Ray call without waiting on it: they
+never block its default threads, which serve replica writes and restores. A rank that
+waits for its commit answer calls ``wait_commit`` in the store's own concurrency group
+(:data:`COMMIT_GROUP`): the batch's ``node_ready`` call returns the answer (the coordinator
+holds it until the step commits, up to :data:`COMMIT_WAIT_S`), and every waiter of that
+step ``ray.get``s the same reference. A wait never holds the lock, and the call that
+completes a batch is never queued behind waiters, so however many ranks a node has,
+readiness gets through. Every wait is bounded: a rank whose store or coordinator does not
+answer fails loudly (:mod:`memckpt.runtime.worker.node_link`).
+
+The coordinator is the handle a rank passed at ``join`` (its ``WorkerSpec``'s): Ray
+restarts the coordinator in place behind the same named handle, and calls in flight are
+retried (``max_task_retries=-1``). A heartbeat thread sends the node's heartbeat every
+interval once a generation joined.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+from memckpt.runtime.node.aggregator import NodeAggregator
+
+COMMIT_GROUP = "commit"  # the store's concurrency group for ranks waiting on a commit
+COMMIT_WAITERS = 64  # its threads: a node's ranks waiting at once (more just queue)
+COMMIT_WAIT_S = 5.0  # the coordinator holds a node_ready / wait_commit this long at most
+KEEP_ANSWERS = 4  # commit answers kept per generation (a few steps in flight)
+
+View = tuple[Optional[int], Optional[int], Optional[str]]
+Get = Callable[[Any, float], Any]  # (a call's reference, timeout) -> its answer; TimeoutError
+
+
+def ray_get(ref: Any, timeout_s: float) -> Any:
+    import ray
+    return ray.get(ref, timeout=timeout_s)  # GetTimeoutError is a TimeoutError
+
+
+class Uplink:
+    """One node's aggregation toward the coordinator (thread-safe). ``coordinator`` (given
+    at ``join``) is called as an actor handle (``.method.remote(...)``), whose references
+    ``get`` resolves (default: ``ray.get``)."""
+
+    def __init__(self, node: str, clock: Callable[[], float] = time.monotonic,
+                 get: Get = ray_get) -> None:
+        self.node = node
+        self.clock = clock
+        self.get = get
+        self.agg = NodeAggregator(node)
+        self.coordinator: Any = None
+        self.interval_s = 0.5
+        self.floor = -1  # generations below it are fenced off (set_generation)
+        self._cond = threading.Condition()
+        self._answers: dict[tuple[int, int], Any] = {}  # (gen, step) -> ref of the answer
+        self._thread: Optional[threading.Thread] = None
+        self._closed = threading.Event()
+
+    # -- called by the node's ranks -------------------------------------------------------
+    def join(self, rank: int, gen: int, ranks: Iterable[int], coordinator: Any,
+             interval_s: float) -> bool:
+        """``rank`` starts generation ``gen`` with ``ranks`` on this node. False: fenced."""
+        with self._cond:
+            if gen < self.floor or not self.agg.join(gen, ranks, self.clock()):
+                return False
+            if gen == self.agg.gen:
+                self.coordinator, self.interval_s = coordinator, interval_s
+                self.agg.beat(rank, gen, -1, self.clock())  # alive from its own join
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._beat_loop, daemon=True,
+                                                name="memckpt-node-heartbeat")
+                self._thread.start()
+            self._cond.notify_all()
+        return True
+
+    def _known(self, rank: int, gen: int) -> bool:
+        return gen >= self.floor and self.agg.knows(gen, rank)
+
+    def rank_ready(self, rank: int, gen: int, step: int, holders: list[str]) -> bool:
+        """``rank``'s shard of ``step`` is placed on ``holders``; the node's batch goes once
+        every local rank's is. False: this store does not know the rank (it restarted, or
+        the generation is fenced): join again."""
+        with self._cond:
+            if not self._known(rank, gen):
+                return False
+            batch = self.agg.ready(rank, gen, step, holders, self.clock())
+            if batch is not None:
+                ref = self.coordinator.node_ready.remote(self.node, gen, step, batch.ranks,
+                                                         batch.metrics, COMMIT_WAIT_S)
+                self._answers[(gen, step)] = ref
+                for key in sorted(self._answers)[:-KEEP_ANSWERS]:
+                    del self._answers[key]
+                self._cond.notify_all()
+        return True
+
+    def report(self, rank: int, gen: int, step: int, metrics: Mapping[str, float],
+               snapshotted: bool) -> bool:
+        with self._cond:
+            if not self._known(rank, gen):
+                return False
+            out = self.agg.report(rank, gen, step, metrics, snapshotted, self.clock())
+            if out:
+                self.coordinator.node_metrics.remote(self.node, gen, out)
+        return True
+
+    def beat(self, rank: int, gen: int, step: int) -> bool:
+        with self._cond:
+            if not self._known(rank, gen):
+                return False
+            self.agg.beat(rank, gen, step, self.clock())
+        return True
+
+    def wait_commit(self, gen: int, step: int, timeout_s: float) -> Optional[View]:
+        """The coordinator's answer for ``step`` (committed step, step to persist, action;
+        action "stale": the generation is over), or None if the node's batch was not sent
+        or not answered within ``timeout_s``: ask again. Runs in COMMIT_GROUP."""
+        deadline = self.clock() + timeout_s
+        with self._cond:
+            if not self._cond.wait_for(lambda: (gen, step) in self._answers or gen < self.floor
+                                       or gen < self.agg.gen or self._closed.is_set(),
+                                       timeout_s):
+                return None
+            ref = self._answers.get((gen, step))
+        if ref is None:
+            return (None, None, "stale")
+        try:
+            view = tuple(self.get(ref, max(0.01, deadline - self.clock())))
+        except TimeoutError:
+            return None
+        committed = view[0]
+        if view[2] != "stale" and (committed is None or committed < step):
+            # the coordinator's wait ran out (a slow node, its restart): one new wait for
+            # every waiter of the step
+            with self._cond:
+                if self._answers.get((gen, step)) is ref:
+                    self._answers[(gen, step)] = self.coordinator.wait_commit.remote(
+                        gen, step, COMMIT_WAIT_S)
+        return view
+
+    # -- the store ------------------------------------------------------------------------
+    def fence(self, gen: int) -> None:
+        """Generations below ``gen`` are over: their calls change nothing, their waiters go."""
+        with self._cond:
+            self.floor = max(self.floor, gen)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed.set()
+            self._cond.notify_all()
+
+    def heartbeat_once(self) -> bool:
+        """Send the node's heartbeat now (the beat thread's tick); False if none is due."""
+        with self._cond:
+            hb = self.agg.heartbeat(self.clock())
+            coordinator = self.coordinator
+            if (hb is None or coordinator is None or hb.gen < self.floor
+                    or self._closed.is_set()):
+                return False
+            coordinator.node_heartbeat.remote(self.node, hb.gen, hb.beats, hb.metrics)
+        return True
+
+    def _beat_loop(self) -> None:
+        while not self._closed.wait(self.interval_s):
+            try:
+                self.heartbeat_once()
+            except Exception:  # noqa: BLE001 - a coordinator restarting: the next tick
+                pass

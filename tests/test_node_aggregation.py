@@ -1,0 +1,262 @@
+"""Node-level aggregation (no Ray): every node's real aggregator and the real coordinator in
+this process. Per step the coordinator takes one message per node, writes no state,
+ignores an older generation, names a node that stopped beating, and sums the ranks' step
+metrics into one line per step."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from memckpt.bench.control_plane.sim import SimJob
+from memckpt.policy.failure import Action, Observation, decide
+from memckpt.policy.step_metrics import stall_stats, summarize
+from memckpt.runtime.coordinator.coordinator import STALE, Coordinator, MemoryStateStore
+from memckpt.runtime.coordinator.metrics import failure_target
+from memckpt.runtime.node.aggregator import NodeAggregator
+
+RANKS, PER_NODE = 64, 8
+TIMEOUT_S, INTERVAL_S = 5.0, 0.5
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def layout(ranks: int = RANKS) -> tuple[dict[int, str], dict[int, list[str]], dict[str, str]]:
+    nodes = [f"n{i}" for i in range(ranks // PER_NODE)]
+    assignment = {r: nodes[r // PER_NODE] for r in range(ranks)}
+    holders = {r: [nodes[(r // PER_NODE + 1) % len(nodes)]] for r in range(ranks)}
+    return assignment, holders, {n: f"store-{n}" for n in nodes}
+
+
+def job(tmp_path, gen: int = 0) -> tuple[Coordinator, SimJob, MemoryStateStore, Clock]:
+    state, clock = MemoryStateStore(), Clock()
+    c = Coordinator("job", str(tmp_path), RANKS, state=state, clock=clock,
+                    inventory=lambda names, t: {})
+    assignment, holders, stores = layout()
+    asyncio.run(c.configure(gen, assignment, holders, None, stores))
+    sim = SimJob(c, assignment, holders, clock)
+    sim.join(gen)
+    return c, sim, state, clock
+
+
+# -- the aggregator alone ------------------------------------------------------------------
+def test_one_batch_once_every_local_rank_is_ready():
+    agg = NodeAggregator("n0")
+    assert agg.join(3, [4, 5, 6], now=0.0)
+    assert agg.ready(4, 3, 10, ["n1"], 0.0) is None
+    assert agg.ready(5, 3, 10, ["n1"], 0.0) is None
+    assert agg.ready(9, 3, 10, ["n1"], 0.0) is None  # not a rank of this node
+    batch = agg.ready(6, 3, 10, ["n2"], 0.0)
+    assert batch is not None and (batch.gen, batch.step) == (3, 10)
+    assert batch.ranks == {4: ["n1"], 5: ["n1"], 6: ["n2"]}
+    assert agg.ready(6, 3, 10, ["n2"], 0.0) is None  # said again (a retry): sent once
+
+
+def test_an_older_generation_changes_nothing_on_the_node():
+    agg = NodeAggregator("n0")
+    agg.join(2, [0, 1], now=0.0)
+    assert not agg.join(1, [0, 1], now=0.0)
+    assert agg.ready(0, 1, 5, [], 0.0) is None and agg.ready(1, 1, 5, [], 0.0) is None
+    assert agg.report(0, 1, 5, {"stall_s": 0.1}, True, 0.0) == []
+    agg.beat(0, 1, 99, 1.0)
+    hb = agg.heartbeat(now=2.0)
+    assert hb is not None and hb.gen == 2 and hb.beats == {0: (2.0, -1), 1: (2.0, -1)}
+
+
+def test_metrics_ride_on_the_batch_except_a_generations_first_step_and_unsnapshotted_ones():
+    agg = NodeAggregator("n0")
+    agg.join(0, [0, 1], now=0.0)
+    # the first step goes at once (the driver times a recovery's resume by it)
+    assert agg.report(0, 0, 1, {"stall_s": 0.1, "loss": 2.0}, True, 0.0) == []
+    (first,) = agg.report(1, 0, 1, {"stall_s": 0.3}, True, 0.0)
+    assert first["step"] == 1 and first["loss"] == 2.0 and first["stall_s"] == {0: 0.1, 1: 0.3}
+    # a snapshotted step: held for its batch
+    for r in (0, 1):
+        assert agg.report(r, 0, 2, {"stall_s": 0.2}, True, 0.0) == []
+    agg.ready(0, 0, 2, [], 0.0)
+    batch = agg.ready(1, 0, 2, [], 0.0)
+    assert batch is not None and [m["step"] for m in batch.metrics] == [2]
+    # a step no rank snapshotted: at once
+    assert agg.report(0, 0, 3, {"stall_s": 0.0}, False, 0.0) == []
+    assert [m["step"] for m in agg.report(1, 0, 3, {"stall_s": 0.0}, False, 0.0)] == [3]
+    # one rank skipped its snapshot: the batch never completes; the heartbeat takes them
+    assert agg.report(0, 0, 4, {"stall_s": 0.0}, True, 0.0) == []
+    assert agg.report(1, 0, 4, {"stall_s": 0.0}, True, 0.0) == []
+    hb = agg.heartbeat(now=1.0)
+    assert hb is not None and [m["step"] for m in hb.metrics] == [4]
+    assert hb.beats == {0: (1.0, 4), 1: (1.0, 4)}
+
+
+def test_summaries_count_increases_and_a_replaced_worker_from_zero():
+    counted: dict = {}
+    one = summarize(1, {0: {"stall_s": 0.1, "landed": 1.0, "replicated_bytes": 100.0},
+                        1: {"stall_s": 0.2, "landed": 3.0}}, counted)
+    assert one["landed"] == 4.0 and one["replicated_bytes"] == 100.0 and "skipped" not in one
+    two = summarize(2, {0: {"landed": 2.0, "replicated_bytes": 300.0},
+                        1: {"landed": 1.0}}, counted)  # rank 1's worker replaced: from 0
+    assert two["landed"] == 2.0 and two["replicated_bytes"] == 200.0
+    assert "loss" not in two
+
+
+def test_stall_stats():
+    assert stall_stats([3.0, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0}
+    assert stall_stats([4.0, 1.0, 2.0, 3.0])["median"] == 2.5
+    with pytest.raises(ValueError, match="at least one"):
+        stall_stats([])
+
+
+# -- the coordinator, driven by every node --------------------------------------------------
+def test_one_message_per_node_per_committed_step_and_no_state_write(tmp_path):
+    c, sim, state, clock = job(tmp_path)
+    nodes = RANKS // PER_NODE
+    written = state.puts
+
+    async def steps() -> None:
+        for step in range(1, 6):
+            before = sum(c.received.values())
+            views, _ = await sim.step_concurrently(0, step)  # each batch waits for the commit
+            assert c.s["committed"] == step and all(v[0] == step for v in views)
+            assert len(views) == RANKS  # every rank has its answer
+            got = sum(c.received.values()) - before
+            # a generation's first step: its metrics go at once, then its batch
+            assert got == (2 * nodes if step == 1 else nodes), (step, dict(c.received))
+
+    asyncio.run(steps())
+    assert c.received["node_ready"] == 5 * nodes == sim.tally.sent["node_ready"]
+    assert state.puts == written  # no write per step; configure wrote once
+    assert asyncio.run(c.committed()) == 5
+
+
+def test_the_state_is_written_once_per_membership_change(tmp_path):
+    c, sim, state, clock = job(tmp_path)
+    assert state.puts == 1  # configure
+    asyncio.run(sim.step(0, 1))
+    asyncio.run(sim.heartbeats(0, 1))
+    assert state.puts == 1
+    assignment, holders, stores = layout()
+    asyncio.run(c.configure(1, assignment, holders, 1, stores))  # a recovery
+    assert state.puts == 2
+
+
+def test_a_commit_waits_for_every_node_and_answers_them_all(tmp_path):
+    c, sim, _, _ = job(tmp_path)
+    views, latency = asyncio.run(sim.step_concurrently(0, 1, wait_s=5.0))
+    assert len(views) == RANKS and all(v[0] == 1 for v in views) and latency >= 0
+
+
+def test_a_batch_from_an_older_generation_changes_nothing(tmp_path):
+    c, sim, state, clock = job(tmp_path, gen=0)
+    asyncio.run(sim.step(0, 1))
+    assignment, holders, stores = layout()
+    asyncio.run(c.configure(1, assignment, holders, 1, stores))  # the driver recovered
+    received, puts = dict(c.received), state.puts
+    steps_file = tmp_path / "steps.jsonl"
+    lines = steps_file.read_text()
+    # the thawed node's store still sends generation 0's batches, metrics and heartbeats
+    node = next(iter(sim.nodes.values()))
+    for r in node.ranks:
+        node.agg.report(r, 0, 2, {"stall_s": 0.1}, True, clock())
+    batch = node.ready(0, 2)
+    view = asyncio.run(c.node_ready(node.node, 0, 2, batch.ranks, batch.metrics, 1.0))
+    assert view == STALE
+    asyncio.run(c.node_metrics(node.node, 0, [{"step": 2, "ranks": 8, "stall_s": {0: 9.0}}]))
+    asyncio.run(node.heartbeat(0, 2))
+    assert asyncio.run(c.wait_commit(0, 2, 0.01)) == STALE
+    assert asyncio.run(c.shard_ready(0, 0, 2, holders[0])) == STALE
+    assert c.s["committed"] == 1 and c._ready == {} and c.node_beats == {}
+    assert dict(c.received) == received and state.puts == puts
+    assert steps_file.read_text() == lines and "2" not in c.steps.losses
+
+
+def test_a_node_that_stops_beating_is_named_after_the_timeout(tmp_path):
+    c, sim, _, clock = job(tmp_path)
+    asyncio.run(sim.step(0, 1))
+    asyncio.run(sim.heartbeats(0, 1))
+    frozen = "n3"
+    last = clock.now
+    named_at = None
+    while named_at is None:
+        clock.now += INTERVAL_S
+        asyncio.run(sim.heartbeats(0, 1, skip=(frozen,)))
+        ranks, nodes = asyncio.run(c.liveness(TIMEOUT_S, TIMEOUT_S))
+        if clock.now - last <= TIMEOUT_S:
+            assert (ranks, nodes) == ([], [])
+        elif nodes:
+            named_at = clock.now
+            assert nodes == [frozen] and ranks == list(range(24, 32))
+            assert asyncio.run(c.hung(TIMEOUT_S, TIMEOUT_S)) == ranks
+    assert TIMEOUT_S < named_at - last <= TIMEOUT_S + INTERVAL_S
+
+
+def test_a_hung_rank_on_a_live_node_is_found_by_the_age_its_store_reports(tmp_path):
+    c, sim, _, clock = job(tmp_path)
+    asyncio.run(sim.step(0, 1))
+    node = sim.nodes["n1"]
+    start = clock.now
+    while clock.now - start <= TIMEOUT_S + INTERVAL_S:
+        clock.now += INTERVAL_S
+        for n in sim.nodes.values():
+            for r in n.ranks:
+                if r != 10:  # rank 10 (on n1) stopped; its store goes on
+                    n.agg.beat(r, 0, 1, clock())
+        asyncio.run(sim.heartbeats(0))
+    assert node.node not in asyncio.run(c.liveness(TIMEOUT_S, TIMEOUT_S))[1]
+    assert asyncio.run(c.liveness(TIMEOUT_S, TIMEOUT_S)) == ([10], [])
+
+
+def test_step_metrics_are_aggregated_over_the_ranks(tmp_path):
+    c, sim, _, _ = job(tmp_path)
+    for step in (1, 2):
+        asyncio.run(sim.step(0, step))
+    rows = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["ranks"] == RANKS for r in rows)
+    # the simulated rank r stalls 1 ms + r us
+    stats = rows[-1]["stall_s"]
+    assert stats["min"] == pytest.approx(0.001) and stats["max"] == pytest.approx(0.001063)
+    assert stats["median"] == pytest.approx(0.0010315)
+    losses = [json.loads(x) for x in (tmp_path / "losses.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["loss"]) for x in losses] == [(1, 0.5), (2, 1 / 3)]
+    # each simulated rank's cumulative counts say it landed every due snapshot
+    assert c.steps.snapshots == {"requested": 2.0 * RANKS, "landed": 2.0 * RANKS, "skipped": 0.0}
+    prog = asyncio.run(c.progress())
+    assert prog["min_step"] == prog["max_step"] == 2 and prog["last_loss"] == 1 / 3
+
+
+# -- the driver's words ----------------------------------------------------------------------
+def test_a_silent_node_is_named_frozen_or_cut_off():
+    node = "a1b2c3d4e5f6a7b8c9d0"
+    d = decide(Observation(pending=(0, 1, 2, 3), hung=(2, 3), silent_nodes=(node,),
+                           max_restarts=3))
+    assert d.action is Action.RECOVER and d.died == d.hung == (2, 3)
+    assert d.silent_nodes == (node,)
+    assert d.what == "node a1b2c3d4e5f6 stopped reporting (frozen or cut off): rank(s) [2, 3] lost"
+    assert failure_target(d.what) == "node"
+    plain = decide(Observation(pending=(0, 1), hung=(1,), max_restarts=3))
+    assert plain.what == "rank(s) [1] stopped heart-beating (hung)"
+    assert failure_target(plain.what) == "hung"
+
+
+def test_commit_waiters_are_released_by_the_commit_or_a_new_generation(tmp_path):
+    """Step 0 commits like any other (its waiters go at once, not after their 600 s), and
+    a new generation releases an older one's waiters, answered stale."""
+    async def go() -> None:
+        c = Coordinator("job", str(tmp_path), 1, state=MemoryStateStore(),
+                        inventory=lambda names, t: {})
+        await c.configure(0, {0: "n"}, {0: []}, None, {"n": "store-n"})
+        waiting = asyncio.ensure_future(c.wait_commit(0, 0, 600.0))
+        later = asyncio.ensure_future(c.wait_commit(0, 1, 600.0))
+        await asyncio.sleep(0)
+        assert (await c.node_ready("n", 0, 0, {0: []}, [], 600.0))[0] == 0
+        assert (await asyncio.wait_for(waiting, 5))[0] == 0
+        assert not later.done()  # step 1 has not committed
+        await c.configure(1, {0: "n"}, {0: []}, 0, {"n": "store-n"})
+        assert await asyncio.wait_for(later, 5) == STALE
+    asyncio.run(go())

@@ -1,0 +1,154 @@
+"""A node's store line to the coordinator (memckpt.runtime.node.uplink), without Ray: the real
+Uplink with its ranks as threads, the real Coordinator in an event loop on its own thread,
+called as Ray calls an actor (``handle.method.remote(...)`` -> a reference, resolved by the
+Uplink's ``get``)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, Iterator
+
+import pytest
+
+from memckpt.runtime.coordinator.coordinator import Coordinator, MemoryStateStore
+from memckpt.runtime.node import uplink as uplink_module
+from memckpt.runtime.node.uplink import Uplink
+
+NODES = {"a": [0, 1, 2], "b": [3, 4, 5]}
+HOLDERS = {r: ["b" if r < 3 else "a"] for r in range(6)}
+
+
+class LoopHandle:
+    """``coordinator`` run on ``loop``: ``handle.method.remote(*args)`` is a future."""
+
+    def __init__(self, coordinator: Coordinator, loop: asyncio.AbstractEventLoop) -> None:
+        self.c, self.loop = coordinator, loop
+
+    def __getattr__(self, name: str) -> Any:
+        c, loop = self.c, self.loop
+
+        class Method:
+            @staticmethod
+            def remote(*args: Any) -> concurrent.futures.Future:
+                return asyncio.run_coroutine_threadsafe(getattr(c, name)(*args), loop)
+        return Method
+
+    def call(self, name: str, *args: Any) -> Any:
+        return getattr(self, name).remote(*args).result(10)
+
+
+def get(ref: concurrent.futures.Future, timeout_s: float) -> Any:
+    return ref.result(timeout_s)
+
+
+@pytest.fixture
+def coordinator(tmp_path) -> Iterator[LoopHandle]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    c = Coordinator("job", str(tmp_path), 6, state=MemoryStateStore(),
+                    inventory=lambda names, t: {})
+    handle = LoopHandle(c, loop)
+    assignment = {r: n for n, rs in NODES.items() for r in rs}
+    handle.call("configure", 0, assignment, HOLDERS, None, {n: n for n in NODES})
+    yield handle
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+OPEN: list[Uplink] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_uplinks() -> Iterator[None]:
+    yield
+    while OPEN:  # their heartbeat threads end
+        OPEN.pop().close()
+
+
+def links(handle: LoopHandle, gen: int = 0) -> dict[str, Uplink]:
+    out = {n: Uplink(n, get=get) for n in NODES}
+    for n, up in out.items():
+        for r in NODES[n]:
+            assert up.join(r, gen, NODES[n], handle, interval_s=60.0)
+    OPEN.extend(out.values())
+    return out
+
+
+def rank(up: Uplink, r: int, gen: int, step: int) -> Any:
+    """What a rank's NodeLink does: readiness, then wait for the answer."""
+    assert up.rank_ready(r, gen, step, HOLDERS[r])
+    for _ in range(50):
+        view = up.wait_commit(gen, step, 1.0)
+        if view is not None and (view[2] == "stale" or (view[0] or -1) >= step):
+            return view
+    raise AssertionError(f"rank {r} got no answer for step {step}")
+
+
+def run_ranks(ups: dict[str, Uplink], gen: int, step: int) -> dict[int, Any]:
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futs = {r: pool.submit(rank, ups[n], r, gen, step) for n, rs in NODES.items() for r in rs}
+        return {r: f.result(30) for r, f in futs.items()}
+
+
+def test_every_rank_gets_the_commit_through_its_store_one_batch_per_node(coordinator):
+    ups = links(coordinator)
+    for step in (1, 2):
+        views = run_ranks(ups, 0, step)
+        assert all(v[0] == step for v in views.values()), views
+    assert coordinator.c.received["node_ready"] == 4  # 2 nodes x 2 steps
+
+
+def test_a_coordinator_wait_that_runs_out_is_asked_again_once_for_the_step(coordinator,
+                                                                           monkeypatch):
+    monkeypatch.setattr(uplink_module, "COMMIT_WAIT_S", 0.05)
+    ups = links(coordinator)
+    done = threading.Event()
+    answers: list = []
+
+    def node_a() -> None:
+        answers.extend(rank(ups["a"], r, 0, 1) for r in (0, 1))
+        done.set()
+    for r in (0, 1, 2):
+        assert ups["a"].rank_ready(r, 0, 1, HOLDERS[r])
+    # node a's batch is in; its wait at the coordinator runs out: the rank asks again
+    assert ups["a"].wait_commit(0, 1, 1.0)[0] is None
+    t = threading.Thread(target=node_a)
+    t.start()
+    run_ranks({"a": ups["a"], "b": ups["b"]}, 0, 1)
+    t.join(30)
+    assert done.is_set() and all(v[0] == 1 for v in answers)
+
+
+def test_a_fenced_generation_refuses_and_its_waiters_go(coordinator):
+    ups = links(coordinator)
+    up = ups["a"]
+    waiter = concurrent.futures.ThreadPoolExecutor(1).submit(up.wait_commit, 0, 1, 30.0)
+    up.fence(1)  # the driver's set_generation: generation 0 is over on this node
+    assert waiter.result(10) == (None, None, "stale")
+    assert not up.rank_ready(0, 0, 1, HOLDERS[0])
+    assert not up.join(0, 0, NODES["a"], coordinator, 60.0)
+    assert not up.beat(0, 0, 3) and not up.report(0, 0, 1, {"stall_s": 0.1}, True)
+    assert not up.heartbeat_once()  # nothing of generation 0 is sent any more
+
+
+def test_a_thawed_nodes_batch_is_answered_stale_and_commits_nothing(coordinator):
+    ups = links(coordinator, gen=0)  # the node froze in generation 0 ...
+    assignment = {r: n for n, rs in NODES.items() for r in rs}
+    coordinator.call("configure", 1, assignment, HOLDERS, None, {n: n for n in NODES})
+    for r in (0, 1, 2):  # ... and thawed in 1
+        assert ups["a"].rank_ready(r, 0, 1, HOLDERS[r])
+    assert ups["a"].wait_commit(0, 1, 5.0) == (None, None, "stale")
+    assert coordinator.c.s["committed"] is None and coordinator.c.received["node_ready"] == 0
+
+
+def test_the_heartbeat_carries_every_local_ranks_age_and_step(coordinator):
+    ups = links(coordinator)
+    ups["a"].beat(1, 0, 7)
+    assert ups["a"].heartbeat_once()
+    beats = coordinator.call("status")["heartbeats"]
+    assert {r: beats[str(r)]["step"] for r in (0, 1, 2)} == {0: -1, 1: 7, 2: -1}
+    assert coordinator.call("liveness", 5.0, 5.0) == ([], [])
+    assert "a" in coordinator.c.node_beats
