@@ -152,3 +152,20 @@ def test_the_heartbeat_carries_every_local_ranks_age_and_step(coordinator):
     assert {r: beats[str(r)]["step"] for r in (0, 1, 2)} == {0: -1, 1: 7, 2: -1}
     assert coordinator.call("liveness", 5.0, 5.0) == ([], [])
     assert "a" in coordinator.c.node_beats
+
+
+def test_a_flush_delivers_what_the_store_holds_before_a_rank_returns(coordinator):
+    """Every rank of node a snapshotted step 2, so the step's summary (rank 0's loss) waits
+    in the store for the node's batch; a rank whose run ended flushes it to the coordinator
+    (the driver reads the losses next), and a fenced generation flushes nothing."""
+    ups = links(coordinator)
+    for step in (1, 2):  # a generation's first step goes at once; the next is held
+        for r in (0, 1, 2):
+            m = {"stall_s": 0.01 * (r + 1), **({"loss": 2.5 + step} if r == 0 else {})}
+            assert ups["a"].report(r, 0, step, m, True)
+    losses = coordinator.call("all_losses")
+    assert losses.get("1") == 3.5 and "2" not in losses  # held for a batch that never came
+    assert ups["a"].flush(0, 5.0)
+    assert coordinator.call("all_losses")["2"] == 4.5
+    ups["b"].fence(1)
+    assert not ups["b"].flush(0, 5.0)

@@ -66,10 +66,11 @@ def start_store(config: Config, node: str) -> Any:
     a commit answer run in their own threads (COMMIT_GROUP), never in the 16 that serve
     writes, reads and readiness."""
     import ray
-    return ray.remote(ReplicaStore).options(
+    # concurrency groups are declared with the class (Ray refuses them in .options())
+    return ray.remote(concurrency_groups={COMMIT_GROUP: COMMIT_WAITERS})(ReplicaStore).options(
         name=store_name(config.job_name, node), namespace=COORDINATOR_NAMESPACE,
         num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=16,
-        concurrency_groups={COMMIT_GROUP: COMMIT_WAITERS}, scheduling_strategy=on_node(node),
+        scheduling_strategy=on_node(node),
     ).remote(config.ram_root or "", config.job_name, node)
 
 

@@ -28,7 +28,7 @@ Shape = tuple[float, float]
 class KeptWorkers:
     """Idle workers of finished jobs, by node and shape, for this driver's next job."""
 
-    job_id: str  # the Ray job (driver connection) whose actors these are
+    job_id: str  # the Ray connection whose actors these are (see _connection)
     idle: dict[tuple[str, Shape], list[Any]] = field(default_factory=dict)
 
     def put(self, node: str, shape: Shape, worker: Any) -> None:
@@ -60,10 +60,20 @@ def current() -> Optional[KeptWorkers]:
     global _kept
     if _kept is None or not ray.is_initialized():
         return None
-    job = ray.get_runtime_context().get_job_id()
+    job = _connection()
     if _kept.job_id != job:
         _kept = KeptWorkers(job)
     return _kept
+
+
+def _connection() -> str:
+    """This driver's Ray connection: its job id within its cluster's session. A job id
+    alone repeats (every new cluster's first driver is job 01000000), and a handle of
+    the last cluster's actor cannot even be killed in the next."""
+    import ray
+    from ray._private import worker as ray_worker
+    node = getattr(ray_worker.global_worker, "node", None)
+    return f"{getattr(node, 'session_name', '')}/{ray.get_runtime_context().get_job_id()}"
 
 
 @contextlib.contextmanager
@@ -79,7 +89,7 @@ def keep_workers() -> Iterator[None]:
     if _kept is not None:
         yield
         return
-    _kept = KeptWorkers(ray.get_runtime_context().get_job_id() if ray.is_initialized() else "")
+    _kept = KeptWorkers(_connection() if ray.is_initialized() else "")
     try:
         yield
     finally:

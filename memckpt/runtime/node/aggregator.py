@@ -143,12 +143,17 @@ class NodeAggregator:
     def _touch(self, rank: int, now: float) -> None:
         self._last[rank] = (now, self._last.get(rank, (now, -1))[1])
 
+    def take_held(self) -> list[Summary]:
+        """The summaries still held (their step's readiness has not gone): a rank's run ended."""
+        held, self._held = self._held, []
+        return held
+
     def heartbeat(self, now: float) -> Optional[Heartbeat]:
         """The node's heartbeat for this interval (None before any generation joined);
         takes the metrics still held."""
         if self.gen < 0:
             return None
-        held, self._held = self._held, []
+        held = self.take_held()
         return Heartbeat(self.gen, {r: (max(0.0, now - t), s) for r, (t, s) in self._last.items()},
                          held)
 

@@ -179,6 +179,10 @@ class ReplicaStore:
     def beat(self, rank: int, gen: int, step: int) -> bool:
         return self.uplink.beat(rank, gen, step)
 
+    def flush(self, gen: int, timeout_s: float) -> bool:
+        """A rank's run ended: what this store holds of ``gen`` reaches the coordinator."""
+        return self.uplink.flush(gen, timeout_s)
+
     # -- receiving replicas -----------------------------------------------------------------
     def _slot_for(self, rank: int, step: int) -> Path:
         rank_dir = self.replicas / f"rank{rank}"

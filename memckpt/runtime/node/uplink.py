@@ -141,6 +141,20 @@ class Uplink:
                         gen, step, COMMIT_WAIT_S)
         return view
 
+    def flush(self, gen: int, timeout_s: float) -> bool:
+        """A rank's run ended: send what is held now and wait until the coordinator took it
+        (and, Ray keeping one caller's calls in order, every message this store sent it
+        before). False: ``gen`` is not this node's generation, or no answer in time."""
+        with self._cond:
+            if gen != self.agg.gen or gen < self.floor or self.coordinator is None:
+                return False
+            ref = self.coordinator.node_metrics.remote(self.node, gen, self.agg.take_held())
+        try:
+            self.get(ref, timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     # -- the store ------------------------------------------------------------------------
     def fence(self, gen: int) -> None:
         """Generations below ``gen`` are over: their calls change nothing, their waiters go."""

@@ -379,6 +379,7 @@ class WorkerContext(RestoreAndStep):
         self.replicator.drain(timeout_s)
         if self.persister is not None:
             self.persister.drain(timeout_s)  # a dead or hung tier: its close_timeout_s
+        self.link.flush()  # the last steps' reports reach the coordinator before the return
 
     def abort(self) -> None:
         """Recovery replaced this generation: make the training function return at its next

@@ -11,7 +11,9 @@ heartbeat stops, see ``Coordinator.liveness``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from typing import Any, Callable, Mapping, Optional
 
 from memckpt.errors import MemckptError
@@ -21,6 +23,7 @@ from memckpt.runtime.worker.spec import WorkerSpec
 WAIT_S = 5.0  # one wait for a commit answer
 CALL_S = 30.0  # a store's answer to a call that only records
 STORE_SILENT_S = 120.0  # a store silent this long (through retries) fails the rank
+KEEP_REPORTS = 256  # a rank's reports kept for a restarted store (see NodeLink.report)
 
 View = tuple[Optional[int], Optional[int], Optional[str]]
 log = logging.getLogger(__name__)
@@ -34,6 +37,10 @@ class NodeLink:
         self.store: Any = spec.stores.get(node_id) if spec.node_ranks else None
         self._joined = False
         self._beat: Any = None  # the last beat's answer
+        self._lock = threading.Lock()  # report (training thread), ready, beat: each a thread
+        self._committed = -1  # the newest commit this rank was answered
+        # (step, metrics, snapshotted, the store's answer) of steps not yet committed
+        self._kept: deque[tuple[int, dict[str, float], bool, Any]] = deque(maxlen=KEEP_REPORTS)
 
     def start(self) -> "NodeLink":
         """Join the node's store now (before the rank's first report or heartbeat). A store
@@ -52,9 +59,15 @@ class NodeLink:
         the store restarted). False: the generation is over."""
         import ray
         spec = self.spec
-        self._joined = bool(ray.get(self.store.join.remote(
-            spec.rank, spec.gen, list(spec.node_ranks), spec.coordinator,
-            spec.config.failure.heartbeat_interval_s), timeout=CALL_S))
+        with self._lock:
+            self._joined = bool(ray.get(self.store.join.remote(
+                spec.rank, spec.gen, list(spec.node_ranks), spec.coordinator,
+                spec.config.failure.heartbeat_interval_s), timeout=CALL_S))
+            if self._joined:  # a restarted store lost what it held: this rank's reports again
+                kept = list(self._kept)
+                self._kept.clear()
+                for step, metrics, snapshotted, _ in kept:
+                    self._send_report(step, metrics, snapshotted)
         return self._joined
 
     def ready(self, step: int, holders: list[str], cancelled: Callable[[], bool]) -> Optional[View]:
@@ -63,7 +76,11 @@ class NodeLink:
         unanswered: the generation is over (cancelled, or the coordinator says stale)."""
         import ray
         spec = self.spec
-        if self.store is None:
+        # The restored step, copied out again to the holders placement moved (a rank's own
+        # choice: its node-mates may not resend it, so no node batch would complete). It is
+        # committed already: the coordinator answers this rank at once. Once per recovery.
+        again = spec.restore is not None and step <= spec.restore.step
+        if self.store is None or again:
             view = ray.get(spec.coordinator.shard_ready.remote(spec.rank, spec.gen, step, holders))
             while not self._settled(view, step):
                 if cancelled():
@@ -86,7 +103,10 @@ class NodeLink:
             except ray.exceptions.GetTimeoutError:
                 got = None
             if got is not None and self._settled(got, step):
-                return None if got[2] == "stale" else got
+                if got[2] == "stale":
+                    return None
+                self._committed = max(self._committed, got[0])
+                return got
             if time.monotonic() - silent_since > STORE_SILENT_S:
                 raise MemckptError(
                     f"rank {spec.rank}: its node's replica store did not answer for "
@@ -100,12 +120,67 @@ class NodeLink:
         return view[2] == "stale" or (view[0] is not None and view[0] >= step)
 
     def report(self, step: int, metrics: Mapping[str, float], snapshotted: bool) -> None:
-        """This rank finished ``step`` (fire and forget, as the heartbeat)."""
+        """This rank finished ``step`` (fire and forget, as the heartbeat). Through a store,
+        each report is kept until its step commits: a store that restarts (or refused one,
+        not knowing this rank) loses what it held, so after the rank joins it again the
+        kept reports go again (the coordinator keeps a step's last loss: no double). The
+        answers are looked at on the next report, never waited for."""
+        import ray
         spec = self.spec
         if self.store is None:
             spec.coordinator.report.remote(spec.rank, spec.gen, step, dict(metrics))
-        else:
-            self.store.report.remote(spec.rank, spec.gen, step, dict(metrics), snapshotted)
+            return
+        refused = False
+        with self._lock:
+            while self._kept and self._kept[0][0] <= self._committed:
+                self._kept.popleft()
+            answers = [k[3] for k in self._kept if k[3] is not None]
+            if answers:
+                done, _ = ray.wait(answers, num_returns=len(answers), timeout=0)
+                for ref in done:
+                    try:
+                        refused = refused or not ray.get(ref)
+                    except Exception:  # noqa: BLE001 - the store died with the call
+                        refused = True
+                seen = set(done)
+                self._kept = deque(((st, m, sn, None if ref in seen else ref)
+                                    for st, m, sn, ref in self._kept), maxlen=KEEP_REPORTS)
+            self._send_report(step, dict(metrics), snapshotted)
+        if refused:
+            self._joined = False
+            try:
+                self.join()
+            except Exception as e:  # noqa: BLE001 - restarting: the next report or beat
+                log.warning("memckpt: rank %d could not join its node's store again: %r",
+                            spec.rank, e)
+
+    def flush(self) -> None:
+        """The rank's run ended: its reports are at the store and what the store holds is at
+        the coordinator before the rank returns (the driver reads the losses next). Bounded;
+        a store that does not answer costs metrics, never the run."""
+        import ray
+        if self.store is None:
+            return
+        spec = self.spec
+        try:
+            with self._lock:
+                answers = [k[3] for k in self._kept if k[3] is not None]
+            try:
+                refused = not all(ray.get(answers, timeout=CALL_S))
+            except ray.exceptions.RayActorError:  # the store died with the calls
+                refused = True
+            if refused:
+                self._joined = False
+                self.join()  # sends the kept reports again
+            ray.get(self.store.flush.remote(spec.gen, CALL_S), timeout=2 * CALL_S)
+        except Exception as e:  # noqa: BLE001 - see above
+            log.warning("memckpt: rank %d could not flush its step reports through its "
+                        "node's store: %r", spec.rank, e)
+
+    def _send_report(self, step: int, metrics: dict[str, float], snapshotted: bool) -> None:
+        spec = self.spec
+        ref = self.store.report.remote(spec.rank, spec.gen, step, metrics, snapshotted)
+        self._kept.append((step, metrics, snapshotted, ref))
 
     def beat(self, step: int) -> None:
         """This rank is alive at ``step`` (the heartbeat thread, every interval). A store
