@@ -22,11 +22,15 @@ REPO = Path(__file__).resolve().parents[1]
 FIX = ("--address", "RAY_ADDRESS")
 
 
-def _dead_address() -> str:
-    """HOST:PORT where nothing listens: a port bound and released again."""
+@pytest.fixture
+def dead_address():
+    """HOST:PORT where nothing listens, for the whole test: the port stays bound (never
+    listening, so a connection is refused) until the test ends. A port bound and released
+    again could be taken meanwhile by a process of the Ray drills running beside this test,
+    and the CLI then waited on something that answered."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+        yield f"127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture
@@ -67,24 +71,24 @@ def one_line(rc, out, err, code, *words):
 # -- no Ray cluster ---------------------------------------------------------------------------
 @pytest.mark.parametrize("argv", [["status"], ["kill", "--worker", "0"],
                                   ["kill", "--node", "abc"], ["status", "--json"]])
-def test_no_cluster_at_the_given_address(scratch, argv):
+def test_no_cluster_at_the_given_address(scratch, argv, dead_address):
     cwd, env = scratch
-    address = _dead_address()
+    address = dead_address
     line = one_line(*memckpt_cli([*argv, "--address", address, "--job", "nope"], cwd, env), 2, *FIX)
     assert "no Ray cluster answers" in line
 
 
-def test_no_cluster_at_ray_address(scratch):
+def test_no_cluster_at_ray_address(scratch, dead_address):
     cwd, env = scratch
-    env = dict(env, RAY_ADDRESS=_dead_address())
+    env = dict(env, RAY_ADDRESS=dead_address)
     line = one_line(*memckpt_cli(["status"], cwd, env), 2, *FIX)
     assert "RAY_ADDRESS=" in line
 
 
-def test_run_against_no_cluster(scratch):
+def test_run_against_no_cluster(scratch, dead_address):
     cwd, env = scratch
     one_line(*memckpt_cli(["run", "train.py:train", "--config", "cfg.py", "--address",
-                           _dead_address()], cwd, env), 2, *FIX)
+                           dead_address], cwd, env), 2, *FIX)
 
 
 def _isolated_pids() -> list[str]:
