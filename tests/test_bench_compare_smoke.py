@@ -68,7 +68,8 @@ def test_stall_and_lost_work(tmp_path, capsys):
         assert r["overhead_at_interval"] <= compare_rows.OVERHEAD_BUDGET + 1e-9
         assert r["median"] >= r["interval_steps"] / 2
     printed = capsys.readouterr().out
-    assert printed.startswith("machine:")
+    # Ray's own lines (a raylet's warning) may come first: the report's first line is there
+    assert any(line.startswith("machine:") for line in printed.splitlines()), printed[:2000]
     assert "| benchmark | method | state | median | × memcpy | × memckpt | details |" in printed
     assert "targets:" in printed
     _png_size(png)
