@@ -6,7 +6,7 @@ import argparse
 import random
 
 from memckpt.errors import MemckptError
-from memckpt.runtime.tools.faults import kill_node, send_signals
+from memckpt.runtime.tools.faults import freeze_node, kill_node, send_signals
 from memckpt.runtime.tools.job_client import fetch_status
 
 
@@ -16,8 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="signal this rank's worker process; several ranks (0,1) are "
                            "signalled in the same instant")
     what.add_argument("--node", metavar="NODE",
-                      help="hard-kill this node (its raylet, workers and store): a node id or "
-                           "a unique prefix of one, as `memckpt status` shows")
+                      help="hard-kill this node (its raylet, workers and store), or freeze "
+                           "it with --signal STOP: a node id or a unique prefix of one, as "
+                           "`memckpt status` shows")
     what.add_argument("--random", action="store_true", help="signal a random rank's worker")
     parser.add_argument("--signal", choices=("KILL", "STOP", "TERM"), default="KILL")
     parser.add_argument("--job", default="memckpt", help="the job_name of the config (default memckpt)")
@@ -51,8 +52,17 @@ def main(args: argparse.Namespace) -> int:
         raise MemckptError(f"job {args.job!r} has no running workers right now (recovering?); retry")
     if args.node is not None:
         node = resolve_node(args.node, list(s["assignment"].values()))
+        ranks_there = [r for r, n in s["assignment"].items() if n == node]
+        if args.signal == "STOP":
+            pids = freeze_node(node)
+            print(f"froze node {node[:12]} (ranks {ranks_there}): SIGSTOP to {len(pids)} "
+                  f"processes; to thaw it, on that machine: kill -CONT {' '.join(map(str, pids))}")
+            return 0
+        if args.signal != "KILL":
+            raise MemckptError(f"--node takes --signal KILL (the node lost) or STOP (the node "
+                               f"frozen), not {args.signal}")
         kill_node(node)
-        print(f"killed node {node[:12]} (ranks {[r for r, n in s['assignment'].items() if n == node]})")
+        print(f"killed node {node[:12]} (ranks {ranks_there})")
         return 0
     ranks = [random.choice(sorted(workers))] if args.random else args.worker
     unknown = [r for r in ranks if r not in workers]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -43,22 +44,28 @@ def kill_process_tree(root_pid: int, spare: Optional[int] = None) -> list[int]:
 
     A node dies all at once: killing only its raylet would leave its worker processes
     running on until they notice (seconds), still training and streaming replicas."""
+    return signal_process_tree(root_pid, signal.SIGKILL, spare)
+
+
+def signal_process_tree(root_pid: int, signum: int, spare: Optional[int] = None) -> list[int]:
+    """Send ``signum`` to ``root_pid`` and every process below it, the children first,
+    except ``spare``. Returns the pids signalled."""
     import psutil
     try:
         root = psutil.Process(root_pid)
         procs = root.children(recursive=True) + [root]
     except psutil.NoSuchProcess:
         return []
-    killed = []
+    done = []
     for p in procs:
         if p.pid == spare:
             continue
         try:
-            p.kill()
-            killed.append(p.pid)
+            p.send_signal(signum)
+            done.append(p.pid)
         except psutil.NoSuchProcess:
             pass
-    return killed
+    return done
 
 
 def _kill_node_task() -> int:
@@ -68,20 +75,47 @@ def _kill_node_task() -> int:
     return len(killed)
 
 
+def _freeze_node_task() -> list[int]:
+    me = os.getpid()
+    frozen = signal_process_tree(os.getppid(), signal.SIGSTOP, spare=me)  # the raylet's tree
+    # this task's own worker last, once its answer (sent directly to the caller, not
+    # through the stopped raylet) is on its way
+    threading.Timer(0.5, os.kill, (me, signal.SIGSTOP)).start()
+    return frozen + [me]
+
+
+def freeze_node(node_id: str) -> list[int]:
+    """Freeze a node: SIGSTOP its raylet and every process under it (workers, store,
+    agents). Nothing is closed or reset, as when a machine hangs or is cut off: Ray calls
+    the node dead only when its health checks time out (about a minute by default), while
+    memckpt finds it by its store's silence. Returns the pids stopped; ``kill -CONT`` on
+    that machine thaws them (a healed partition: the job fences what wakes up)."""
+    import ray
+    task = ray.remote(num_cpus=0, max_retries=0)(_freeze_node_task)
+    return list(ray.get(task.options(scheduling_strategy=_on_node(node_id)).remote(),
+                        timeout=30))
+
+
 def send_signal(node_id: str, pid: int, sig: str = "KILL", timeout_s: float = 30.0) -> bool:
     """Deliver ``sig`` to process ``pid`` on node ``node_id``; False if it was already gone."""
     return send_signals([(node_id, pid)], sig, timeout_s)[0]
 
 
 def send_signals(targets: Sequence[tuple[str, int]], sig: str = "KILL",
-                 timeout_s: float = 30.0) -> list[bool]:
+                 timeout_s: float = 30.0, wait: bool = True) -> list[bool]:
     """Deliver ``sig`` to every (node, pid) of ``targets`` in the same instant: every
     signalling task is sent before any answer is awaited. Per target: False if its process
-    was already gone."""
+    was already gone.
+
+    ``wait=False``: send and return ``[]`` at once. For a node that stopped answering
+    (frozen, cut off): its raylet runs the task if it ever wakes, so a process that comes
+    back from a freeze is killed then, and nobody waits on it meanwhile."""
     import ray
     task = ray.remote(num_cpus=0, max_retries=0)(_signal_task)
     refs = [task.options(scheduling_strategy=_on_node(node)).remote(pid, SIGNALS[sig])
             for node, pid in targets]
+    if not wait:
+        return []
     return [bool(x) for x in ray.get(refs, timeout=timeout_s)]
 
 
@@ -181,7 +215,10 @@ def deliver(strike: Strike, *, store_pid: Callable[[str], int], coordinator: Any
         send_signals(list(zip(strike.nodes, strike.pids)), fault.signal)
     elif fault.target == "node":
         for n in dict.fromkeys(strike.nodes):
-            (node_killer or kill_node)(n)
+            if fault.signal == "STOP":
+                freeze_node(n)
+            else:
+                (node_killer or kill_node)(n)
     elif fault.target == "store":
         send_signal(strike.nodes[0], store_pid(strike.nodes[0]), fault.signal)
     elif fault.target == "coordinator":
@@ -219,9 +256,11 @@ class FaultInjector:
         self.faults.append(Fault(at_step, "node", None, ranks=tuple(ranks)))
         return self
 
-    def kill_node(self, rank: int, at_step: int, steady: bool = False) -> "FaultInjector":
-        """Kill the node that runs ``rank`` when training reaches ``at_step``."""
-        self.faults.append(Fault(at_step, "node", rank, steady=steady))
+    def kill_node(self, rank: int, at_step: int, steady: bool = False,
+                  signal: str = "KILL") -> "FaultInjector":
+        """Kill the node that runs ``rank`` when training reaches ``at_step`` (``signal``
+        "STOP": freeze it, :func:`freeze_node`)."""
+        self.faults.append(Fault(at_step, "node", rank, signal=signal, steady=steady))
         return self
 
     def kill_store(self, rank: int, at_step: int) -> "FaultInjector":
