@@ -172,7 +172,13 @@ def test_a_batch_from_an_older_generation_changes_nothing(tmp_path):
     assert asyncio.run(c.wait_commit(0, 2, 0.01)) == STALE
     assert asyncio.run(c.shard_ready(0, 0, 2, holders[0])) == STALE
     assert c.s["committed"] == 1 and c._ready == {} and c.node_beats == {}
-    assert dict(c.received) == received and state.puts == puts
+    # refused, counted, and said once: which node spoke for which generation
+    refused = dict(c.received)
+    assert refused.pop("stale") == 3 and refused == received and state.puts == puts
+    said = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["node"], e["its_gen"], e["gen"]) for e in said
+            if e["event"] == "stale_node_refused"] == [(node.node, 0, 1)]
+    assert asyncio.run(c.status())["refused_stale"] == 3
     assert steps_file.read_text() == lines and "2" not in c.steps.losses
 
 
@@ -193,6 +199,8 @@ def test_a_node_that_stops_beating_is_named_after_the_timeout(tmp_path):
             named_at = clock.now
             assert nodes == [frozen] and ranks == list(range(24, 32))
             assert asyncio.run(c.hung(TIMEOUT_S, TIMEOUT_S)) == ranks
+            # where the recovery is counted from when nobody injected the fault
+            assert asyncio.run(c.last_heard(ranks, nodes)) == last
     assert TIMEOUT_S < named_at - last <= TIMEOUT_S + INTERVAL_S
 
 

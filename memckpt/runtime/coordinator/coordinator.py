@@ -115,6 +115,7 @@ class Coordinator:
         self.node_beats: dict[str, tuple[float, int]] = {}  # node -> (last beat, newest step)
         self._node_ranks: dict[str, list[int]] = {}  # this generation's ranks per node
         self.received: Counter[str] = Counter()  # node messages taken, by method (tests, bench)
+        self._refused_from: set[tuple[str, int]] = set()  # (node, its generation) refused
         self.job_metrics = JobMetrics(job)
         self.steps = StepLog(self.run_dir, self.job_metrics)  # losses, stalls, progress
         self.s: dict[str, Any] = {
@@ -280,6 +281,13 @@ class Coordinator:
             ranks.update(self._node_ranks.get(node, ()))
         return sorted(ranks), silent
 
+    async def last_heard(self, ranks: list[int], nodes: list[str]) -> Optional[float]:
+        """The last sign of life (wall time) of ``nodes``' stores and ``ranks``, the
+        earliest among them: where a hang or a freeze began, as far as anyone can tell."""
+        times = [self.node_beats[n][0] for n in nodes if n in self.node_beats]
+        times += [self.heartbeats[r][0] for r in ranks if r in self.heartbeats]
+        return min(times, default=None)
+
     # -- commit -------------------------------------------------------------------------------
     def _commit_view(self) -> View:
         """(committed step, the committed step every rank must persist now or None, and
@@ -359,6 +367,7 @@ class Coordinator:
         await self._rebuilt()
         async with self._cond:
             if gen != self.s["gen"]:
+                self._refused(node, gen)
                 return STALE
             self.received["node_ready"] += 1
             self.steps.take(gen, metrics, self.world_size, self.s["committed"])
@@ -372,15 +381,18 @@ class Coordinator:
         return await self.wait_commit(gen, step, wait_s)
 
     async def node_metrics(self, node: str, gen: int, metrics: list[Summary]) -> None:
-        if gen == self.s["gen"]:
-            self.received["node_metrics"] += 1
-            self.steps.take(gen, metrics, self.world_size, self.s["committed"])
+        if gen != self.s["gen"]:
+            self._refused(node, gen)
+            return
+        self.received["node_metrics"] += 1
+        self.steps.take(gen, metrics, self.world_size, self.s["committed"])
 
     async def node_heartbeat(self, node: str, gen: int, beats: Mapping[int, tuple[float, int]],
                              metrics: list[Summary]) -> None:
         """``beats``: each of its ranks' (age of its last sign of life, on the node's clock;
         its step), placed on this clock. O(ranks of the node)."""
         if gen != self.s["gen"]:
+            self._refused(node, gen)
             return
         self.received["node_heartbeat"] += 1
         now, top = self.clock(), -1
@@ -391,6 +403,16 @@ class Coordinator:
         self.steps.newest = max(self.steps.newest, top)  # where the job was, between batches
         self.steps.take(gen, metrics, self.world_size, self.s["committed"])
         self._save_if_due()
+
+    def _refused(self, node: str, gen: int) -> None:
+        """A store still in an older generation spoke (it was frozen or cut off and came
+        back, or it missed the recovery's fence): nothing it sent is taken. Counted, and its
+        first refusal per generation logged (``stale_node_refused``)."""
+        self.received["stale"] += 1
+        key = (node, gen)
+        if key not in self._refused_from:
+            self._refused_from.add(key)
+            self.event("stale_node_refused", node=node, its_gen=gen, gen=self.s["gen"])
 
     def _rearm_rebuild(self) -> None:
         """A waiter timed out after a restart and nothing committed since: the first rebuild
@@ -542,7 +564,8 @@ class Coordinator:
                     heartbeats={str(r): {"age_s": now - t, "step": s}
                                 for r, (t, s) in self.heartbeats.items()},
                     node_beats={n: {"age_s": now - t, "step": s}
-                                for n, (t, s) in self.node_beats.items()})
+                                for n, (t, s) in self.node_beats.items()},
+                    refused_stale=self.received["stale"])
 
     async def whereabouts(self) -> dict[str, Any]:
         import os
