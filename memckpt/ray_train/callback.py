@@ -25,10 +25,11 @@ from memckpt.errors import ConfigError, RecoveryError
 from memckpt.ray_train import context as worker_side
 from memckpt.runtime.node.janitor import start_janitor
 from memckpt.ray_train.layout import holders_for, run_config, train_tier
+from memckpt.policy.failure import hung_what
 from memckpt.policy.recovery_plan import plan_in_place, source_label
 from memckpt.runtime.driver import actors
 from memckpt.runtime.driver.driver import STARTUP_TIMEOUT_S, default_run_dir
-from memckpt.runtime.tools.faults import Fault, aim, deliver, send_signal
+from memckpt.runtime.tools.faults import Fault, aim, deliver, send_signals
 from memckpt.runtime.worker.spec import ranks_by_node
 from memckpt.runtime.worker.worker import RestoreInstruction, WorkerSpec
 
@@ -226,7 +227,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         while not self._stop.wait(cfg.failure.heartbeat_interval_s):
             try:
                 import ray
-                hung = ray.get(self.coordinator.hung.remote(
+                hung, silent = ray.get(self.coordinator.liveness.remote(
                     timeout, max(STARTUP_TIMEOUT_S, timeout)), timeout=10)
                 with self._lock:
                     gen, procs = self.gen, dict(self.processes)
@@ -235,9 +236,12 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
                         continue
                     self._killed.add((gen, rank))
                     node, pid = procs[rank]
+                    frozen = node in silent  # its whole node stopped reporting
                     self._event("hung_rank_killed", gen=gen, rank=rank, node=node, pid=pid,
-                                timeout_s=timeout)
-                    send_signal(node, pid, "KILL", timeout_s=10)
+                                timeout_s=timeout, what=hung_what([rank], (node,) if frozen
+                                                                  else ()))
+                    # a frozen node's raylet runs the kill only if it wakes: not awaited
+                    send_signals([(node, pid)], "KILL", timeout_s=10, wait=not frozen)
                 self._carry_out_faults()
                 self._prune_old_layout()
             except Exception as e:  # noqa: BLE001 (a restarting coordinator, a dead node: next round)

@@ -111,13 +111,15 @@ def inventory(stores: Mapping[str, Any], nodes: Iterable[str],
 
 
 def free_unserved(stores: Mapping[str, Any], assignment: Mapping[int, str],
-                  holders: Mapping[int, Sequence[str]]) -> dict[str, Any]:
+                  holders: Mapping[int, Sequence[str]], skip: Iterable[str] = ()
+                  ) -> dict[str, Any]:
     """Every live node's store frees the shards of ranks the layout (``assignment``,
     ``holders``) does not give it: after a recovery moved ranks or resized the job, and
-    once that layout committed a step past it, those are never read again. Returns the
+    once that layout committed a step past it, those are never read again. ``skip``: nodes
+    not asked (left out of the layout as frozen: theirs go when the job ends). Returns the
     event fields: the bytes freed and the folders removed per node."""
     import ray
-    alive = alive_node_ids()
+    alive = alive_node_ids() - set(skip)
     keep = served_ranks(assignment, holders, [n for n in stores if n in alive])
     refs = {n: stores[n].keep_only.remote(*keep[n]) for n in keep}
     freed: dict[str, Any] = {}

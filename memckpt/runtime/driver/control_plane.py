@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 from memckpt.config import Config
 from memckpt.runtime.driver import actors
@@ -66,12 +66,14 @@ class ControlPlane:
         return {n: actors.store_name(self.config.job_name, n) for n in self.stores}
 
     # -- what the stores say ----------------------------------------------------------------------
-    def alive_nodes(self, suspects: set[str], timeout_s: float = 30.0) -> list[str]:
-        """Nodes Ray reports alive whose store answers; waits for Ray's verdict on the rest."""
+    def alive_nodes(self, suspects: set[str], timeout_s: float = 30.0,
+                    silent: Collection[str] = ()) -> list[str]:
+        """Nodes Ray reports alive whose store answers; waits for Ray's verdict on the rest.
+        ``silent``: nodes whose store stopped reporting (frozen, cut off), out at once."""
         ray = self.ray
         deadline = time.time() + timeout_s
         while True:
-            alive_now = alive_node_ids()
+            alive_now = alive_node_ids() - set(silent)
             unsure = []
             for node in suspects & alive_now:
                 store = self.stores[node]

@@ -389,7 +389,7 @@ class Runtime:
         self._prune_after = None
         self._event("old_layout_freed", committed=committed,
                     **actors.free_unserved(self.plane.stores, self.pool.worker_nodes,
-                                           g.holders))
+                                           g.holders, skip=self.recovery.left_out))
 
     def _progress_and_faults(self, g: Generation) -> Optional[int]:
         """Once per poll: the stop file, spares, the progress line and scheduled faults.

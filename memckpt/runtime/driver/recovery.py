@@ -14,11 +14,12 @@ from memckpt.policy.recovery_plan import (RecoveryPlan, ResizePlan, plan_from_pe
 from memckpt.runtime.driver.actors import failure_domains
 from memckpt.runtime.driver.control_plane import ControlPlane, eligible_nodes
 from memckpt.policy.failure import Decision
-from memckpt.runtime.tools.faults import send_signal
+from memckpt.runtime.tools.faults import send_signal, send_signals
 from memckpt.runtime.driver.pool import Generation, WorkerPool
 from memckpt.runtime.worker.spec import RestoreInstruction
 
 GRACE_S = 3.0  # how long survivors get to notice a failure and return before being killed
+STORE_CALL_S = 10.0  # a store that does not roll back in this long is taken as lost too
 ROOM_POLL_S = 0.5  # how often a shrinking job looks for a node with room
 
 Restore = dict[int, RestoreInstruction]
@@ -43,6 +44,10 @@ class Recovery:
         self.records: list[dict[str, Any]] = []  # one per recovery, for the run summary
         self._started = 0.0  # when the last recovery's plan was made
         self._unlabelled: set[str] = set()  # nodes said to lack the failure-domain label
+        # nodes left out of the recovery under way although Ray lists them alive: their store
+        # stopped reporting (frozen, cut off) or did not answer the roll-back
+        self._silent: set[str] = set()
+        self.left_out: set[str] = set()  # the silent nodes the last plan left out
         # called as a recovery enters a phase ("plan"), with the generation it ends: the
         # driver fires the faults scheduled for it (FaultInjector.during)
         self.on_phase: Optional[Callable[[str, Generation], None]] = None
@@ -87,6 +92,14 @@ class Recovery:
         t = time.time()
         since = self.records[-1]["detected_at"] if self.records else 0.0
         fault_time = self.plane.fault_time(since)
+        fault_from = "injected" if fault_time is not None else None
+        # a hang or a freeze began at the last sign of life of its ranks and nodes (on the
+        # coordinator's clock): where a recovery nobody injected is counted from
+        heard = self.ray.get(self.plane.coordinator.last_heard.remote(
+            list(decision.hung), list(decision.silent_nodes))) if decision.hung else None
+        if fault_time is None and heard is not None:
+            fault_time, fault_from = heard, "last sign of life"
+        self._silent |= set(decision.silent_nodes)  # until this recovery is over
         if decision.grow_to:  # a planned resize (growing back), never called a failure
             self.plane.say(f"every rank stopped at a committed step; resizing as planned: "
                            f"{decision.what}")
@@ -99,7 +112,9 @@ class Recovery:
                              **({"frozen_nodes": list(decision.silent_nodes)}
                                 if decision.silent_nodes else {}))
         return {"what": decision.what, "died": sorted(decision.died), "grow_to": decision.grow_to,
-                "hung": sorted(decision.hung), "detected_at": t, "fault_at": fault_time}
+                "hung": sorted(decision.hung), "silent_nodes": sorted(decision.silent_nodes),
+                "detected_at": t, "fault_at": fault_time, "fault_from": fault_from,
+                "last_sign_of_life_at": heard}
 
     def recover(self, g: Generation, failure: dict[str, Any], assignment: dict[int, str],
                 holders: dict[int, tuple[str, ...]]
@@ -110,7 +125,9 @@ class Recovery:
         t_killed = time.time()
         if self.on_phase is not None:
             self.on_phase("plan", g)
-        alive = self.plane.alive_nodes(set(assignment.values()))
+        # a silent node is out at once: Ray may call it alive for a minute yet (its health
+        # check), and its store would not answer the plan's calls
+        alive = self.plane.alive_nodes(set(assignment.values()), silent=self._silent)
         self.pool.keep_nodes(alive)
         # the survivors the next generation reuses: a plan never counts on a dead one
         dead = self.pool.unresponsive(self.pool.workers)
@@ -149,7 +166,7 @@ class Recovery:
         deadline = time.time() + self.config.failure.replace_timeout_s
         while self._room(cap) < needed and time.time() < deadline:
             time.sleep(ROOM_POLL_S)
-            cap = eligible_nodes(self.config)
+            cap = {n: c for n, c in eligible_nodes(self.config).items() if n not in self._silent}
         return cap
 
     def resize(self, g: Generation, assignment: dict[int, str], cap: dict[str, int],
@@ -186,9 +203,8 @@ class Recovery:
 
     def _record_resize(self, g: Generation, failure: dict[str, Any], plan: ResizePlan,
                        t0: float, t_killed: float, cap: dict[str, int]) -> None:
-        ray, stores = self.ray, self.plane.stores
-        ray.get([stores[n].discard_after.remote(plan.step) for n in cap])
-        ray.get([stores[n].set_generation.remote(g.gen + 1) for n in cap])
+        self._roll_back(g, list(cap), plan.step)
+        self.left_out = set(self._silent)
         lost = sorted(set(self.pool.worker_nodes.values()) - set(cap))
         record = {
             "what": failure["what"], "died_ranks": failure["died"], "dead_nodes": lost,
@@ -215,9 +231,40 @@ class Recovery:
                             "why": plan.why, "sources": record["sources"]}})
         self._started = time.time()
 
+    def _roll_back(self, g: Generation, nodes: list[str], step: int) -> None:
+        """Every store of the plan drops what is newer than ``step`` and takes the next
+        generation (its fence: an older generation's writes are refused from then on). A
+        store that does not answer within :data:`STORE_CALL_S` (its node froze meanwhile)
+        is left out and the recovery plans again without it."""
+        ray, stores = self.ray, self.plane.stores
+        refs = {stores[n].discard_after.remote(step): n for n in nodes}
+        refs.update({stores[n].set_generation.remote(g.gen + 1): n for n in nodes})
+        done, late = ray.wait(list(refs), num_returns=len(refs), timeout=STORE_CALL_S)
+        failed = {refs[r] for r in late}
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:  # its node died meanwhile
+                failed.add(refs[ref])
+        if failed:
+            self._silent |= failed
+            self.plane.say(f"node(s) {[n[:12] for n in sorted(failed)]} did not answer the "
+                           "roll-back: planning again without them")
+            raise DiedDuringRecovery({r for r, i in g.info.items() if i["node_id"] in failed}
+                                     - g.killed, "plan")
+
     def _end_generation(self, g: Generation, failure: dict[str, Any]) -> None:
         ray = self.ray
-        for rank in failure["hung"]:  # a stopped process ignores polite kills
+        silent = set(failure.get("silent_nodes", ()))
+        # a stopped process ignores polite kills; on a silent node the kill is sent but not
+        # awaited (its raylet runs it if the node wakes: the stale worker dies then)
+        frozen = [(g.info[r]["node_id"], g.info[r]["pid"]) for r in failure["hung"]
+                  if g.info[r]["node_id"] in silent]
+        if frozen:
+            send_signals(frozen, "KILL", wait=False)
+        for rank in failure["hung"]:
+            if g.info[rank]["node_id"] in silent:
+                continue
             try:
                 send_signal(g.info[rank]["node_id"], g.info[rank]["pid"], "KILL", timeout_s=5)
             except ray.exceptions.RayError:
@@ -278,20 +325,21 @@ class Recovery:
 
     def _record_plan(self, g: Generation, failure: dict[str, Any], plan: RecoveryPlan, t0: float,
                      t_killed: float, cap: dict[str, int]) -> None:
-        ray, stores = self.ray, self.plane.stores
-        ray.get([stores[n].discard_after.remote(plan.step) for n in cap])
-        ray.get([stores[n].set_generation.remote(g.gen + 1) for n in cap])
+        self._roll_back(g, list(cap), plan.step)
+        self.left_out = set(self._silent)
         t_plan = time.time()
         record = {
             "what": failure["what"], "died_ranks": failure["died"],
             "dead_nodes": sorted((set(self.pool.worker_nodes.values()) | g.holder_nodes)
-                                 - set(cap)),
+                                 - set(cap) - self._silent),
             "resumed_step": plan.step, "moved_ranks": list(plan.moved),
             "in_place_ranks": sorted(plan.placed),  # copies already placed: no re-copy
             "sources": {str(r): source_label(s, plan.assignment[r])
                         for r, s in plan.sources.items()},
             "notes": list(plan.notes), "gen": g.gen + 1, "fault_at": failure["fault_at"],
-            "detected_at": failure["detected_at"],
+            "fault_from": failure.get("fault_from"), "detected_at": failure["detected_at"],
+            "last_sign_of_life_at": failure.get("last_sign_of_life_at"),
+            "frozen_nodes": sorted(self._silent),
             "phases_s": {"detect": (failure["detected_at"] - failure["fault_at"])
                          if failure["fault_at"] else None,
                          "stop": t_killed - t0, "plan": t_plan - t_killed},
@@ -310,6 +358,7 @@ class Recovery:
                 or min_step <= self.records[-1]["resumed_step"]:
             return False
         now = time.time()
+        self._silent.clear()  # a node that was silent and wakes may serve the next recovery
         last = self.records[-1]
         phases = last["phases_s"]
         phases["resume"] = now - self._started
