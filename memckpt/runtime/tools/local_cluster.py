@@ -42,12 +42,18 @@ class LocalCluster:
 
     ``node_labels``: the Ray node labels of each worker node in turn (``{"rack": "r1"}``,
     as ``ray start --labels rack=r1`` gives them; for ``placement.failure_domain``); nodes
-    past its end, and the head, have none."""
+    past its end, and the head, have none.
+
+    ``health_checks``: the GCS's node health-check settings (:data:`FAST_HEALTH_CHECKS`);
+    ``{}`` keeps Ray's defaults, as a production cluster runs them: a frozen node is then
+    declared dead only after about a minute, and a thawed one carries on as the same node
+    (the frozen-node drill)."""
 
     def __init__(self, nodes: int = 3, cpus_per_node: int = 2, object_store_mb: int = 256,
                  namespace: str = "memckpt", connect: bool = True, dashboard: bool = False,
                  worker_logs: bool = True, dashboard_port: int = 0,
-                 node_labels: Optional[Sequence[Mapping[str, str]]] = None) -> None:
+                 node_labels: Optional[Sequence[Mapping[str, str]]] = None,
+                 health_checks: Mapping[str, int] = FAST_HEALTH_CHECKS) -> None:
         # A throwaway local cluster needs no token; a real head keeps Ray's default.
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -62,7 +68,7 @@ class LocalCluster:
             # the head's agent (it runs submitted jobs) on a port Ray binds itself, not on
             # Ray's fixed 52365 (the worker nodes' agents: Cluster passes 0 already)
             dashboard_agent_listen_port=0, include_log_monitor=worker_logs,
-            _system_config=dict(FAST_HEALTH_CHECKS)))
+            _system_config=dict(health_checks)))
         self.nodes: dict[str, Any] = {}
         labels = list(node_labels or ())
         for i in range(nodes):
@@ -87,6 +93,20 @@ class LocalCluster:
                                      **({"labels": dict(labels)} if labels else {}))
         self.nodes[node.node_id] = node
         return node.node_id
+
+    def node_pids(self, node_id: str) -> list[int]:
+        """Every process of that node: its raylet and all below it (workers, the job's
+        store, agents); the raylet last."""
+        import psutil
+        from ray._private import ray_constants
+        pids = []
+        for info in self.nodes[node_id].all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+            try:
+                root = psutil.Process(info.process.pid)
+                pids += [p.pid for p in root.children(recursive=True)] + [root.pid]
+            except psutil.NoSuchProcess:
+                pass
+        return pids
 
     def remove_node(self, node_id: str) -> None:
         """Kill every process of that node at once (no graceful shutdown): its raylet's
