@@ -125,34 +125,19 @@ class NodeLink:
         not knowing this rank) loses what it held, so after the rank joins it again the
         kept reports go again (the coordinator keeps a step's last loss: no double). The
         answers are looked at on the next report, never waited for."""
-        import ray
         spec = self.spec
         if self.store is None:
             spec.coordinator.report.remote(spec.rank, spec.gen, step, dict(metrics))
             return
-        refused = False
         with self._lock:
             while self._kept and self._kept[0][0] <= self._committed:
                 self._kept.popleft()
-            answers = [k[3] for k in self._kept if k[3] is not None]
-            if answers:
-                done, _ = ray.wait(answers, num_returns=len(answers), timeout=0)
-                for ref in done:
-                    try:
-                        refused = refused or not ray.get(ref)
-                    except Exception:  # noqa: BLE001 - the store died with the call
-                        refused = True
-                seen = set(done)
-                self._kept = deque(((st, m, sn, None if ref in seen else ref)
-                                    for st, m, sn, ref in self._kept), maxlen=KEEP_REPORTS)
             self._send_report(step, dict(metrics), snapshotted)
-        if refused:
-            self._joined = False
-            try:
-                self.join()
-            except Exception as e:  # noqa: BLE001 - restarting: the next report or beat
-                log.warning("memckpt: rank %d could not join its node's store again: %r",
-                            spec.rank, e)
+        try:
+            self._rejoin_if_refused(0.0)
+        except Exception as e:  # noqa: BLE001 - restarting: the next report or beat
+            log.warning("memckpt: rank %d could not join its node's store again: %r",
+                        spec.rank, e)
 
     def flush(self) -> None:
         """The rank's run ended: its reports are at the store and what the store holds is at
@@ -163,19 +148,35 @@ class NodeLink:
             return
         spec = self.spec
         try:
-            with self._lock:
-                answers = [k[3] for k in self._kept if k[3] is not None]
-            try:
-                refused = not all(ray.get(answers, timeout=CALL_S))
-            except ray.exceptions.RayActorError:  # the store died with the calls
-                refused = True
-            if refused:
-                self._joined = False
-                self.join()  # sends the kept reports again
+            self._rejoin_if_refused(CALL_S)
             ray.get(self.store.flush.remote(spec.gen, CALL_S), timeout=2 * CALL_S)
         except Exception as e:  # noqa: BLE001 - see above
             log.warning("memckpt: rank %d could not flush its step reports through its "
                         "node's store: %r", spec.rank, e)
+
+    def _rejoin_if_refused(self, timeout_s: float) -> None:
+        """Look at the store's answers to the kept reports (those in within ``timeout_s``;
+        each answer is looked at once): if it refused one (it restarted and does not know
+        this rank) or died with the call, join it again, which sends the kept reports
+        again."""
+        import ray
+        refused = False
+        with self._lock:
+            answers = [k[3] for k in self._kept if k[3] is not None]
+            if not answers:
+                return
+            done, _ = ray.wait(answers, num_returns=len(answers), timeout=timeout_s)
+            for ref in done:
+                try:
+                    refused = not ray.get(ref) or refused
+                except Exception:  # noqa: BLE001 - the store died with the call
+                    refused = True
+            seen = set(done)
+            self._kept = deque(((st, m, sn, None if ref in seen else ref)
+                                for st, m, sn, ref in self._kept), maxlen=KEEP_REPORTS)
+        if refused:
+            self._joined = False
+            self.join()
 
     def _send_report(self, step: int, metrics: dict[str, float], snapshotted: bool) -> None:
         spec = self.spec
