@@ -34,3 +34,14 @@ def test_command_writes_json_and_plot(tmp_path, capsys):
     assert _cli(["--ranks", "16", "--steps", "1", "--plot", str(against),
                  "--plot-against", str(out)]) == 0
     assert against.stat().st_size > 0
+
+
+def test_plan_only_prints_each_decision_per_size(capsys):
+    assert _cli(["--ranks", "64,128", "--plan-only"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    head = next(i for i, x in enumerate(out) if x.split()[:1] == ["ranks"])
+    assert out[head].split() == ["ranks", "placement", "decide", "inventory", "choose_nodes",
+                                 "repair_holders", "plan_recovery", "total"]
+    rows = [x.split() for x in out[head + 1:]]
+    assert [r[0] for r in rows] == ["64", "128"]
+    assert all(float(v) >= 0 for r in rows for v in r[1:])

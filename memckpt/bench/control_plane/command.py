@@ -22,6 +22,7 @@ from typing import Any, Optional
 from memckpt.bench.common import human_bytes, human_s, positive_int, standalone, write_rows
 from memckpt.bench.control_plane.measure import (HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S,
                                                  measure_all)
+from memckpt.bench.control_plane.plan import table
 
 DEFAULT_RANKS = (64, 256, 1024, 4096)
 
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot-against", default=None, metavar="JSON",
                         help="with --plot: also draw the rows of an earlier --json (another "
                              "version), labelled 'before'")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="only the recovery plan after a node loss: the CPU ms of each "
+                             "decision per size (fast at any size, e.g. --ranks 4096,16384)")
 
 
 HEAD = (f"{'ranks':>6} {'nodes':>5} {'CPU/step':>9} {'node CPU':>9} {'msgs/step':>9} "
@@ -100,6 +104,12 @@ def plot(rows: list[dict[str, Any]], path: str,
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.plan_only:
+        print("CPU ms of each decision after a node loss (best of 3; total: placement + "
+              "decide + plan_recovery, which does the inventory, choose_nodes and "
+              "repair_holders parts itself)")
+        print(table(args.ranks, per_node=args.per_node))
+        return 0
     print(HEAD, flush=True)
     rows = measure_all(args.ranks, args.per_node, args.steps,
                        progress=lambda r: print(line(r), flush=True))

@@ -121,9 +121,10 @@ def time_plan(ranks: int, lose: str = "node", per_node: int = 8, replicas: int =
     return out
 
 
-def table(sizes: Sequence[int] = (1024, 4096, 16384), lose: str = "node") -> str:
+def table(sizes: Sequence[int] = (1024, 4096, 16384), lose: str = "node",
+          per_node: int = 8) -> str:
     """One line per size: the CPU milliseconds of each decision."""
-    rows = [(n, time_plan(n, lose)) for n in sizes]
+    rows = [(n, time_plan(n, lose, per_node, rack_nodes=None)) for n in sizes]
     names = list(rows[0][1])
     head = f"{'ranks':>7} " + " ".join(f"{k:>14}" for k in names)
     return "\n".join([head] + [f"{n:>7} " + " ".join(f"{v[k]:>14.2f}" for k in names)
