@@ -12,7 +12,7 @@ import pytest
 
 from memckpt.bench.control_plane.sim import SimJob
 from memckpt.policy.failure import Action, Observation, decide
-from memckpt.policy.step_metrics import stall_stats, summarize
+from memckpt.policy.step_metrics import increments, stall_stats, summarize, without_counters
 from memckpt.runtime.coordinator.coordinator import STALE, Coordinator, MemoryStateStore
 from memckpt.runtime.coordinator.metrics import failure_target
 from memckpt.runtime.node.aggregator import NodeAggregator
@@ -95,15 +95,34 @@ def test_metrics_ride_on_the_batch_except_a_generations_first_step_and_unsnapsho
     assert hb.beats == {0: (1.0, 4), 1: (1.0, 4)}
 
 
-def test_summaries_count_increases_and_a_replaced_worker_from_zero():
-    counted: dict = {}
+def test_a_rank_sends_increases_and_a_summary_sums_them():
+    last: dict = {}
+    assert increments({"stall_s": 0.1, "landed": 3.0, "replicated_bytes": 100.0}, last) == \
+        {"stall_s": 0.1, "landed": 3.0, "replicated_bytes": 100.0}
+    assert increments({"landed": 5.0, "replicated_bytes": 300.0}, last) == \
+        {"landed": 2.0, "replicated_bytes": 200.0}
+    assert increments({"landed": 1.0}, last) == {"landed": 1.0}  # a worker counting from 0
     one = summarize(1, {0: {"stall_s": 0.1, "landed": 1.0, "replicated_bytes": 100.0},
-                        1: {"stall_s": 0.2, "landed": 3.0}}, counted)
+                        1: {"stall_s": 0.2, "landed": 3.0}})
     assert one["landed"] == 4.0 and one["replicated_bytes"] == 100.0 and "skipped" not in one
-    two = summarize(2, {0: {"landed": 2.0, "replicated_bytes": 300.0},
-                        1: {"landed": 1.0}}, counted)  # rank 1's worker replaced: from 0
-    assert two["landed"] == 2.0 and two["replicated_bytes"] == 200.0
-    assert "loss" not in two
+    assert "loss" not in one
+
+
+def test_a_store_restarted_mid_generation_counts_no_rank_twice():
+    """The rank's increases, not its totals, reach the store: a new aggregator (the store
+    restarted) adds only what is new, and reports sent again add nothing."""
+    last: dict = {}
+    sent = [increments({"stall_s": 0.1, "landed": float(s)}, last) for s in (1, 2, 3)]
+    old = NodeAggregator("n0")
+    assert old.join(0, [0], 0.0)
+    counted = sum(m.get("landed", 0.0) for s, rep in enumerate(sent[:2], 1)
+                  for m in old.report(0, 0, s, rep, False, 0.0))
+    new = NodeAggregator("n0")  # the store restarted; step 2 was not committed: sent again
+    assert new.join(0, [0], 0.0)
+    again = new.report(0, 0, 2, without_counters(sent[1]), False, 0.0)
+    fresh = new.report(0, 0, 3, sent[2], False, 0.0)
+    counted += sum(m.get("landed", 0.0) for m in again + fresh)
+    assert counted == 3.0  # three snapshots landed, each counted once
 
 
 def test_stall_stats():

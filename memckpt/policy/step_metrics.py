@@ -5,7 +5,12 @@ A summary is a plain dict, the wire format between them::
 
     {"step": s, "ranks": n, "stall_s": {rank: seconds}, "loss": rank 0's loss (if among them),
      "replicated_bytes" / "landed" / "skipped" / "requested": the increase over those ranks
-     since their last summary (the reports carry cumulative counts per worker process)}
+     since their last report}
+
+A worker counts cumulatively; its rank's line to the control plane sends each report with
+the increase since its previous one (:func:`increments`), so a summary is a plain sum and
+nothing on the way keeps per-rank counts: a store that restarts, or a report sent again,
+cannot count a rank's whole history twice.
 """
 
 from __future__ import annotations
@@ -16,25 +21,33 @@ COUNTERS = ("replicated_bytes", "landed", "skipped", "requested")
 Summary = dict[str, Any]
 
 
-def summarize(step: int, reports: Mapping[int, Mapping[str, float]],
-              counted: MutableMapping[tuple[str, int], float]) -> Summary:
-    """The summary of ``reports`` (rank -> its report of ``step``). ``counted`` keeps
-    (counter, rank) -> the last cumulative count seen, across calls; a count lower than
-    that is a replaced worker counting again from 0."""
+def increments(report: Mapping[str, float], last: MutableMapping[str, float]) -> dict[str, float]:
+    """``report`` with its cumulative :data:`COUNTERS` turned into the increase since the
+    same worker's last report (``last``: counter -> the last cumulative count, kept by the
+    caller across calls); a count lower than the last is a worker counting again from 0."""
+    out = dict(report)
+    for key in COUNTERS:
+        if key in out:
+            count, prev = float(out[key]), last.get(key, 0.0)
+            out[key] = count - prev if count >= prev else count
+            last[key] = count
+    return out
+
+
+def without_counters(report: Mapping[str, float]) -> dict[str, float]:
+    """``report`` sent again (to a restarted store): its increase may be counted already."""
+    return {k: v for k, v in report.items() if k not in COUNTERS}
+
+
+def summarize(step: int, reports: Mapping[int, Mapping[str, float]]) -> Summary:
+    """The summary of ``reports`` (rank -> its report of ``step``, counters as increments)."""
     out: Summary = {"step": step, "ranks": len(reports),
                     "stall_s": {r: float(m["stall_s"]) for r, m in reports.items()
                                 if "stall_s" in m}}
     if 0 in reports and "loss" in reports[0]:
         out["loss"] = float(reports[0]["loss"])
     for key in COUNTERS:
-        total = 0.0
-        for r, m in reports.items():
-            count = m.get(key)
-            if count is None:
-                continue
-            last = counted.get((key, r), 0.0)
-            total += count - last if count >= last else count
-            counted[(key, r)] = count
+        total = sum(float(m[key]) for m in reports.values() if key in m)
         if total:
             out[key] = total
     return out

@@ -49,11 +49,12 @@ class Tally:
 
 
 def rank_metrics(rank: int, step: int) -> dict[str, float]:
-    """A worker's per-step report (memckpt.runtime.worker.context), rank 0's with its loss;
-    the stall differs by rank so that min / median / max differ."""
+    """A worker's per-step report as its rank sends it (memckpt.runtime.worker.context,
+    counters as the increase since the last: memckpt.policy.step_metrics.increments), rank
+    0's with its loss; the stall differs by rank so that min / median / max differ."""
     out = {"stall_s": 0.001 + rank * 1e-6, "replicate_s": 0.01, "committed": float(step - 1),
-           "skipped": 0.0, "landed": float(step), "requested": float(step), "waited_s": 0.0,
-           "replicated_bytes": float(step << 20), "replica_filled_bytes": 0.0}
+           "skipped": 0.0, "landed": 1.0, "requested": 1.0, "waited_s": 0.0,
+           "replicated_bytes": float(1 << 20), "replica_filled_bytes": 0.0}
     if rank == 0:
         out["loss"] = 1.0 / (step + 1)
     return out

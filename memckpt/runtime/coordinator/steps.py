@@ -27,7 +27,6 @@ class StepLog:
         self.metrics: dict[str, dict[str, float]] = {}  # rank -> its latest step and stall
         self.newest = -1  # the newest step any rank of this generation finished
         self._stalls: dict[int, dict[int, float]] = {}  # step -> rank -> stall_s, until complete
-        self._counted: dict[tuple[str, int], float] = {}  # per-rank reports' cumulative counts
         self._pace: deque[tuple[float, int]] = deque(maxlen=64)  # rank 0's (time, step)
         # snapshots due ("requested"), landed and skipped over every rank, the whole job
         self.snapshots: dict[str, float] = {"requested": 0.0, "landed": 0.0, "skipped": 0.0}
@@ -37,7 +36,6 @@ class StepLog:
         self.metrics.clear()
         self.newest = -1
         self._stalls.clear()
-        self._counted.clear()
         self._pace.clear()
 
     def reload_losses(self) -> None:
@@ -52,7 +50,7 @@ class StepLog:
 
     def summarize(self, rank: int, step: int, report: Mapping[str, float]) -> Summary:
         """One rank's own report as a summary (a worker with no store on its node)."""
-        return summarize(step, {rank: report}, self._counted)
+        return summarize(step, {rank: report})
 
     def take(self, gen: int, summaries: list[Summary], world_size: int,
              committed: Optional[int]) -> None:

@@ -63,7 +63,6 @@ class NodeAggregator:
         self._snapshotted: dict[int, int] = {}  # step -> local ranks that snapshotted it
         self._held: list[Summary] = []  # complete summaries waiting for the step's readiness
         self._last: dict[int, tuple[float, int]] = {}  # rank -> (time of last sign, step)
-        self._counted: dict[tuple[str, int], float] = {}  # (counter, rank) -> last total
         self._summarized = False  # a step of this generation was summarised
 
     # -- membership -------------------------------------------------------------------------
@@ -79,7 +78,6 @@ class NodeAggregator:
             self._reports.clear()
             self._snapshotted.clear()
             self._held.clear()
-            self._counted.clear()
             self._summarized = False
             self._last = {r: (now, -1) for r in self.ranks}
         return True
@@ -126,7 +124,7 @@ class NodeAggregator:
         for old in [s for s in self._reports if s < step]:  # ranks report in order
             del self._reports[old]
             self._snapshotted.pop(old, None)
-        summary = summarize(step, got, self._counted)
+        summary = summarize(step, got)
         first, self._summarized = not self._summarized, True
         every = self._snapshotted.pop(step, 0) == len(self.ranks)
         # the generation's first step goes at once: the driver times a recovery's resume by it

@@ -17,6 +17,7 @@ from collections import deque
 from typing import Any, Callable, Mapping, Optional
 
 from memckpt.errors import MemckptError
+from memckpt.policy.step_metrics import increments, without_counters
 from memckpt.runtime.node.uplink import COMMIT_GROUP
 from memckpt.runtime.worker.spec import WorkerSpec
 
@@ -41,6 +42,7 @@ class NodeLink:
         self._committed = -1  # the newest commit this rank was answered
         # (step, metrics, snapshotted, the store's answer) of steps not yet committed
         self._kept: deque[tuple[int, dict[str, float], bool, Any]] = deque(maxlen=KEEP_REPORTS)
+        self._counts: dict[str, float] = {}  # the counters' last cumulative values sent
 
     def start(self) -> "NodeLink":
         """Join the node's store now (before the rank's first report or heartbeat). A store
@@ -66,8 +68,8 @@ class NodeLink:
             if self._joined:  # a restarted store lost what it held: this rank's reports again
                 kept = list(self._kept)
                 self._kept.clear()
-                for step, metrics, snapshotted, _ in kept:
-                    self._send_report(step, metrics, snapshotted)
+                for step, metrics, snapshotted, _ in kept:  # counted once at most
+                    self._send_report(step, without_counters(metrics), snapshotted)
         return self._joined
 
     def ready(self, step: int, holders: list[str], cancelled: Callable[[], bool]) -> Optional[View]:
@@ -123,16 +125,19 @@ class NodeLink:
         """This rank finished ``step`` (fire and forget, as the heartbeat). Through a store,
         each report is kept until its step commits: a store that restarts (or refused one,
         not knowing this rank) loses what it held, so after the rank joins it again the
-        kept reports go again (the coordinator keeps a step's last loss: no double). The
-        answers are looked at on the next report, never waited for."""
+        kept reports go again (the coordinator keeps a step's last loss: no double; their
+        counters' increases are left out, as the old store may have passed them on: the
+        snapshot counters may miss those few steps, never count one twice). The answers
+        are looked at on the next report, never waited for."""
         spec = self.spec
+        metrics = increments(metrics, self._counts)
         if self.store is None:
-            spec.coordinator.report.remote(spec.rank, spec.gen, step, dict(metrics))
+            spec.coordinator.report.remote(spec.rank, spec.gen, step, metrics)
             return
         with self._lock:
             while self._kept and self._kept[0][0] <= self._committed:
                 self._kept.popleft()
-            self._send_report(step, dict(metrics), snapshotted)
+            self._send_report(step, metrics, snapshotted)
         try:
             self._rejoin_if_refused(0.0)
         except Exception as e:  # noqa: BLE001 - restarting: the next report or beat
