@@ -29,6 +29,7 @@ from memckpt.policy.failure import hung_what
 from memckpt.policy.recovery_plan import plan_in_place, source_label
 from memckpt.runtime.driver import actors
 from memckpt.runtime.driver.driver import STARTUP_TIMEOUT_S, default_run_dir
+from memckpt.runtime.driver.recovery import STORE_CALL_S
 from memckpt.runtime.tools.faults import Fault, aim, deliver, send_signals
 from memckpt.runtime.worker.spec import ranks_by_node
 from memckpt.runtime.worker.worker import RestoreInstruction, WorkerSpec
@@ -187,6 +188,13 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
             self.stores.update(new)
             ray.get(self.janitor.add_nodes.remote(list(new)))
 
+    def _roll_back(self, nodes: list[str], step: int, gen: int) -> None:
+        """The stores' roll-back and fence (bounded: a frozen node's store is said, not
+        waited for; its copies were not in the inventory either, so nothing reads them)."""
+        silent = actors.roll_back(self.stores, nodes, step, gen, STORE_CALL_S)
+        if silent:
+            self._event("stores_not_rolled_back", gen=gen, nodes=sorted(silent))
+
     def _plan(self, gen: int, assignment: dict[int, str],
               holders: dict[int, tuple[str, ...]]) -> dict[int, RestoreInstruction]:
         """Where each rank restores from: the newest step every rank still holds in some
@@ -203,12 +211,10 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
             plan = plan_in_place(self.assignment, assignment, holders, alive, inventory,
                                  committed)
         except RecoveryError as lost:
-            ray.get([self.stores[n].discard_after.remote(-1) for n in live_stores])
-            ray.get([self.stores[n].set_generation.remote(gen) for n in live_stores])
+            self._roll_back(live_stores, -1, gen)
             self._event("fallback_to_ray_checkpoint", gen=gen, reason=str(lost))
             return {}
-        ray.get([self.stores[n].discard_after.remote(plan.step) for n in live_stores])
-        ray.get([self.stores[n].set_generation.remote(gen) for n in live_stores])
+        self._roll_back(live_stores, plan.step, gen)
         self._event("recovery_plan", gen=gen, resumed_step=plan.step,
                     moved_ranks=list(plan.moved), in_place_ranks=sorted(plan.placed),
                     sources={str(r): source_label(s, assignment[r]) for r, s in plan.sources.items()},

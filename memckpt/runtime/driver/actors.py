@@ -110,6 +110,28 @@ def inventory(stores: Mapping[str, Any], nodes: Iterable[str],
     return out
 
 
+def roll_back(stores: Mapping[str, Any], nodes: Iterable[str], step: int, gen: int,
+              timeout_s: float) -> set[str]:
+    """Every store of ``nodes`` drops what is newer than ``step`` and takes generation
+    ``gen`` (its fence: an older generation's writes are refused from then on), all at
+    once. Returns the nodes whose store did not answer within ``timeout_s`` (frozen) or
+    died with the call: the caller leaves them out."""
+    import ray
+    refs = {}
+    for n in nodes:
+        refs[stores[n].discard_after.remote(step)] = n
+        refs[stores[n].set_generation.remote(gen)] = n
+    done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) \
+        if refs else ([], [])
+    failed = {refs[r] for r in late}
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError:  # its node died meanwhile
+            failed.add(refs[ref])
+    return failed
+
+
 def free_unserved(stores: Mapping[str, Any], assignment: Mapping[int, str],
                   holders: Mapping[int, Sequence[str]], skip: Iterable[str] = ()
                   ) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 from memckpt.errors import RecoveryError
 from memckpt.policy.recovery_plan import (RecoveryPlan, ResizePlan, plan_from_persisted,
                                    plan_from_scratch, plan_recovery, plan_resize, source_label)
+from memckpt.runtime.driver import actors
 from memckpt.runtime.driver.actors import failure_domains
 from memckpt.runtime.driver.control_plane import ControlPlane, eligible_nodes
 from memckpt.policy.failure import Decision
@@ -236,16 +237,7 @@ class Recovery:
         generation (its fence: an older generation's writes are refused from then on). A
         store that does not answer within :data:`STORE_CALL_S` (its node froze meanwhile)
         is left out and the recovery plans again without it."""
-        ray, stores = self.ray, self.plane.stores
-        refs = {stores[n].discard_after.remote(step): n for n in nodes}
-        refs.update({stores[n].set_generation.remote(g.gen + 1): n for n in nodes})
-        done, late = ray.wait(list(refs), num_returns=len(refs), timeout=STORE_CALL_S)
-        failed = {refs[r] for r in late}
-        for ref in done:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError:  # its node died meanwhile
-                failed.add(refs[ref])
+        failed = actors.roll_back(self.plane.stores, nodes, step, g.gen + 1, STORE_CALL_S)
         if failed:
             self._silent |= failed
             self.plane.say(f"node(s) {[n[:12] for n in sorted(failed)]} did not answer the "
