@@ -171,9 +171,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     its kept workers and module fixtures, and one drill's cluster at a time keeps their
     timing honest); the other process runs the tests without Ray beside them: mostly one
     core's work each, and the drills leave ~30% of two cores idle (timers, heartbeats,
-    processes starting). Running the drills that start their own clusters beside the others
-    was faster (about 20 min against 23) but two clusters on two cores made a live rank
-    miss its liveness ping: a drill then saw three deaths for one."""
+    processes starting). Running the drills that start their own clusters in the second
+    process was tried twice: on the earlier machine it was faster (about 20 min against 23)
+    but a live rank missed its liveness ping; on this one it was not faster (docs/testing.md:
+    each drill took 1.5-2x its time alone)."""
     for item in items:
         if item.get_closest_marker("ray") or {"cluster", "full_cluster"} & set(item.fixturenames):
             item.add_marker(pytest.mark.xdist_group("ray"))
