@@ -223,6 +223,27 @@ def test_a_node_that_stops_beating_is_named_after_the_timeout(tmp_path):
     assert TIMEOUT_S < named_at - last <= TIMEOUT_S + INTERVAL_S
 
 
+def test_a_frozen_nodes_ranks_are_never_named_hung_before_their_node(tmp_path):
+    """A frozen node's ranks last lived a little before their store's last heartbeat (it
+    reports their age). Judged against the clock they went stale first, and a check in that
+    window named "rank(s) hung" (a drill on a loaded machine saw it); judged at the store's
+    last heartbeat they go with their node."""
+    c, sim, _, clock = job(tmp_path)
+    asyncio.run(sim.step(0, 1))
+    frozen = "n3"
+    ranks = sorted(sim.nodes[frozen].ranks)
+    asyncio.run(c.node_heartbeat(frozen, 0, {r: (0.4, 1) for r in ranks}, []))
+    last = clock.now
+    hung: list = []
+    nodes: list = []
+    while clock.now - last <= TIMEOUT_S + INTERVAL_S:
+        clock.now += INTERVAL_S / 5
+        asyncio.run(sim.heartbeats(0, 1, skip=(frozen,)))
+        hung, nodes = asyncio.run(c.liveness(TIMEOUT_S, TIMEOUT_S))
+        assert not hung or nodes == [frozen], (clock.now - last, hung, nodes)
+    assert nodes == [frozen] and hung == ranks
+
+
 def test_a_hung_rank_on_a_live_node_is_found_by_the_age_its_store_reports(tmp_path):
     c, sim, _, clock = job(tmp_path)
     asyncio.run(sim.step(0, 1))

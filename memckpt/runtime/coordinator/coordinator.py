@@ -114,6 +114,7 @@ class Coordinator:
         self.heartbeats: dict[int, tuple[float, int]] = {}  # rank -> (last sign, its step)
         self.node_beats: dict[str, tuple[float, int]] = {}  # node -> (last beat, newest step)
         self._node_ranks: dict[str, list[int]] = {}  # this generation's ranks per node
+        self._rank_node: dict[int, str] = {}  # and each rank's node
         self.received: Counter[str] = Counter()  # node messages taken, by method (tests, bench)
         self._refused_from: set[tuple[str, int]] = set()  # (node, its generation) refused
         self.job_metrics = JobMetrics(job)
@@ -138,9 +139,10 @@ class Coordinator:
             self._save()
 
     def _index_nodes(self) -> None:
-        self._node_ranks = {}
+        self._node_ranks, self._rank_node = {}, {}
         for r, node in self.s["assignment"].items():
             self._node_ranks.setdefault(node, []).append(int(r))
+            self._rank_node[int(r)] = node
 
     # -- persistence of the small state -------------------------------------------------------
     def _save(self) -> None:
@@ -269,14 +271,23 @@ class Coordinator:
                        startup_timeout_s: float) -> tuple[list[int], list[str]]:
         """(hung ranks, silent nodes): a node whose store's heartbeat is older than the
         timeout is frozen or cut off, with all its ranks; a hung rank on a live node is
-        found by the age its store reports for it. One pass over ranks and nodes."""
+        found by the age its store reports for it. One pass over ranks and nodes.
+
+        A rank's age is judged at its store's last heartbeat, not now: a store that went
+        silent says nothing of its ranks since, and its ranks' last signs precede its own,
+        so judged now they would go stale first and a frozen node be taken for a hung rank."""
         now = self.clock()
 
-        def stale(t: float, step: int) -> bool:
-            return now - t > (timeout_s if step >= 0 else startup_timeout_s)
+        def stale(t: float, step: int, at: float) -> bool:
+            return at - t > (timeout_s if step >= 0 else startup_timeout_s)
 
-        silent = sorted(n for n, (t, step) in self.node_beats.items() if stale(t, step))
-        ranks = {r for r, (t, step) in self.heartbeats.items() if stale(t, step)}
+        silent = sorted(n for n, (t, step) in self.node_beats.items() if stale(t, step, now))
+        beats = self.node_beats
+        ranks = set()
+        for r, (t, step) in self.heartbeats.items():
+            node = self._rank_node.get(r)
+            if stale(t, step, beats[node][0] if node in beats else now):
+                ranks.add(r)
         for node in silent:
             ranks.update(self._node_ranks.get(node, ()))
         return sorted(ranks), silent
