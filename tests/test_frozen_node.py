@@ -203,6 +203,21 @@ def test_a_frozen_node_is_recovered_then_thawed_and_changes_nothing(slow_cluster
     (plan,) = [e for e in ev if e["event"] == "recovery_plan"]
     assert all(ice.node[:12] not in s for s in plan["sources"].values()), plan["sources"]
 
+    # and `memckpt report` draws it so: the frozen node named, the time back counted from
+    # the freeze (detection included), not from the plan
+    from memckpt.cli.main import main
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "t.png"),
+                 "--json", str(tmp_path / "t.json")]) == 0
+    timeline = json.loads((tmp_path / "t.json").read_text())
+    (drawn,) = timeline["failures"]
+    assert "stopped reporting (frozen or cut off)" in drawn["what"]
+    (back,) = timeline["recoveries"]
+    assert back["frozen_nodes"] == [ice.node] and back["dead_nodes"] == []
+    phases = back["phases_s"]
+    policy = config("x").failure  # its last heartbeat may precede the freeze by an interval
+    assert phases["detect"] >= policy.heartbeat_timeout_s - policy.heartbeat_interval_s
+    assert phases["total"] >= phases["detect"] + phases["stop"] + phases["plan"]
+
     # the thawed processes changed nothing: its store was refused (it still spoke for the
     # old generation), and the old worker died of the kill sent while it was frozen
     assert all(e["its_gen"] == 0 and e["gen"] == 1 for e in seen["refused"]), seen["refused"]

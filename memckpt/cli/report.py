@@ -120,6 +120,7 @@ def _incidents(events: list[dict[str, Any]]
             rec = {"time": e["time"], "resumed_step": resumed, "gen": e.get("gen"),
                    "what": e.get("what", e.get("why")), "sources": e.get("sources"),
                    "dead_nodes": e.get("dead_nodes", e.get("lost_nodes")),
+                   "frozen_nodes": e.get("frozen_nodes", []),
                    "finished_at": done.get("time"), "planned": planned,
                    "world_size": e.get("to_world_size"),
                    "phases_s": done.get("phases_s")}
