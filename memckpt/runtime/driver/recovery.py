@@ -247,7 +247,7 @@ class Recovery:
 
     def _end_generation(self, g: Generation, failure: dict[str, Any]) -> None:
         ray = self.ray
-        silent = set(failure.get("silent_nodes", ()))
+        silent = set(failure.get("silent_nodes", ())) | self._silent  # also a replan's
         # a stopped process ignores polite kills; on a silent node the kill is sent but not
         # awaited (its raylet runs it if the node wakes: the stale worker dies then)
         frozen = [(g.info[r]["node_id"], g.info[r]["pid"]) for r in failure["hung"]
