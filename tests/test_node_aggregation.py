@@ -217,7 +217,6 @@ def test_a_node_that_stops_beating_is_named_after_the_timeout(tmp_path):
         elif nodes:
             named_at = clock.now
             assert nodes == [frozen] and ranks == list(range(24, 32))
-            assert asyncio.run(c.hung(TIMEOUT_S, TIMEOUT_S)) == ranks
             # where the recovery is counted from when nobody injected the fault
             assert asyncio.run(c.last_heard(ranks, nodes)) == last
     assert TIMEOUT_S < named_at - last <= TIMEOUT_S + INTERVAL_S

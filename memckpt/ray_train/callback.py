@@ -29,7 +29,6 @@ from memckpt.policy.failure import hung_what
 from memckpt.policy.recovery_plan import plan_in_place, source_label
 from memckpt.runtime.driver import actors
 from memckpt.runtime.driver.driver import STARTUP_TIMEOUT_S, default_run_dir
-from memckpt.runtime.driver.recovery import STORE_CALL_S
 from memckpt.runtime.tools.faults import Fault, aim, deliver, send_signals
 from memckpt.runtime.worker.spec import ranks_by_node
 from memckpt.runtime.worker.worker import RestoreInstruction, WorkerSpec
@@ -191,7 +190,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
     def _roll_back(self, nodes: list[str], step: int, gen: int) -> None:
         """The stores' roll-back and fence (bounded: a frozen node's store is said, not
         waited for; its copies were not in the inventory either, so nothing reads them)."""
-        silent = actors.roll_back(self.stores, nodes, step, gen, STORE_CALL_S)
+        silent = actors.roll_back(self.stores, nodes, step, gen)
         if silent:
             self._event("stores_not_rolled_back", gen=gen, nodes=sorted(silent))
 

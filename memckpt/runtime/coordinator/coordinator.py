@@ -260,18 +260,13 @@ class Coordinator:
     async def persisted(self) -> dict[str, int]:
         return dict(self.s["persisted"])
 
-    async def hung(self, timeout_s: float, startup_timeout_s: float) -> list[int]:
-        """Ranks of this generation whose last sign of life is older than ``timeout_s``
-        (``startup_timeout_s`` while a rank has not finished its first step: start-up
-        imports, process-group rendezvous and restore may legitimately take longer), and
-        every rank of a node that stopped reporting (see :meth:`liveness`)."""
-        return (await self.liveness(timeout_s, startup_timeout_s))[0]
-
     async def liveness(self, timeout_s: float,
                        startup_timeout_s: float) -> tuple[list[int], list[str]]:
         """(hung ranks, silent nodes): a node whose store's heartbeat is older than the
         timeout is frozen or cut off, with all its ranks; a hung rank on a live node is
-        found by the age its store reports for it. One pass over ranks and nodes.
+        found by the age its store reports for it (``startup_timeout_s`` instead while a
+        rank has not finished its first step: start-up imports, process-group rendezvous
+        and restore may legitimately take longer). One pass over ranks and nodes.
 
         A rank's age is judged at its store's last heartbeat, not now: a store that went
         silent says nothing of its ranks since, and its ranks' last signs precede its own,

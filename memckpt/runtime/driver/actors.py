@@ -110,8 +110,11 @@ def inventory(stores: Mapping[str, Any], nodes: Iterable[str],
     return out
 
 
+ROLL_BACK_S = 10.0  # a store that does not roll back in this long is taken as lost too
+
+
 def roll_back(stores: Mapping[str, Any], nodes: Iterable[str], step: int, gen: int,
-              timeout_s: float) -> set[str]:
+              timeout_s: float = ROLL_BACK_S) -> set[str]:
     """Every store of ``nodes`` drops what is newer than ``step`` and takes generation
     ``gen`` (its fence: an older generation's writes are refused from then on), all at
     once. Returns the nodes whose store did not answer within ``timeout_s`` (frozen) or

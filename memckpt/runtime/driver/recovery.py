@@ -20,7 +20,6 @@ from memckpt.runtime.driver.pool import Generation, WorkerPool
 from memckpt.runtime.worker.spec import RestoreInstruction
 
 GRACE_S = 3.0  # how long survivors get to notice a failure and return before being killed
-STORE_CALL_S = 10.0  # a store that does not roll back in this long is taken as lost too
 ROOM_POLL_S = 0.5  # how often a shrinking job looks for a node with room
 
 Restore = dict[int, RestoreInstruction]
@@ -235,9 +234,9 @@ class Recovery:
     def _roll_back(self, g: Generation, nodes: list[str], step: int) -> None:
         """Every store of the plan drops what is newer than ``step`` and takes the next
         generation (its fence: an older generation's writes are refused from then on). A
-        store that does not answer within :data:`STORE_CALL_S` (its node froze meanwhile)
+        store that does not answer within :data:`actors.ROLL_BACK_S` (its node froze meanwhile)
         is left out and the recovery plans again without it."""
-        failed = actors.roll_back(self.plane.stores, nodes, step, g.gen + 1, STORE_CALL_S)
+        failed = actors.roll_back(self.plane.stores, nodes, step, g.gen + 1)
         if failed:
             self._silent |= failed
             self.plane.say(f"node(s) {[n[:12] for n in sorted(failed)]} did not answer the "

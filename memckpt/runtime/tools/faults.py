@@ -47,23 +47,27 @@ def kill_process_tree(root_pid: int, spare: Optional[int] = None) -> list[int]:
     return signal_process_tree(root_pid, signal.SIGKILL, spare)
 
 
-def signal_process_tree(root_pid: int, signum: int, spare: Optional[int] = None) -> list[int]:
-    """Send ``signum`` to ``root_pid`` and every process below it, the children first,
-    except ``spare``. Returns the pids signalled."""
+def process_tree(root_pid: int) -> list[int]:
+    """``root_pid`` and every process below it, the children first ([] if it is gone)."""
     import psutil
     try:
         root = psutil.Process(root_pid)
-        procs = root.children(recursive=True) + [root]
+        return [p.pid for p in root.children(recursive=True)] + [root.pid]
     except psutil.NoSuchProcess:
         return []
+
+
+def signal_process_tree(root_pid: int, signum: int, spare: Optional[int] = None) -> list[int]:
+    """Send ``signum`` to ``root_pid`` and every process below it, the children first,
+    except ``spare``. Returns the pids signalled."""
     done = []
-    for p in procs:
-        if p.pid == spare:
+    for pid in process_tree(root_pid):
+        if pid == spare:
             continue
         try:
-            p.send_signal(signum)
-            done.append(p.pid)
-        except psutil.NoSuchProcess:
+            os.kill(pid, signum)
+            done.append(pid)
+        except ProcessLookupError:
             pass
     return done
 

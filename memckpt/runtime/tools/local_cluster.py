@@ -97,16 +97,11 @@ class LocalCluster:
     def node_pids(self, node_id: str) -> list[int]:
         """Every process of that node: its raylet and all below it (workers, the job's
         store, agents); the raylet last."""
-        import psutil
         from ray._private import ray_constants
-        pids = []
-        for info in self.nodes[node_id].all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
-            try:
-                root = psutil.Process(info.process.pid)
-                pids += [p.pid for p in root.children(recursive=True)] + [root.pid]
-            except psutil.NoSuchProcess:
-                pass
-        return pids
+
+        from memckpt.runtime.tools.faults import process_tree
+        raylets = self.nodes[node_id].all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
+        return [pid for info in raylets for pid in process_tree(info.process.pid)]
 
     def remove_node(self, node_id: str) -> None:
         """Kill every process of that node at once (no graceful shutdown): its raylet's
