@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -95,6 +95,8 @@ class Checkpointer(RestoreAndStep):
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its pre-hook handle
         self.control = Control(config.stop_file)
         self.should_stop = False  # set when a stop file or signal asked the loop to end
+        # the metrics the last restored shard's step was snapshotted with (see snapshot)
+        self.restored_report: Optional[dict[str, float]] = None
         self.persister = self._make_persister()
 
     def _make_persister(self) -> Optional[Persister]:
@@ -166,11 +168,17 @@ class Checkpointer(RestoreAndStep):
         """``step`` is one ``config.snapshot_every`` asks a snapshot of."""
         return step % self.config.snapshot_every == 0
 
-    def snapshot(self, state: TrainState, step: int) -> bool:
-        """Snapshot ``step`` now, due or not. Returns False when skipped by policy."""
+    def snapshot(self, state: TrainState, step: int,
+                 report: Optional[Mapping[str, float]] = None) -> bool:
+        """Snapshot ``step`` now, due or not. Returns False when skipped by policy.
+        ``report``: the step's metrics (its loss), kept in the shard's header: a restore
+        of this step gives them back as :attr:`restored_report`."""
         if self.config.snapshot_mode == "overlap":
             self._hook_optimizers(state)
-        return self.engine.snapshot(state.capture(step), step)
+        captured = state.capture(step)
+        if report:
+            captured.meta["report"] = {k: float(v) for k, v in report.items()}
+        return self.engine.snapshot(captured, step)
 
     def persist_now(self, step: Optional[int] = None, timeout_s: Optional[float] = None) -> bool:
         """Persist the newest (or ``step``'s) snapshot to every tier and wait for it: up to
@@ -358,10 +366,12 @@ class Checkpointer(RestoreAndStep):
             log.warning("memckpt: %s was written under a different config (fingerprint %s, now %s)",
                         source, h.get("fingerprint"), self.config.fingerprint())
         t0 = time.perf_counter()
+        self.restored_report = None
         step = state.load(shard.tensors if views is None else views, shard.meta,
                           self.config.load.kinds(), load_memory(state))
         if views is not None:
             views.finish()
+        self.restored_report = dict(shard.meta.get("report") or {}) or None
         self._event("restored", step=step, source=source, seconds=time.perf_counter() - t0)
         return step
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from memckpt.bench.control_plane.sim import SimJob
+from memckpt.bench.control_plane.sim import SimJob, rank_metrics
 from memckpt.policy.failure import Action, Observation, decide
 from memckpt.policy.step_metrics import increments, stall_stats, summarize, without_counters
 from memckpt.runtime.coordinator.coordinator import STALE, Coordinator, MemoryStateStore
@@ -307,3 +307,34 @@ def test_commit_waiters_are_released_by_the_commit_or_a_new_generation(tmp_path)
         await c.configure(1, {0: "n"}, {0: []}, 0, {"n": "store-n"})
         assert await asyncio.wait_for(later, 5) == STALE
     asyncio.run(go())
+
+
+def test_a_resumed_steps_loss_lost_with_its_generation_comes_back_from_the_snapshot(tmp_path):
+    """Rank 0's summary of step 2 is held on its store for the step's batch; a failure ends
+    the generation before the batch goes (every copy of step 2 is in RAM all the same, so
+    the recovery resumes from it and no rank redoes it). The summary is gone with generation
+    0; the loss rank 0's snapshot kept is taken back once, for the current generation only."""
+    c, sim, state, clock = job(tmp_path, gen=0)
+    one, two = rank_metrics(0, 1)["loss"], rank_metrics(0, 2)["loss"]
+    asyncio.run(sim.step(0, 1))
+    assert c.steps.losses == {"1": one}
+    node0 = sim.nodes["n0"]
+    asyncio.run(node0.reports(0, 2))  # every rank snapshotted step 2: held for the batch
+    assert "2" not in c.steps.losses
+    assignment, holders, stores = layout()
+    asyncio.run(c.configure(1, assignment, holders, 1, stores))  # the recovery
+    sim.join(1)  # the stores join generation 1: what they held of generation 0 is dropped
+    assert node0.agg.take_held() == []
+    assert not asyncio.run(c.restored_loss(0, 2, two))  # the generation the failure ended
+    assert asyncio.run(c.restored_loss(1, 2, two))
+    assert asyncio.run(c.restored_loss(1, 2, two))  # said again: one line, the same loss
+    assert c.steps.losses == {"1": one, "2": two}
+    lines = [json.loads(x) for x in (tmp_path / "losses.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["gen"], x.get("restored", False)) for x in lines] == \
+        [(1, 0, False), (2, 1, True)]
+    # a step before the first one this run reported was another run's (an auto-resume's)
+    assert not asyncio.run(c.restored_loss(1, 0, 9.0)) and "0" not in c.steps.losses
+    # a restarted coordinator reads the restored line back like any other
+    again = Coordinator("job", str(tmp_path), RANKS, state=state, clock=clock,
+                        inventory=lambda names, t: {})
+    assert again.steps.losses == {"1": one, "2": two}

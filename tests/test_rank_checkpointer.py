@@ -93,3 +93,37 @@ def test_an_installed_copy_is_verified_and_loads_exactly(ckpt, ram_root):
             ckpt.install(3, corrupt, "peer:bad")
     finally:
         other.close(unlink=True)
+
+
+def test_a_steps_report_travels_with_its_shard_and_comes_back_on_restore(ckpt, ram_root):
+    """The step's metrics live in the shard's header: a restore from the rank's own slot or
+    from a copy fetched off a peer gives them back; a step snapshotted without them gives
+    none (and a later restore never shows an earlier one's)."""
+    source = _state(1)
+    ckpt.step(source, 4, {"loss": 2.5})
+    ckpt.wait()
+    ckpt.commit(4)  # a slot is reused only once the newest step is committed
+    ckpt.step(source, 6)
+    ckpt.wait()
+    target = _state(2)
+    with ckpt.read(4) as shard:
+        assert shard.meta["report"] == {"loss": 2.5}
+        assert ckpt.load_shard(target, shard, "local:test") == 4
+    assert ckpt.restored_report == {"loss": 2.5}
+    with ckpt.read(6) as shard:
+        ckpt.load_shard(target, shard, "local:test")
+    assert ckpt.restored_report is None
+    with ckpt.read(4) as shard:
+        raw = np.array(shard.raw, copy=True)
+    other = RankCheckpointer(memckpt.Config(job_name="rank-ckpt", ram_root=ram_root), 0, 1,
+                             Path(ram_root) / "peer", lambda *_: None)
+    try:
+        def receive(into):
+            buf = into(len(raw))
+            buf[:] = raw
+            return buf
+        fetched = other.install(4, receive, "peer:test")
+        assert other.load_shard(target, fetched, "peer:test") == 4
+        assert other.restored_report == {"loss": 2.5}
+    finally:
+        other.close(unlink=True)

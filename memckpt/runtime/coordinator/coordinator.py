@@ -561,6 +561,15 @@ class Coordinator:
         return dict(self.steps.progress(self.world_size, self.s["committed"]),
                     gen=self.s["gen"], committed=self.s["committed"])
 
+    async def restored_loss(self, gen: int, step: int, loss: float) -> bool:
+        """Rank 0 of generation ``gen`` (a recovery's) resumed from ``step``, whose loss
+        its snapshot kept: the step's line in losses.jsonl if it is missing (see
+        :meth:`StepLog.restored`). False: refused (another generation, or not this run's
+        step)."""
+        if gen != self.s["gen"] or gen == 0:
+            return False
+        return self.steps.restored(gen, step, loss)
+
     async def all_losses(self) -> dict[str, float]:
         return self.steps.losses
 

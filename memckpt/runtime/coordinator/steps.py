@@ -48,6 +48,20 @@ class StepLog:
                     continue  # a line torn by the crash
                 self.losses[str(rec["step"])] = rec["loss"]
 
+    def restored(self, gen: int, step: int, loss: float) -> bool:
+        """Rank 0's ``loss`` of the step a recovery resumed from, read back from its
+        snapshot (that step's own summary may have been lost with the generation the
+        failure ended). Taken for a step this run did: not one before the first step it
+        heard of (the step an auto-resume started from was another run's)."""
+        if not self.losses or step < min(int(s) for s in self.losses):
+            return False
+        if self.losses.get(str(step)) != loss:
+            self.losses[str(step)] = loss
+            with open(self.run_dir / "losses.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "loss": loss, "gen": gen,
+                                    "restored": True}) + "\n")
+        return True
+
     def summarize(self, rank: int, step: int, report: Mapping[str, float]) -> Summary:
         """One rank's own report as a summary (a worker with no store on its node)."""
         return summarize(step, {rank: report})

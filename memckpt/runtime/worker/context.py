@@ -20,7 +20,7 @@ import os
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -130,12 +130,21 @@ class WorkerContext(RestoreAndStep):
         self._state = state
         instr = self.spec.restore
         step = 0
+        report = None  # the restored step's metrics, from its shard's header
         if instr is not None:
             t0 = time.perf_counter()
+            self.ckpt.restored_report = None  # a resharded load reads no header of its own
             try:
                 step = self._load(state, instr)
             finally:
                 POOL.clear()  # what the restore did not take
+            report = self.ckpt.restored_report
+            if self.rank == 0 and report is not None and "loss" in report:
+                # The step's own summary may have gone with the generation the failure
+                # ended (held on a store until the step's readiness, which never went
+                # out), and no rank redoes the step: its loss comes back from the shard.
+                self.spec.coordinator.restored_loss.remote(self.generation, step,
+                                                           report["loss"])
             self.restore_seconds["fetch_and_load_s"] = time.perf_counter() - t0
             # Where the state really came from: the plan's first source, unless that copy
             # failed its check and a later one served (see _load).
@@ -156,7 +165,7 @@ class WorkerContext(RestoreAndStep):
         else:
             # Copy the restored state out again so this rank's copies match the placement.
             t0 = time.perf_counter()
-            self._snapshot(state, step)
+            self._snapshot(state, step, report)
             if instr is not None:
                 self.restore_seconds["resnapshot_s"] = time.perf_counter() - t0
                 self.restore_seconds["recopied"] = 1.0
@@ -320,11 +329,11 @@ class WorkerContext(RestoreAndStep):
         if self.stop_after is not None:
             raise StopTraining(self.stop_after)
         self._maybe_fault(step)
+        report = {k: float(v) for k, v in metrics.items()}
         t0 = time.perf_counter()
-        snapshotted = self._snapshot(state, step)
+        snapshotted = self._snapshot(state, step, report)
         stall = time.perf_counter() - t0
         self.last_step = step
-        report = {k: float(v) for k, v in metrics.items()}
         stats = self.ckpt.stats
         report.update(stall_s=stall, replicate_s=self.replicator.last_seconds,
                       committed=float(self.ckpt.committed or 0),
@@ -349,9 +358,10 @@ class WorkerContext(RestoreAndStep):
                 ray.get(self.spec.coordinator.request_fault.remote(fault.key))
                 ray.get(self.spec.coordinator.wait_fault.remote(fault.key, 60.0))
 
-    def _snapshot(self, state: TrainState, step: int) -> bool:
+    def _snapshot(self, state: TrainState, step: int,
+                  report: Optional[Mapping[str, float]] = None) -> bool:
         self._state = state
-        return self.ckpt.step(state, step)
+        return self.ckpt.step(state, step, report)
 
     def batch_plan(self, global_batch: int, micro_batch: int) -> int:
         """Gradient-accumulation steps that keep ``global_batch`` samples per optimizer step

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 
@@ -37,9 +37,11 @@ class RankCheckpointer(Checkpointer):
     def _prefill(self) -> bool:
         return False  # the worker fills the restore's memory itself, knowing where it restores from
 
-    def step(self, state: TrainState, step: int) -> bool:
-        """Snapshot ``step`` when due; a stop or persist request reaches the rank as a commit."""
-        return self.due(step) and self.snapshot(state, step)
+    def step(self, state: TrainState, step: int,
+             report: Optional[Mapping[str, float]] = None) -> bool:
+        """Snapshot ``step`` when due, with the step's ``report`` in its header; a stop or
+        persist request reaches the rank as a commit."""
+        return self.due(step) and self.snapshot(state, step, report)
 
     # -- the committed steps --------------------------------------------------------------------
     def read(self, step: int) -> AbstractContextManager[fmt.Shard]:
