@@ -147,6 +147,8 @@ def test_ls_of_a_missing_root_lists_nothing(scratch):
     (["status", "--address", "no-port-here"], 2, ["--address", "HOST:PORT"]),
     (["kill", "--worker", "x"], 2, ["--worker"]),
     (["kill", "--worker", "0", "--signal", "HUP"], 2, ["--signal"]),
+    # refused before any cluster is asked (there is none here)
+    (["kill", "--node", "abc", "--signal", "TERM"], 2, ["--signal", "KILL", "STOP", "--worker"]),
     (["run", "no-colon", "--config", "cfg.py"], 2, ["TRAIN"]),
     (["ls", "s3:/x"], 2, ["ROOT"]),
     (["export", ".", "--step", "x", "--weights-only", "w.pt"], 2, ["--step"]),

@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--signal", choices=("KILL", "STOP", "TERM"), default="KILL")
     parser.add_argument("--job", default="memckpt", help="the job_name of the config (default memckpt)")
     parser.add_argument("--address", default="auto", help="Ray cluster address (default auto)")
+    parser.set_defaults(_kill_parser=parser)
 
 
 def ranks_arg(text: str) -> list[int]:
@@ -46,6 +47,11 @@ def resolve_node(prefix: str, nodes: list[str]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.node is not None and args.signal not in ("KILL", "STOP"):
+        # refused before the cluster is asked anything
+        args._kill_parser.error(f"argument --signal: --node takes KILL (the node lost) or STOP "
+                                f"(the node frozen), not {args.signal}; to stop one worker "
+                                f"gracefully, give --worker RANK --signal TERM")
     s = fetch_status(args.job, args.address)
     workers = {int(r): w for r, w in s["workers"].items()}
     if not workers:
@@ -58,9 +64,6 @@ def main(args: argparse.Namespace) -> int:
             print(f"froze node {node[:12]} (ranks {ranks_there}): SIGSTOP to {len(pids)} "
                   f"processes; to thaw it, on that machine: kill -CONT {' '.join(map(str, pids))}")
             return 0
-        if args.signal != "KILL":
-            raise MemckptError(f"--node takes --signal KILL (the node lost) or STOP (the node "
-                               f"frozen), not {args.signal}")
         kill_node(node)
         print(f"killed node {node[:12]} (ranks {ranks_there})")
         return 0
