@@ -10,7 +10,8 @@ holding its replica, from RAM.
 
 This cluster's Ray health checks are slower than Ray's defaults (a frozen node is declared
 dead after minutes, not about a minute), so Ray never calls the node dead during the
-drill: the detection is memckpt's. Once the job has recovered, the test thaws the node
+drill: the detection is memckpt's. Once the job has recovered and the live nodes' warm
+spares are ready again (none on the frozen node), the test thaws the node
 while the job trains on (the new generation holds before ``HOLD_AT`` until then). The
 thawed store, still in the old generation, speaks to the coordinator and is refused; the
 old worker is killed by the signal sent while it was frozen. The job must end with the
@@ -121,8 +122,7 @@ def config(name: str) -> memckpt.Config:
         workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
         placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
         failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
-                                      max_restarts=3, collective_timeout_s=30.0,
-                                      warm_spares=False))
+                                      max_restarts=3, collective_timeout_s=30.0))
 
 
 def events(run_dir: Path) -> list[dict]:
@@ -146,6 +146,11 @@ def thaw_once_recovered(run_dir: Path, cluster: Any, inj: FaultInjector, release
                  "the job to recover from the frozen node")
         thaw = seen["thaw"] = Thaw(cluster, inj.fired[0]["node_id"])
         seen["alive_in_ray_when_recovered"] = thaw.node in alive_node_ids()
+        # the spares topped up after the recovery are ready while the node is still frozen
+        done = next(e["time"] for e in events(run_dir) if e["event"] == "recovery_finished")
+        seen["standby"] = wait_for(
+            lambda: [e for e in events(run_dir) if e["event"] == "standby" and e["time"] > done],
+            120, "every live node's warm spare to be ready after the recovery")[0]
         seen["still_frozen_when_recovered"] = thaw.stopped()
         thaw()
         seen["refused"] = wait_for(
@@ -198,6 +203,11 @@ def test_a_frozen_node_is_recovered_then_thawed_and_changes_nothing(slow_cluster
     assert rec["fault_from"] == "injected"
     assert rec["last_sign_of_life_at"] <= rec["detected_at"]
     ev = events(run_dir)
+    # after the recovery, the live nodes' warm spares got ready while the node was frozen:
+    # none on it (one there answers nothing, and its pending prefault would have held up
+    # the others')
+    ready = seen["standby"]["held_bytes"]
+    assert ice.node[:12] not in ready and len(ready) == 2, ready
     (detected,) = [e for e in ev if e["event"] == "failure_detected"]
     assert detected["frozen_nodes"] == [ice.node]
     (plan,) = [e for e in ev if e["event"] == "recovery_plan"]

@@ -403,7 +403,7 @@ class Runtime:
         self._prune_old_layout(g, prog["committed"])
         self.pool.prefault_spares(prog["committed"])
         if self.recovery.check_resumed(prog["min_step"], g.gen):
-            self.pool.top_up_spares()
+            self.pool.top_up_spares(skip=self.recovery.left_out)
         now, key = time.time(), ProgressKey(g.gen, prog["max_step"], prog["committed"])
         if not self.quiet and progress_due(self._printed, key, now - self._last_print):
             self._last_print, self._printed = now, key

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 from memckpt.runtime.driver import kept
 from memckpt.runtime.driver.control_plane import ControlPlane, affinity, alive_node_ids
@@ -184,10 +184,17 @@ class WorkerPool:
         return list(self.workers.values()) + list(self.spares.values())
 
     # -- warm spares ------------------------------------------------------------------------------
-    def top_up_spares(self) -> None:
-        """Keep one warm worker process per live node (torch imported) to replace a dead rank."""
+    def top_up_spares(self, skip: Collection[str] = ()) -> None:
+        """Keep one warm worker process per live node (torch imported) to replace a dead rank.
+        ``skip``: the nodes the last recovery left out as silent (frozen or cut off, though
+        Ray says they live) get none, and lose the one they had: it answers nothing, and a
+        prefault pending there would hold up every other node's (:meth:`prefault_spares`)."""
         if self.config.failure.warm_spares:
-            self._spare_nodes = set(self.plane.stores) & alive_node_ids()  # a lost node's store stays listed
+            for node in set(skip) & set(self.spares):
+                self.ray.kill(self.spares.pop(node), no_restart=True)  # carried out if it wakes
+                self._prefaults.pop(node, None)
+            # a lost node's store stays listed
+            self._spare_nodes = (set(self.plane.stores) & alive_node_ids()) - set(skip)
             for node in self._spare_nodes - set(self.spares):
                 self.spares[node] = self._worker_for(node, spare=True)[0]
 
