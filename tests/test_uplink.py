@@ -169,3 +169,30 @@ def test_a_flush_delivers_what_the_store_holds_before_a_rank_returns(coordinator
     assert coordinator.call("all_losses")["2"] == 4.5
     ups["b"].fence(1)
     assert not ups["b"].flush(0, 5.0)
+
+
+def test_a_thawed_node_beats_once_then_fences_its_generation_off_itself(coordinator):
+    """A node frozen through the recovery wakes in generation 0: its first heartbeat is
+    refused, and the store, seeing that answer at its next tick, stops beating for the
+    generation and refuses its old ranks' calls; a store of the new generation beats on."""
+    ups = links(coordinator, gen=0)
+    assignment = {r: n for n, rs in NODES.items() for r in rs}
+    coordinator.call("configure", 1, assignment, HOLDERS, None, {n: n for n in NODES})
+    for r in NODES["b"]:  # node b's ranks joined the new generation
+        assert ups["b"].join(r, 1, NODES["b"], coordinator, 60.0)
+    thawed = ups["a"]
+    assert thawed.heartbeat_once() and ups["b"].heartbeat_once()
+    assert coordinator.call("status")["refused_stale"] == 1  # answered (same loop, in order)
+    assert not thawed.heartbeat_once()  # the refusal seen: fenced, nothing sent
+    assert not thawed.heartbeat_once()
+    assert not thawed.rank_ready(0, 0, 3, HOLDERS[0]) and not thawed.report(
+        0, 0, 3, {"stall_s": 0.1}, True)
+    assert ups["b"].heartbeat_once() and ups["b"].heartbeat_once()
+    assert coordinator.call("status")["refused_stale"] == 1  # (after node b's beats)
+    assert coordinator.c.received["node_heartbeat"] == 3  # node b's, all taken
+    # the fence is the generation's, not the store's: a rank of the new one joins and beats
+    assert thawed.join(0, 1, NODES["a"], coordinator, 60.0) and thawed.heartbeat_once()
+    coordinator.call("status")
+    assert thawed.heartbeat_once()
+    coordinator.call("status")
+    assert coordinator.c.received["node_heartbeat"] == 5

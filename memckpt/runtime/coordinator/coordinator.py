@@ -394,12 +394,13 @@ class Coordinator:
         self.steps.take(gen, metrics, self.world_size, self.s["committed"])
 
     async def node_heartbeat(self, node: str, gen: int, beats: Mapping[int, tuple[float, int]],
-                             metrics: list[Summary]) -> None:
+                             metrics: list[Summary]) -> bool:
         """``beats``: each of its ranks' (age of its last sign of life, on the node's clock;
-        its step), placed on this clock. O(ranks of the node)."""
+        its step), placed on this clock. O(ranks of the node). False: refused, ``gen`` is
+        over (the store fences it off and stops beating for it)."""
         if gen != self.s["gen"]:
             self._refused(node, gen)
-            return
+            return gen > self.s["gen"]  # only an older generation is over
         self.received["node_heartbeat"] += 1
         now, top = self.clock(), -1
         for r, (age, step) in beats.items():
@@ -409,6 +410,7 @@ class Coordinator:
         self.steps.newest = max(self.steps.newest, top)  # where the job was, between batches
         self.steps.take(gen, metrics, self.world_size, self.s["committed"])
         self._save_if_due()
+        return True
 
     def _refused(self, node: str, gen: int) -> None:
         """A store still in an older generation spoke (it was frozen or cut off and came

@@ -59,6 +59,7 @@ class Uplink:
         self._answers: dict[tuple[int, int], Any] = {}  # (gen, step) -> ref of the answer
         self._thread: Optional[threading.Thread] = None
         self._closed = threading.Event()
+        self._beat: Optional[tuple[int, Any]] = None  # (gen, ref of the answer) of the last beat
 
     # -- called by the node's ranks -------------------------------------------------------
     def join(self, rank: int, gen: int, ranks: Iterable[int], coordinator: Any,
@@ -168,15 +169,36 @@ class Uplink:
             self._cond.notify_all()
 
     def heartbeat_once(self) -> bool:
-        """Send the node's heartbeat now (the beat thread's tick); False if none is due."""
+        """Send the node's heartbeat now (the beat thread's tick); False if none is due.
+        The coordinator's answer to the previous one is looked at first, never waited for:
+        a refusal means its generation is over (this node froze or was cut off through the
+        recovery), and the store fences it off itself, so a thawed node beats once, not for
+        the rest of the job."""
         with self._cond:
+            self._fence_if_refused()
             hb = self.agg.heartbeat(self.clock())
             coordinator = self.coordinator
             if (hb is None or coordinator is None or hb.gen < self.floor
                     or self._closed.is_set()):
                 return False
-            coordinator.node_heartbeat.remote(self.node, hb.gen, hb.beats, hb.metrics)
+            self._beat = (hb.gen, coordinator.node_heartbeat.remote(self.node, hb.gen, hb.beats,
+                                                                    hb.metrics))
         return True
+
+    def _fence_if_refused(self) -> None:
+        if self._beat is None:
+            return
+        gen, ref = self._beat
+        try:
+            taken = self.get(ref, 0.0)
+        except TimeoutError:
+            return  # not answered yet: looked at again at the next tick
+        except Exception:  # noqa: BLE001 - a coordinator restarting: not a refusal
+            taken = True
+        self._beat = None
+        if taken is False:
+            self.floor = max(self.floor, gen + 1)
+            self._cond.notify_all()
 
     def _beat_loop(self) -> None:
         while not self._closed.wait(self.interval_s):
