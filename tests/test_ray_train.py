@@ -273,8 +273,10 @@ def test_a_killed_driver_leaves_no_actor_and_no_ram_behind(full_cluster, tmp_pat
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), ram_root], env=env)
     try:
         # training is under way, snapshots are in RAM
-        wait_for(lambda: status_at("rt-driver-killed", 3), 240, "the job to reach step 3",
-                 interval=0.2)
+        def reached() -> dict | None:
+            assert proc.poll() is None, f"the driver exited early ({proc.returncode})"
+            return status_at("rt-driver-killed", 3)
+        wait_for(reached, 240, "the job to reach step 3", interval=0.2)
         assert [p for p in Path(ram_root).rglob("*.shard")]
     finally:
         proc.send_signal(signal.SIGKILL)

@@ -138,6 +138,7 @@ class WorkerContext(RestoreAndStep):
                 step = self._load(state, instr)
             finally:
                 POOL.clear()  # what the restore did not take
+            self.restore_seconds["fetch_and_load_s"] = time.perf_counter() - t0
             report = self.ckpt.restored_report
             if self.rank == 0 and report is not None and "loss" in report:
                 # The step's own summary may have gone with the generation the failure
@@ -145,7 +146,6 @@ class WorkerContext(RestoreAndStep):
                 # out), and no rank redoes the step: its loss comes back from the shard.
                 self.spec.coordinator.restored_loss.remote(self.generation, step,
                                                            report["loss"])
-            self.restore_seconds["fetch_and_load_s"] = time.perf_counter() - t0
             # Where the state really came from: the plan's first source, unless that copy
             # failed its check and a later one served (see _load).
             self.spec.coordinator.log_event.remote("restored", {
