@@ -190,6 +190,30 @@ def rows_from_child(module: str, args: list[str], out_flag: str, what: str) -> A
 
 
 # -- formatting ---------------------------------------------------------------------------------
+def end_rank_process() -> None:
+    """The end of a spawned rank's process, once its results are written: destroy the
+    process group, then leave without the interpreter's teardown. Gloo's threads and the
+    objects that still hold the group (a DTensor's device mesh) are torn down at exit in no
+    fixed order, and a rare order aborts the process ("terminate called without an active
+    exception", pytorch/pytorch#190489): a run whose results were all written failed."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_failure(phase: str, work: str, error: BaseException) -> RuntimeError:
+    """What a failed spawn of ranks says: the phase, each rank's own error file
+    (``error-*.txt`` in ``work``, written by the rank) and the files the ranks left."""
+    errors = sorted(Path(work).glob("error-*.txt"))
+    told = "\n".join(f"--- {e.name}\n{e.read_text()}" for e in errors)
+    left = sorted(p.name for p in Path(work).iterdir() if p.is_file())
+    return RuntimeError(f"{phase}: {error}\n{told or 'no rank wrote an error (a signal or an abort)'}"
+                        f"\nfiles the ranks left: {left}")
+
+
 def human_bytes(n: Optional[float]) -> str:
     """1.50 GiB, 12.0 GiB, 3.20 MiB, 512 B; "–" for None."""
     if n is None:

@@ -11,7 +11,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-from memckpt.bench.common import machine_info
+from memckpt.bench.common import end_rank_process, machine_info, spawn_failure
 from memckpt.bench.reshard.rows import Row
 from memckpt.bench.snapshot.measure import peak_rss, reset_peak_rss, rss_bytes
 
@@ -77,10 +77,10 @@ def _writer(rank: int, world: int, port: int, width: int, work: str, store: Any)
         dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
                  checkpoint_id=f"{work}/dcp")
         dist.barrier()
-        dist.destroy_process_group()
     except BaseException:
         Path(work, f"error-w{rank}.txt").write_text(traceback.format_exc())
         raise
+    end_rank_process()
 
 
 def _reader(rank: int, world: int, port: int, width: int, work: str, source: str,
@@ -132,18 +132,22 @@ def _reader(rank: int, world: int, port: int, width: int, work: str, source: str
         torch.save({"seconds": seconds, "peak_rss": peak, "rss_before": before, "read": read,
                     "shard_bytes": shard_bytes}, f"{work}/r-{source}-{world}-{rank}.pt")
         dist.barrier()
-        dist.destroy_process_group()
     except BaseException:
         Path(work, f"error-r{rank}.txt").write_text(traceback.format_exc())
         raise
+    end_rank_process()
 
 
-def _spawn(fn, world: int, *args: Any) -> None:
+def _spawn(fn, world: int, work: str, *args: Any) -> None:
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     from memckpt.util.netutil import free_port
-    mp.start_processes(fn, args=(world, free_port()) + args, nprocs=world, join=True,
-                       start_method="spawn")
+    try:
+        mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True,
+                           start_method="spawn")
+    except ProcessException as e:
+        raise spawn_failure(f"{fn.__name__.strip('_')} ranks (world {world})", work, e) from e
 
 
 def run_reshard_bench(size: int, worlds: tuple[int, ...] = (2, 3),
@@ -159,7 +163,7 @@ def run_reshard_bench(size: int, worlds: tuple[int, ...] = (2, 3),
     try:
         store = ReplicaStore(f"{work}/ram", "bench-reshard", "node")
         address = store.address("127.0.0.1")
-        _spawn(_writer, WRITERS, width, work, address)
+        _spawn(_writer, WRITERS, work, width, work, address)
         disk = CheckpointStore(f"{work}/disk")
         entries = []
         for rank in range(WRITERS):
@@ -174,7 +178,7 @@ def run_reshard_bench(size: int, worlds: tuple[int, ...] = (2, 3),
         rows = []
         for world in worlds:
             for source in ("ram", "disk", "dcp"):
-                _spawn(_reader, world, width, work, source, holders)
+                _spawn(_reader, world, work, width, work, source, holders)
                 per_rank = [torch.load(f"{work}/r-{source}-{world}-{r}.pt") for r in range(world)]
                 rows.append(Row(
                     source, WRITERS, world, total, max(p["seconds"] for p in per_rank),
