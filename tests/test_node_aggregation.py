@@ -338,3 +338,36 @@ def test_a_resumed_steps_loss_lost_with_its_generation_comes_back_from_the_snaps
     again = Coordinator("job", str(tmp_path), RANKS, state=state, clock=clock,
                         inventory=lambda names, t: {})
     assert again.steps.losses == {"1": one, "2": two}
+
+
+def test_the_loss_before_the_resumed_step_refused_with_its_generation_is_taken_back(tmp_path):
+    """A step's summary rides the next step's batch: the failure that ends generation 0
+    can take step 2's loss (in step 3's batch, refused as stale) as well as step 3's (held).
+    The recovery resumes from step 3: its loss comes back from the snapshot, step 2's from
+    the refused batch. A refused loss of a step after the resumed one (redone) is not taken,
+    nor one of a generation older than the one just ended."""
+    c, sim, state, clock = job(tmp_path, gen=0)
+    loss = {s: rank_metrics(0, s)["loss"] for s in (1, 2, 3, 4)}
+    asyncio.run(sim.step(0, 1))
+    assignment, holders, stores = layout()
+    asyncio.run(c.configure(1, assignment, holders, 1, stores))  # the failure, the recovery
+    # generation 0's batches that arrive after it ended: refused, nothing committed
+    batch = [summarize(2, {0: rank_metrics(0, 2)})]
+    assert asyncio.run(c.node_ready("n0", 0, 3, {}, batch, 0.0)) == STALE
+    late = [summarize(4, {0: rank_metrics(0, 4)})]
+    assert asyncio.run(c.node_heartbeat("n0", 0, {}, late)) is False
+    assert c.steps.losses == {"1": loss[1]}  # nothing taken before the resumed step is known
+    assert asyncio.run(c.restored_loss(1, 3, loss[3]))
+    assert c.steps.losses == {"1": loss[1], "2": loss[2], "3": loss[3]}
+    lines = [json.loads(x) for x in (tmp_path / "losses.jsonl").read_text().splitlines()]
+    assert [(x["step"], x.get("restored", False)) for x in lines] == \
+        [(1, False), (3, True), (2, True)]
+    # generation 2 resumed from step 3 again: a generation-0 batch is two generations old
+    asyncio.run(c.configure(2, assignment, holders, 3, stores))
+    del c.steps.losses["2"]
+    asyncio.run(c.node_metrics("n0", 0, batch))
+    assert asyncio.run(c.restored_loss(2, 3, loss[3]))
+    assert "2" not in c.steps.losses
+    # a batch of the generation just ended, arriving after the restore, is taken at once
+    asyncio.run(c.node_metrics("n0", 1, batch))
+    assert c.steps.losses["2"] == loss[2]

@@ -373,7 +373,7 @@ class Coordinator:
         await self._rebuilt()
         async with self._cond:
             if gen != self.s["gen"]:
-                self._refused(node, gen)
+                self._refused(node, gen, metrics)
                 return STALE
             self.received["node_ready"] += 1
             self.steps.take(gen, metrics, self.world_size, self.s["committed"])
@@ -388,7 +388,7 @@ class Coordinator:
 
     async def node_metrics(self, node: str, gen: int, metrics: list[Summary]) -> None:
         if gen != self.s["gen"]:
-            self._refused(node, gen)
+            self._refused(node, gen, metrics)
             return
         self.received["node_metrics"] += 1
         self.steps.take(gen, metrics, self.world_size, self.s["committed"])
@@ -399,7 +399,7 @@ class Coordinator:
         its step), placed on this clock. O(ranks of the node). False: refused, ``gen`` is
         over (the store fences it off and stops beating for it)."""
         if gen != self.s["gen"]:
-            self._refused(node, gen)
+            self._refused(node, gen, metrics)
             return gen > self.s["gen"]  # only an older generation is over
         self.received["node_heartbeat"] += 1
         now, top = self.clock(), -1
@@ -412,10 +412,14 @@ class Coordinator:
         self._save_if_due()
         return True
 
-    def _refused(self, node: str, gen: int) -> None:
+    def _refused(self, node: str, gen: int, metrics: list[Summary]) -> None:
         """A store still in an older generation spoke (it was frozen or cut off and came
-        back, or it missed the recovery's fence): nothing it sent is taken. Counted, and its
-        first refusal per generation logged (``stale_node_refused``)."""
+        back, or it missed the recovery's fence): nothing it sent is taken, but rank 0's
+        losses of an ended generation are kept aside for the steps the run resumed from
+        (:meth:`StepLog.orphaned`). Counted, and its first refusal per generation logged
+        (``stale_node_refused``)."""
+        if gen < self.s["gen"]:
+            self.steps.orphaned(gen, metrics)
         self.received["stale"] += 1
         key = (node, gen)
         if key not in self._refused_from:

@@ -24,6 +24,10 @@ class StepLog:
         self.run_dir = run_dir
         self.job_metrics = job_metrics
         self.losses: dict[str, float] = {}  # step -> loss, appended to losses.jsonl
+        # rank 0's losses in messages refused because their generation had ended, and the
+        # step the current generation resumed from: see adopt()
+        self._orphans: dict[int, tuple[int, float]] = {}  # step -> (gen, loss)
+        self._resumed: Optional[tuple[int, int]] = None  # (gen, step)
         self.metrics: dict[str, dict[str, float]] = {}  # rank -> its latest step and stall
         self.newest = -1  # the newest step any rank of this generation finished
         self._stalls: dict[int, dict[int, float]] = {}  # step -> rank -> stall_s, until complete
@@ -35,6 +39,7 @@ class StepLog:
         """A generation starts (its losses stay: the file's last line per step wins)."""
         self.metrics.clear()
         self.newest = -1
+        self._resumed = None  # the step this generation resumed from: not known yet
         self._stalls.clear()
         self._pace.clear()
 
@@ -56,11 +61,37 @@ class StepLog:
         if not self.losses or step < min(int(s) for s in self.losses):
             return False
         if self.losses.get(str(step)) != loss:
-            self.losses[str(step)] = loss
-            with open(self.run_dir / "losses.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "loss": loss, "gen": gen,
-                                    "restored": True}) + "\n")
+            self._write_restored(gen, step, loss)
+        self._resumed = (gen, step)
+        self._adopt()
         return True
+
+    def orphaned(self, gen: int, summaries: list[Summary]) -> None:
+        """Summaries of generation ``gen``, refused because it had ended. A step's summary
+        rides the next step's batch, so the failure can take the loss of the step before
+        the resumed one as well (#38): kept aside, and a loss of the generation just before
+        the current one is taken for a step up to the one the current generation resumed
+        from (those steps are the run's history; the later ones are redone)."""
+        for m in summaries:
+            if "loss" in m:
+                self._orphans[int(m["step"])] = (gen, m["loss"])
+        self._adopt()
+
+    def _adopt(self) -> None:
+        if self._resumed is None or not self.losses:
+            return
+        gen, resumed = self._resumed
+        first = min(int(s) for s in self.losses)
+        for step, (their_gen, loss) in sorted(self._orphans.items()):
+            if their_gen == gen - 1 and first <= step <= resumed and str(step) not in self.losses:
+                self._write_restored(gen, step, loss)
+        self._orphans = {s: v for s, v in self._orphans.items() if v[0] >= gen}
+
+    def _write_restored(self, gen: int, step: int, loss: float) -> None:
+        self.losses[str(step)] = loss
+        with open(self.run_dir / "losses.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "loss": loss, "gen": gen,
+                                "restored": True}) + "\n")
 
     def summarize(self, rank: int, step: int, report: Mapping[str, float]) -> Summary:
         """One rank's own report as a summary (a worker with no store on its node)."""
