@@ -196,3 +196,24 @@ def test_a_thawed_node_beats_once_then_fences_its_generation_off_itself(coordina
     assert thawed.heartbeat_once()
     coordinator.call("status")
     assert coordinator.c.received["node_heartbeat"] == 5
+
+
+def test_a_stores_held_losses_of_an_ended_generation_reach_the_coordinator_for_the_resume(
+        coordinator):
+    """Step 2's summary waits in node a's store for the node's batch when the failure ends
+    generation 0. Its ranks joining generation 1 send it on, tagged with generation 0: the
+    coordinator refuses it (nothing is taken for an ended generation) but keeps the loss,
+    and takes it once generation 1 resumed from a step at or after 2."""
+    ups = links(coordinator)
+    for step in (1, 2):
+        for r in (0, 1, 2):
+            m = {"stall_s": 0.01, **({"loss": 2.5 + step} if r == 0 else {})}
+            assert ups["a"].report(r, 0, step, m, True)
+    assignment = {r: n for n, rs in NODES.items() for r in rs}
+    coordinator.call("configure", 1, assignment, HOLDERS, 1, {n: n for n in NODES})
+    for r in NODES["a"]:
+        assert ups["a"].join(r, 1, NODES["a"], coordinator, 60.0)
+    assert coordinator.call("status")["refused_stale"] == 1  # the held batch, refused
+    assert "2" not in coordinator.call("all_losses")
+    assert coordinator.call("restored_loss", 1, 3, 5.5)  # the recovery resumed from step 3
+    assert coordinator.call("all_losses") == {"1": 3.5, "2": 4.5, "3": 5.5}

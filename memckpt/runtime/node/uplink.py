@@ -66,8 +66,15 @@ class Uplink:
              interval_s: float) -> bool:
         """``rank`` starts generation ``gen`` with ``ranks`` on this node. False: fenced."""
         with self._cond:
-            if gen < self.floor or not self.agg.join(gen, ranks, self.clock()):
+            if gen < self.floor:
                 return False
+            old, held = self.agg.gen, (self.agg.take_held() if gen > self.agg.gen else [])
+            if not self.agg.join(gen, ranks, self.clock()):
+                return False
+            if held and self.coordinator is not None:
+                # the ended generation's summaries still held: refused as stale, but the
+                # coordinator keeps their losses for the steps the new one resumed from
+                self.coordinator.node_metrics.remote(self.node, old, held)
             if gen == self.agg.gen:
                 self.coordinator, self.interval_s = coordinator, interval_s
                 self.agg.beat(rank, gen, -1, self.clock())  # alive from its own join
