@@ -393,6 +393,13 @@ class Coordinator:
         self.received["node_metrics"] += 1
         self.steps.take(gen, metrics, self.world_size, self.s["committed"])
 
+    async def ended_metrics(self, node: str, gen: int, metrics: list[Summary]) -> None:
+        """What ``node``'s store still held of generation ``gen`` when its ranks joined a
+        newer one: not a stale node speaking (nothing counted or logged), only losses kept
+        for the steps the new generation resumed from (:meth:`StepLog.orphaned`)."""
+        if gen < self.s["gen"]:
+            self.steps.orphaned(gen, metrics)
+
     async def node_heartbeat(self, node: str, gen: int, beats: Mapping[int, tuple[float, int]],
                              metrics: list[Summary]) -> bool:
         """``beats``: each of its ranks' (age of its last sign of life, on the node's clock;

@@ -72,9 +72,9 @@ class Uplink:
             if not self.agg.join(gen, ranks, self.clock()):
                 return False
             if held and self.coordinator is not None:
-                # the ended generation's summaries still held: refused as stale, but the
-                # coordinator keeps their losses for the steps the new one resumed from
-                self.coordinator.node_metrics.remote(self.node, old, held)
+                # the ended generation's summaries still held: the coordinator keeps their
+                # losses for the steps the new one resumed from
+                self.coordinator.ended_metrics.remote(self.node, old, held)
             if gen == self.agg.gen:
                 self.coordinator, self.interval_s = coordinator, interval_s
                 self.agg.beat(rank, gen, -1, self.clock())  # alive from its own join
