@@ -394,9 +394,7 @@ class Coordinator:
         self.steps.take(gen, metrics, self.world_size, self.s["committed"])
 
     async def ended_metrics(self, node: str, gen: int, metrics: list[Summary]) -> None:
-        """What ``node``'s store still held of generation ``gen`` when its ranks joined a
-        newer one: not a stale node speaking (nothing counted or logged), only losses kept
-        for the steps the new generation resumed from (:meth:`StepLog.orphaned`)."""
+        """What a store held of ``gen`` as its ranks joined a newer one: losses kept."""
         if gen < self.s["gen"]:
             self.steps.orphaned(gen, metrics)
 
@@ -420,11 +418,8 @@ class Coordinator:
         return True
 
     def _refused(self, node: str, gen: int, metrics: list[Summary]) -> None:
-        """A store still in an older generation spoke (it was frozen or cut off and came
-        back, or it missed the recovery's fence): nothing it sent is taken, but rank 0's
-        losses of an ended generation are kept aside for the steps the run resumed from
-        (:meth:`StepLog.orphaned`). Counted, and its first refusal per generation logged
-        (``stale_node_refused``)."""
+        """A store of an older generation spoke (frozen, cut off, or fenced late): only its
+        losses kept (orphaned); counted, the first per generation logged."""
         if gen < self.s["gen"]:
             self.steps.orphaned(gen, metrics)
         self.received["stale"] += 1
@@ -575,10 +570,9 @@ class Coordinator:
                     gen=self.s["gen"], committed=self.s["committed"])
 
     async def restored_loss(self, gen: int, step: int, loss: float) -> bool:
-        """Rank 0 of generation ``gen`` (a recovery's) resumed from ``step``, whose loss
-        its snapshot kept: the step's line in losses.jsonl if it is missing (see
-        :meth:`StepLog.restored`). False: refused (another generation, or not this run's
-        step)."""
+        """Rank 0 of recovery generation ``gen`` resumed from ``step``, whose loss its
+        snapshot kept (:meth:`StepLog.restored`). False: another generation, or not this
+        run's step."""
         if gen != self.s["gen"] or gen == 0:
             return False
         return self.steps.restored(gen, step, loss)
