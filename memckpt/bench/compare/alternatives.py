@@ -49,7 +49,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable, Iterator, Optional
 
-from memckpt.bench.common import evict_from_page_cache
+from memckpt.bench.common import end_rank_process, evict_from_page_cache
 from memckpt.bench.recovery import workload as rjob
 from memckpt.bench.foreign_load import Quiet
 from memckpt.bench.recovery.bench_actors import ColdWorker
@@ -544,6 +544,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     log=lambda m: print(f"[bench compare {a.size >> 20}M] {m}", file=sys.stderr,
                                         flush=True))
     Path(a.out).write_text(json.dumps(res))
+    end_rank_process()  # its gloo group's teardown at exit could abort a finished run
     return 0
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from memckpt.bench.common import machine_info
+from memckpt.bench.common import end_rank_process, machine_info
 from memckpt.bench.foreign_load import Quiet
 from memckpt.bench.fsdp_stall.rows import Row
 from memckpt.bench.snapshot.measure import build_state, measure_memckpt_sync, measure_memcpy
@@ -90,8 +90,10 @@ def _rank(rank: int, args: dict[str, Any], port: int, out: str) -> None:
                   quiet.foreign(), machine_info())
         Path(f"{out}.rank{rank}.json").write_text(json.dumps(row.to_dict()))
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    end_rank_process()  # without the interpreter's teardown (gloo's can abort at exit)
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
