@@ -10,7 +10,7 @@ import memckpt
 from memckpt.cli.kill import ranks_arg
 from memckpt.config import ChaosEvent
 from memckpt.errors import ConfigError
-from memckpt.runtime.tools.faults import Fault, FaultInjector
+from memckpt.runtime.tools.faults import Fault, FaultInjector, aim
 
 
 def test_a_fault_on_several_ranks_is_carried_out_by_the_driver_for_all_of_them():
@@ -24,6 +24,19 @@ def test_a_single_rank_worker_fault_is_the_ranks_own_and_others_the_drivers():
     assert Fault(6, "worker", 1).self_inflicted and Fault(6, "worker", 1).claimer == 1
     assert not Fault(6, "node", 1).self_inflicted
     assert Fault(6, "coordinator").claimer == 0  # no rank named: rank 0 asks
+
+
+def test_a_fault_naming_no_rank_hits_one_of_the_ranks_still_running():
+    """The driver hands ``aim`` only the workers a recovery has not killed itself: a
+    survivor it killed for staying stuck past the grace is not a victim (ranks 0 and 2 run
+    here; a pick by position would name rank 1, gone, half the time)."""
+    procs = {0: ("nodeA", 100), 2: ("nodeC", 102)}
+    fault = Fault(1, "worker", None, during="plan")
+    hits = {aim(fault, procs).ranks for _ in range(200)}
+    assert hits == {(0,), (2,)}
+    strike = aim(Fault(1, "worker", 2, during="plan"), procs)
+    assert strike is not None and strike.pids == (102,) and strike.nodes == ("nodeC",)
+    assert aim(Fault(1, "worker", 1, during="plan"), procs) is None  # its rank is gone
 
 
 def test_faults_during_a_recovery_stay_with_the_driver_until_they_fire():

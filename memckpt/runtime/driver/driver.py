@@ -438,7 +438,9 @@ class Runtime:
         self.ray.get(self.coordinator.request_stop.remote(committed + 1, STOP))
 
     def _fire(self, fault: Fault, g: Generation) -> None:
-        strike = aim(fault, {r: (i["node_id"], i["pid"]) for r, i in g.info.items()})
+        # not at a worker this recovery killed already (a survivor stuck past the grace)
+        strike = aim(fault, {r: (i["node_id"], i["pid"]) for r, i in g.info.items()
+                             if r not in g.killed})
         if strike is None:
             return
         self._say(f"injecting fault: {fault.target} (rank(s) {list(strike.ranks)}, node(s) "

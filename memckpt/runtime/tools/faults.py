@@ -200,7 +200,7 @@ def aim(fault: Fault, procs: Mapping[int, tuple[str, int]]) -> Optional[Strike]:
     """The ranks ``fault`` hits among ``procs`` (rank -> (node, pid) of the running
     generation; a random rank where it names none); None when none of them runs now (a
     fault during a start, before its rank started)."""
-    ranks = [r if r is not None else random.randrange(len(procs)) for r in fault.victims]
+    ranks = [r if r is not None else random.choice(sorted(procs)) for r in fault.victims]
     ranks = [r for r in ranks if r in procs]
     if not ranks:
         return None
@@ -241,10 +241,12 @@ class FaultInjector:
     node_killer: Optional[Callable[[str], None]] = None
     fired: list[dict] = field(default_factory=list)
 
-    def kill_worker(self, rank: int, at_step: int, signal: str = "KILL",
+    def kill_worker(self, rank: Optional[int], at_step: int, signal: str = "KILL",
                     steady: bool = False, during: Optional[str] = None) -> "FaultInjector":
         """Signal ``rank``'s worker at ``at_step``, or (``during``) in that phase of the
-        first recovery once training reached ``at_step``."""
+        first recovery once training reached ``at_step``. ``rank`` None: one the runtime
+        picks among the ranks whose worker still runs then (during a recovery: a survivor
+        it has not killed itself)."""
         self.faults.append(Fault(at_step, "worker", rank, signal, steady, during=during))
         return self
 
