@@ -84,8 +84,8 @@ def test_a_survivor_killed_while_the_recovery_plans_or_starts(full_cluster, refe
     answer when the generation starts). Planned again with both: recovered, exact.
 
     The victim is picked when the phase comes, among the survivors the recovery still
-    holds: one that stayed in a collective with another survivor past the stop phase's
-    grace was killed by the recovery itself (CI run 23: rank 2, so a fault aimed at rank 2
+    holds: one that did not return within the stop phase's grace was killed by the
+    recovery itself (CI run 23: rank 2, so a fault aimed at rank 2
     hit a process already gone and tested nothing)."""
     inj = (FaultInjector().kill_worker(rank=1, at_step=KILL_AT)
            .kill_worker(rank=None, at_step=1, during=phase))
