@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 from statistics import median
-from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Mapping, NoReturn, Optional, Sequence
 
 from memckpt.errors import ConfigError
 
@@ -189,8 +189,8 @@ def rows_from_child(module: str, args: list[str], out_flag: str, what: str) -> A
         os.unlink(out)
 
 
-# -- formatting ---------------------------------------------------------------------------------
-def end_rank_process() -> None:
+# -- spawned ranks ------------------------------------------------------------------------------
+def end_rank_process() -> NoReturn:
     """The end of a spawned rank's process, once its results are written: destroy the
     process group, then leave without the interpreter's teardown. Gloo's threads and the
     objects that still hold the group (a DTensor's device mesh) are torn down at exit in no
@@ -214,6 +214,7 @@ def spawn_failure(phase: str, work: str, error: BaseException) -> RuntimeError:
                         f"\nfiles the ranks left: {left}")
 
 
+# -- formatting ---------------------------------------------------------------------------------
 def human_bytes(n: Optional[float]) -> str:
     """1.50 GiB, 12.0 GiB, 3.20 MiB, 512 B; "–" for None."""
     if n is None:

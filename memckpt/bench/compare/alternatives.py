@@ -545,7 +545,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                                         flush=True))
     Path(a.out).write_text(json.dumps(res))
     end_rank_process()  # its gloo group's teardown at exit could abort a finished run
-    return 0
 
 
 if __name__ == "__main__":
