@@ -322,7 +322,7 @@ class Checkpointer(RestoreAndStep):
         """
         from memckpt.format.dcp_reader import MemckptReader
         from memckpt.persist.dcp_source import PersistedSource
-        from memckpt.format.reshard import check_compatible, load_resharded, mismatch
+        from memckpt.format.reshard import check_compatible, load_resharded, mismatch, reported
         source = f"{store.describe()}@{manifest.step}"
         reader = MemckptReader(PersistedSource(store, manifest))
         problem = mismatch(reader, state)
@@ -341,7 +341,9 @@ class Checkpointer(RestoreAndStep):
             region = store.read_shard(manifest, self.rank)  # verified
             return self.load_shard(state, fmt.open_shard(region, source), source)
         t0 = time.perf_counter()
+        self.restored_report = None
         step = load_resharded(state, reader, self.rank, self.config.load.kinds())
+        self.restored_report = reported(reader)
         self._event("resharded", step=step, source=source, from_world_size=manifest.world_size,
                     to_world_size=self.world_size, bytes_read=reader.source.bytes_read,
                     seconds=time.perf_counter() - t0)
@@ -371,7 +373,7 @@ class Checkpointer(RestoreAndStep):
                           self.config.load.kinds(), load_memory(state))
         if views is not None:
             views.finish()
-        self.restored_report = dict(shard.meta.get("report") or {}) or None
+        self.restored_report = fmt.report_of(shard.meta)
         self._event("restored", step=step, source=source, seconds=time.perf_counter() - t0)
         return step
 

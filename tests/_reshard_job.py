@@ -121,6 +121,11 @@ def _rank(rank: int, world: int, port: int, layout: str, out: str) -> Iterator[N
         raise
 
 
+def reported_loss(rank: int) -> float:
+    """The loss ``write_job``'s rank reports for its snapshot's step (each rank another)."""
+    return 0.25 + rank
+
+
 def write_job(rank: int, world: int, port: int, layout: str, root: str, ram: str, out: str,
               steps: int, stores: Any = None) -> None:
     """Train ``steps`` steps, snapshot, store this rank's shard under ``root`` (or, with
@@ -131,7 +136,7 @@ def write_job(rank: int, world: int, port: int, layout: str, root: str, ram: str
         for _ in range(steps):
             train_step(model, opt, rank)
         ckpt = _Unpersisted(_config(root, ram), rank, world)
-        ckpt.step(state, steps)
+        ckpt.snapshot(state, steps, report={"loss": reported_loss(rank)})
         ckpt.wait()
         with ckpt.engine.reading(steps) as shard:
             if stores:
@@ -156,7 +161,8 @@ def restore_job(rank: int, world: int, port: int, layout: str, root: str, ram: s
         ckpt = memckpt.Checkpointer(_config(root, ram, **load), rank, world)
         step = ckpt.restore(state)
         torch.save({"step": step, "state": full_state(state),
-                    "events": [e for e in ckpt.events if e["event"] != "restored"]},
+                    "events": [e for e in ckpt.events if e["event"] != "restored"],
+                    "report": ckpt.restored_report},
                    Path(out) / f"after-{rank}.pt")
         losses = [train_step(model, opt, rank) for _ in range(more)]
         torch.save(losses, Path(out) / f"losses-{rank}.pt")
@@ -216,15 +222,16 @@ def ram_restore_job(rank: int, world: int, port: int, layout: str, holders: Any,
     """Restore step ``step`` of an ``n``-rank job from replica stores' RAM into this layout."""
     from memckpt.config import CONTENT_KINDS
     from memckpt.format.dcp_reader import MemckptReader
-    from memckpt.format.reshard import load_resharded
+    from memckpt.format.reshard import load_resharded, reported
     from memckpt.runtime.worker.ram_source import ReplicaSource
     with _rank(rank, world, port, layout, out):
         model, opt, _ = build(layout, seed=123)
         state = memckpt.TrainState(model=model, optimizer=opt)
         source = ReplicaSource(holders, n, step)
-        got = load_resharded(state, MemckptReader(source), rank, frozenset(CONTENT_KINDS))
+        reader = MemckptReader(source)
+        got = load_resharded(state, reader, rank, frozenset(CONTENT_KINDS))
         source.close()
-        torch.save({"step": got, "state": full_state(state), "bytes_read": source.bytes_read},
-                   Path(out) / f"after-{rank}.pt")
+        torch.save({"step": got, "state": full_state(state), "bytes_read": source.bytes_read,
+                    "report": reported(reader)}, Path(out) / f"after-{rank}.pt")
         losses = [train_step(model, opt, rank) for _ in range(more)]
         torch.save(losses, Path(out) / f"losses-{rank}.pt")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _procs import spawn
-from _reshard_job import commit, merged, restore_job, write_job
+from _reshard_job import commit, merged, reported_loss, restore_job, write_job
 
 STEPS, MORE = 4, 6
 
@@ -34,6 +34,11 @@ def run_reshard(tmp_path: Path, root: str, src: tuple[str, int], dst: tuple[str,
         assert (ev["from_world_size"], ev["to_world_size"]) == (n, m)
     losses = torch.load(out / "losses-0.pt")
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    # the step's loss comes back with it: a resharded resume gives every rank what old
+    # rank 0 reported (the loss a job's curve shows), a same-layout one each rank its own
+    for rank in range(m):
+        got = torch.load(out / f"after-{rank}.pt", weights_only=False)["report"]
+        assert got == {"loss": reported_loss(rank if src == dst else 0)}, rank
     return {"before": before, "events": first["events"]}
 
 

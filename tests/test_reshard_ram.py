@@ -12,7 +12,7 @@ import torch
 
 from memckpt.runtime.node.replica_store import ReplicaStore
 from _procs import spawn
-from _reshard_job import merged, ram_restore_job, write_job
+from _reshard_job import merged, ram_restore_job, reported_loss, write_job
 
 STEPS, MORE = 4, 6
 
@@ -45,6 +45,7 @@ def test_fsdp_3_to_2_from_replica_stores(tmp_path, wide):
         for rank in range(2):
             got = torch.load(out / f"after-{rank}.pt", weights_only=False)
             assert got["step"] == STEPS
+            assert got["report"] == {"loss": reported_loss(0)}  # old rank 0's, from RAM
             # half of the state plus checksum-chunk rounding and headers, never all of it
             assert got["bytes_read"] < 0.7 * total, (got["bytes_read"], total)
         losses = torch.load(out / "losses-0.pt")

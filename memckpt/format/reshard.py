@@ -132,6 +132,13 @@ def load_resharded(state: TrainState, reader: MemckptReader, rank: int,
     return state.load(tensors, meta, rest, clone=False)  # the optimizer state was made here
 
 
+def reported(reader: MemckptReader) -> Optional[dict[str, float]]:
+    """The metrics (the loss) the checkpoint's rank 0 reported for its step: a resharded
+    resume gives them back as a same-layout one does (the job's loss curve keeps the step
+    it resumed from, whose own report may have gone with the failure)."""
+    return fmt.report_of(reader.source.header(0).meta)
+
+
 def _optimizer_targets(state: TrainState, reader: MemckptReader, targets: dict[str, Any]
                        ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """For each optimizer: the metadata a shard of this rank would hold, and empty tensors

@@ -309,6 +309,12 @@ def seal(region: np.ndarray, layout: Layout, header_capacity: int, step: int,
     return digest
 
 
+def report_of(meta: Mapping[str, Any]) -> Optional[dict[str, float]]:
+    """The metrics (the loss) the rank reported for the step, kept in its shard's metadata
+    (:meth:`memckpt.Checkpointer.snapshot`'s ``report``); None when it reported none."""
+    return {k: float(v) for k, v in (meta.get("report") or {}).items()} or None
+
+
 @dataclass(frozen=True)
 class Shard:
     """A complete, verified shard: its header, layout and zero-copy tensor views."""

@@ -133,7 +133,7 @@ class WorkerContext(RestoreAndStep):
         report = None  # the restored step's metrics, from its shard's header
         if instr is not None:
             t0 = time.perf_counter()
-            self.ckpt.restored_report = None  # a resharded load reads no header of its own
+            self.ckpt.restored_report = None
             try:
                 step = self._load(state, instr)
             finally:
@@ -284,16 +284,17 @@ class WorkerContext(RestoreAndStep):
         import ray
         import torch.distributed as dist
         from memckpt.format.dcp_reader import MemckptReader
-        from memckpt.format.reshard import load_resharded
+        from memckpt.format.reshard import load_resharded, reported
         from memckpt.runtime.worker.ram_source import ReplicaSource
         assert instr.reshard is not None and instr.from_size is not None
         nodes = sorted({n for ns in instr.reshard.values() for n in ns})
         where = dict(zip(nodes, ray.get([self.spec.stores[n].address.remote() for n in nodes])))
         source = ReplicaSource({r: [where[n] for n in ns] for r, ns in instr.reshard.items()},
                                instr.from_size, instr.step)
+        reader = MemckptReader(source)
         try:
-            step = load_resharded(state, MemckptReader(source), self.rank,
-                                  self.config.load.kinds())
+            step = load_resharded(state, reader, self.rank, self.config.load.kinds())
+            self.ckpt.restored_report = reported(reader)  # old rank 0's header: read already
         finally:
             source.close()
         self.restore_source = (f"ram:{instr.from_size}->{self.world_size} ranks, "
