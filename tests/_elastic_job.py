@@ -32,6 +32,7 @@ class ElasticJob:
     steps: int
     out: str  # rank 0 writes params-<step>.pt and restored-<step>-ws<W>.pt here
     pace_s: float = 0.0  # sleep per step: leaves time for a node to join mid-run
+    pace_at: int = 0  # ... only at this world size (0: at every size)
 
     def __call__(self, ctx: Any) -> dict[str, Any]:
         import torch.distributed as dist
@@ -63,5 +64,6 @@ class ElasticJob:
             if ctx.rank == 0:
                 torch.save(full(model, opt), out / f"params-{step}-ws{ctx.world_size}.pt")
             ctx.step(state, step, loss=total.item())
-            time.sleep(self.pace_s)
+            if self.pace_at in (0, ctx.world_size):
+                time.sleep(self.pace_s)
         return {"world_size": ctx.world_size}

@@ -138,7 +138,7 @@ def test_grows_back_when_a_node_is_added(nodes3, tmp_path):
 
     def job() -> None:
         try:
-            done["result"] = memckpt.run(ElasticJob(STEPS_GROW, str(out), pace_s=0.5),
+            done["result"] = memckpt.run(ElasticJob(STEPS_GROW, str(out), pace_s=0.5, pace_at=2),
                                          config("elastic-grow"), run_dir=tmp_path / "run",
                                          injector=inj, quiet=True)
         except BaseException as e:  # noqa: BLE001 (re-raised below, in the test's thread)
