@@ -71,7 +71,9 @@ def release_frames(exc: Optional[BaseException]) -> None:
     training function, whose model and optimizer would otherwise stay alive as long as the
     exception does: through the ``gc.collect()`` that runs while it propagates, then for
     as long as Ray holds it. The traceback itself, file and line of every frame, is
-    unchanged."""
+    unchanged. Not freed: what a frame's own function closes over (CPython keeps the
+    function of a cleared frame), e.g. the module of ``nn.Module._call_impl``'s closure:
+    see docs/testing.md on survivors held past the stop grace."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
