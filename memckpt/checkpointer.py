@@ -17,7 +17,8 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import (TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, Sequence,
+                    runtime_checkable)
 
 import torch
 
@@ -35,6 +36,9 @@ from memckpt.engine.restore import VerifiedViews, load_memory
 from memckpt.engine.snapshot import EngineStats, SnapshotEngine, newest_layout_in
 from memckpt.policy.threads import hash_threads, local_ranks_from, usable_cores
 from memckpt.format.state import TrainState, restore_allocations, same_layout
+
+if TYPE_CHECKING:
+    from memckpt.format.dcp_reader import MemckptReader
 
 log = logging.getLogger("memckpt")
 
@@ -322,7 +326,7 @@ class Checkpointer(RestoreAndStep):
         """
         from memckpt.format.dcp_reader import MemckptReader
         from memckpt.persist.dcp_source import PersistedSource
-        from memckpt.format.reshard import check_compatible, load_resharded, mismatch, reported
+        from memckpt.format.reshard import check_compatible, mismatch
         source = f"{store.describe()}@{manifest.step}"
         reader = MemckptReader(PersistedSource(store, manifest))
         problem = mismatch(reader, state)
@@ -341,15 +345,24 @@ class Checkpointer(RestoreAndStep):
             region = store.read_shard(manifest, self.rank)  # verified
             return self.load_shard(state, fmt.open_shard(region, source), source)
         t0 = time.perf_counter()
-        self.restored_report = None
-        step = load_resharded(state, reader, self.rank, self.config.load.kinds())
-        self.restored_report = reported(reader)
+        step = self.load_resharded(state, reader)
         self._event("resharded", step=step, source=source, from_world_size=manifest.world_size,
                     to_world_size=self.world_size, bytes_read=reader.source.bytes_read,
                     seconds=time.perf_counter() - t0)
         log.info("memckpt: rank %d resharded step %d of %s from %d ranks to %d (%d bytes read)",
                  self.rank, step, store.describe(), manifest.world_size, self.world_size,
                  reader.source.bytes_read)
+        return step
+
+    def load_resharded(self, state: TrainState, reader: "MemckptReader") -> int:
+        """Load a checkpoint of another world size or layout into ``state`` as this rank
+        (:func:`memckpt.format.reshard.load_resharded`); returns its step. Its metrics come
+        back as :attr:`restored_report` from old rank 0's header, as :meth:`load_shard`
+        gives a same-layout shard's own."""
+        from memckpt.format.reshard import load_resharded, reported
+        self.restored_report = None
+        step = load_resharded(state, reader, self.rank, self.config.load.kinds())
+        self.restored_report = reported(reader)
         return step
 
     def load_shard(self, state: TrainState, shard: fmt.Shard, source: str,

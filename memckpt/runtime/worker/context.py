@@ -284,7 +284,6 @@ class WorkerContext(RestoreAndStep):
         import ray
         import torch.distributed as dist
         from memckpt.format.dcp_reader import MemckptReader
-        from memckpt.format.reshard import load_resharded, reported
         from memckpt.runtime.worker.ram_source import ReplicaSource
         assert instr.reshard is not None and instr.from_size is not None
         nodes = sorted({n for ns in instr.reshard.values() for n in ns})
@@ -293,8 +292,7 @@ class WorkerContext(RestoreAndStep):
                                instr.from_size, instr.step)
         reader = MemckptReader(source)
         try:
-            step = load_resharded(state, reader, self.rank, self.config.load.kinds())
-            self.ckpt.restored_report = reported(reader)  # old rank 0's header: read already
+            step = self.ckpt.load_resharded(state, reader)
         finally:
             source.close()
         self.restore_source = (f"ram:{instr.from_size}->{self.world_size} ranks, "
