@@ -164,20 +164,49 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         compileall.compile_dir(str(folder), quiet=1, workers=1)
 
 
+# How much lower the process that runs the tests without Ray schedules itself (os.nice) under
+# ``-n 2``: the drills keep their CPU, and those tests take what the drills leave idle.
+NON_RAY_NICE = 10
+
+
+def _is_ray(item: pytest.Item) -> bool:
+    return bool(item.get_closest_marker("ray")) or bool(
+        {"cluster", "full_cluster"} & set(getattr(item, "fixturenames", ())))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``-n 2 --dist loadgroup`` (pyproject's addopts) the suite runs in two processes.
-    Every Ray drill runs in one, in the order collected (they share the session's cluster,
-    its kept workers and module fixtures, and one drill's cluster at a time keeps their
-    timing honest); the other process runs the tests without Ray beside them: mostly one
-    core's work each, and the drills leave ~30% of two cores idle (timers, heartbeats,
-    processes starting). Running the drills that start their own clusters in the second
+    """Under ``-n 2 --dist loadgroup`` (pyproject's addopts) the suite runs in two processes,
+    one group each. Every Ray drill runs in one, in the order collected (they share the
+    session's cluster, its kept workers and module fixtures, and one drill's cluster at a
+    time keeps their timing honest). The other runs the tests without Ray, at a lower CPU
+    priority (:data:`NON_RAY_NICE`): the suite is bound by the CPU its processes need, the
+    drills leave about a fifth of two cores idle (timers, heartbeats, Ray noticing a dead
+    node), and those tests fill it instead of slowing the drills down while they run
+    (docs/testing.md). Running the drills that start their own clusters in the second
     process was tried twice: on the earlier machine it was faster (about 20 min against 23)
-    but a live rank missed its liveness ping; on this one it was not faster (docs/testing.md:
-    each drill took 1.5-2x its time alone)."""
+    but a live rank missed its liveness ping; on this one it was not faster (each drill took
+    1.5-2x its time alone). A selection without Ray drills leaves its tests ungrouped:
+    every process takes them, at the usual priority."""
+    global _with_ray
+    _with_ray = any(_is_ray(item) for item in items)
     for item in items:
-        if item.get_closest_marker("ray") or {"cluster", "full_cluster"} & set(item.fixturenames):
+        if _is_ray(item):
             item.add_marker(pytest.mark.xdist_group("ray"))
+        elif _with_ray:
+            item.add_marker(pytest.mark.xdist_group("no-ray"))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The process that runs the tests without Ray beside the drills lowers its priority,
+    once (never a process that runs both kinds: ``-n 0``)."""
+    global _niced
+    if _with_ray and not _niced and "PYTEST_XDIST_WORKER" in os.environ and not _is_ray(item):
+        os.nice(NON_RAY_NICE)
+        _niced = True
+
+
+_with_ray = _niced = False
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
