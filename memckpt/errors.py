@@ -62,6 +62,11 @@ class StaleGenerationError(MemckptError):
     """A replica write from a generation of workers that recovery has replaced."""
 
 
+class SupersededPutError(MemckptError):
+    """A replica transfer the store no longer accepts: finished, fenced off by recovery, or
+    superseded by a newer transfer of the same shard."""
+
+
 class GenerationEnded(MemckptError):
     """Recovery replaced this group of workers: the training function must return."""
 

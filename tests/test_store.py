@@ -13,7 +13,7 @@ import pytest
 
 import memckpt
 from memckpt.format import shard as fmt
-from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError, PlacementError
+from memckpt.errors import ChecksumError, NoSnapshotError, PlacementError, SupersededPutError
 from memckpt.runtime.node.replica_store import SLOTS, ReplicaStore, StaleGenerationError, node_dir, own_dir
 from conftest import STORE_JOB as JOB, STORE_NODE as NODE
 
@@ -27,15 +27,16 @@ def _chunks(raw: np.ndarray, n: int = 5) -> list[tuple[int, np.ndarray]]:
 
 def _send(store: ReplicaStore, rank: int, step: int, raw: np.ndarray, digest: str,
           order: str = "forward", gen: int = -1) -> str:
-    assert store.begin(rank, step, len(raw), digest, gen=gen) is True
+    ticket = store.begin(rank, step, len(raw), digest, gen=gen)
+    assert ticket > 0
     chunks = _chunks(raw)
     if order == "reverse":
         chunks.reverse()
     elif order == "shuffled":
         chunks = [chunks[i] for i in np.random.default_rng(step).permutation(len(chunks))]
     for off, chunk in chunks:
-        assert store.write(rank, step, off, chunk, gen=gen) == len(chunk)
-    return store.finish(rank, step, gen=gen)
+        assert store.write(ticket, off, chunk) == len(chunk)
+    return store.finish(ticket)
 
 
 def _data_offset(raw: np.ndarray) -> int:
@@ -61,12 +62,12 @@ def test_chunked_transfer_stores_verified_replica(store, shards, order):
 def test_begin_same_step_same_checksum_is_already_held(store, shards):
     raw, digest = shards[2]
     _send(store, 0, 2, raw, digest)
-    assert store.begin(0, 2, len(raw), digest) is False
+    assert store.begin(0, 2, len(raw), digest) == 0
     assert store.inventory() == {0: [2]}  # untouched
     assert np.array_equal(store.read(0, 2), raw)
     # a different checksum for the same step is a new transfer into the same slot
     other_raw, other_digest = shards[3]
-    assert store.begin(0, 2, len(other_raw), other_digest) is True
+    assert store.begin(0, 2, len(other_raw), other_digest) > 0
     assert store.inventory() == {}  # invalidated until the new bytes verify
 
 
@@ -74,16 +75,16 @@ def test_flipped_byte_is_refused_then_retransmission_succeeds(store, shards):
     raw, digest = shards[1]
     bad = raw.copy()
     bad[_data_offset(raw) + 100] ^= 0xFF
-    assert store.begin(0, 1, len(bad), digest) is True
+    ticket = store.begin(0, 1, len(bad), digest)
     for off, chunk in _chunks(bad):
-        store.write(0, 1, off, chunk)
+        store.write(ticket, off, chunk)
     with pytest.raises(ChecksumError, match="checksum mismatch"):
-        store.finish(0, 1)
+        store.finish(ticket)
     assert store.inventory() == {}
     with pytest.raises(NoSnapshotError):
         store.read(0, 1)
-    with pytest.raises(MemckptError, match="not begun"):
-        store.finish(0, 1)  # the failed transfer is closed
+    with pytest.raises(SupersededPutError, match="not open"):
+        store.finish(ticket)  # the failed transfer is closed
     # a correct retransmission reuses the slot and succeeds
     assert _send(store, 0, 1, raw, digest) == digest
     assert store.inventory() == {0: [1]}
@@ -95,31 +96,31 @@ def test_flipped_header_byte_is_refused(store, shards):
     raw, digest = shards[1]
     bad = raw.copy()
     bad[fmt.PREFIX.size + 3] ^= 0x01  # inside the JSON header
-    store.begin(0, 1, len(bad), digest)
+    ticket = store.begin(0, 1, len(bad), digest)
     for off, chunk in _chunks(bad):
-        store.write(0, 1, off, chunk)
+        store.write(ticket, off, chunk)
     with pytest.raises(ChecksumError):
-        store.finish(0, 1)
+        store.finish(ticket)
     assert store.inventory() == {}
 
 
 def test_wrong_step_is_refused(store, shards):
     raw, digest = shards[1]
-    store.begin(0, 2, len(raw), digest)  # announced as step 2, bytes are step 1
+    ticket = store.begin(0, 2, len(raw), digest)  # announced as step 2, bytes are step 1
     for off, chunk in _chunks(raw):
-        store.write(0, 2, off, chunk)
+        store.write(ticket, off, chunk)
     with pytest.raises(ChecksumError, match="expected step 2"):
-        store.finish(0, 2)
+        store.finish(ticket)
     assert store.inventory() == {}
 
 
 @pytest.mark.parametrize("sent", ["some", "all"])
 def test_torn_transfer_is_not_listed(ram_root, store, shards, sent):
     raw, digest = shards[1]
-    assert store.begin(0, 1, len(raw), digest)
+    ticket = store.begin(0, 1, len(raw), digest)
     chunks = _chunks(raw)
     for off, chunk in (chunks[:2] if sent == "some" else chunks):
-        store.write(0, 1, off, chunk)
+        store.write(ticket, off, chunk)
     # no finish: the sender died mid-transfer
     assert store.inventory() == {}
     with pytest.raises(NoSnapshotError):
@@ -132,16 +133,74 @@ def test_torn_transfer_over_old_slot_keeps_the_newer_copy(store, shards):
     for s in (1, 2):
         _send(store, 0, s, *shards[s])
     raw, digest = shards[3]
-    store.begin(0, 3, len(raw), digest)
-    store.write(0, 3, 0, raw[:4096])
+    store.write(store.begin(0, 3, len(raw), digest), 0, raw[:4096])
     assert store.inventory() == {0: [2]}  # step 1's slot is being overwritten; 2 intact
     assert np.array_equal(store.read(0, 2), shards[2][0])
 
 
+def test_a_superseded_transfer_never_touches_the_newer_copy(store, shards):
+    """A sender died mid-shard and the store's thread for it is still writing a piece (a
+    loaded node): the replacement's transfer of the same shard begins, completes and is
+    listed meanwhile; then the old thread's piece ends, flagging and writing as it goes.
+    The newer copy stays listed and intact, and the old transfer is refused from then on.
+    (A fresh-clone CI run failed this way, docs/testing.md run 32: the old thread's flag
+    landed on the newer copy, which had reused the same slot file.)"""
+    raw, digest = shards[1]
+    old = store.begin(0, 1, len(raw), digest)
+    newer: list[int] = []
+
+    def late_piece(view: memoryview) -> None:
+        if not newer:  # the newer transfer happens while this piece is being written
+            newer.append(store.begin(0, 1, len(raw), digest))
+            for off, chunk in _chunks(raw):
+                store.write(newer[0], off, chunk)
+            assert store.finish(newer[0]) == digest
+            assert store.inventory() == {0: [1]}
+        np.frombuffer(view, dtype=np.uint8)[:] = 0xEE  # what the dead sender had sent
+
+    store.receive(old, 0, 8192, late_piece)  # the head, the incomplete flag, the rest
+    assert newer and newer[0] != old
+    assert store.inventory() == {0: [1]}
+    assert np.array_equal(store.read(0, 1), raw)
+    with pytest.raises(SupersededPutError, match="not open"):
+        store.write(old, 8192, raw[8192:9000])
+    with pytest.raises(SupersededPutError):
+        store.finish(old)
+    assert len(list((store.replicas / "rank0").glob("*.shard"))) == 1  # no file left behind
+
+
+def test_a_transfer_superseded_while_it_verifies_is_not_acknowledged(store, shards,
+                                                                    monkeypatch):
+    """The same shard begun again while a complete transfer of it is verified: the newer
+    one gets a fresh file, the verified one is not acknowledged (its file is gone) and the
+    newer one, once finished, is the copy listed."""
+    raw, digest = shards[2]
+    first = store.begin(0, 2, len(raw), digest)
+    for off, chunk in _chunks(raw):
+        store.write(first, off, chunk)
+    second: list[int] = []
+    real_accept = fmt.accept_received
+
+    def accept_while_a_newer_begins(*args, **kwargs):
+        second.append(store.begin(0, 2, len(raw), digest))
+        return real_accept(*args, **kwargs)
+
+    monkeypatch.setattr(fmt, "accept_received", accept_while_a_newer_begins)
+    with pytest.raises(SupersededPutError, match="superseded"):
+        store.finish(first)
+    monkeypatch.undo()
+    assert store.inventory() == {}
+    for off, chunk in _chunks(raw):
+        store.write(second[0], off, chunk)
+    assert store.finish(second[0]) == digest
+    assert store.inventory() == {0: [2]}
+    assert np.array_equal(store.read(0, 2), raw)
+
+
 def test_write_without_begin_is_refused(store, shards):
     raw, _ = shards[1]
-    with pytest.raises(MemckptError, match="not begun"):
-        store.write(0, 1, 0, raw[:10])
+    with pytest.raises(SupersededPutError, match="not open"):
+        store.write(1, 0, raw[:10])
 
 
 # ---- slots --------------------------------------------------------------------------------
@@ -163,11 +222,12 @@ def test_resending_a_held_step_reuses_its_slot(store, shards):
     # step 2 announced again with another checksum (a rerun after a rollback): it goes
     # into step 2's slot, never over step 3
     raw2, _ = shards[2]
-    assert store.begin(0, 2, len(raw2), "0" * 16) is True
+    ticket = store.begin(0, 2, len(raw2), "0" * 16)
+    assert ticket > 0
     assert store.inventory() == {0: [3]}
     for off, chunk in _chunks(raw2):
-        store.write(0, 2, off, chunk)
-    store.finish(0, 2)
+        store.write(ticket, off, chunk)
+    store.finish(ticket)
     assert store.inventory() == {0: [2, 3]}
     assert np.array_equal(store.read(0, 3), shards[3][0])
 
@@ -189,13 +249,9 @@ def test_generation_fencing(store, shards):
     store.set_generation(5)
     with pytest.raises(StaleGenerationError, match="generation 4"):
         store.begin(0, 1, len(raw), digest, gen=4)
-    assert store.begin(0, 1, len(raw), digest, gen=5) is True
-    with pytest.raises(StaleGenerationError):
-        store.write(0, 1, 0, raw, gen=4)
-    store.write(0, 1, 0, raw, gen=5)
-    with pytest.raises(StaleGenerationError):
-        store.finish(0, 1, gen=4)
-    assert store.finish(0, 1, gen=5) == digest
+    ticket = store.begin(0, 1, len(raw), digest, gen=5)
+    store.write(ticket, 0, raw)
+    assert store.finish(ticket) == digest
     assert store.inventory() == {0: [1]}
     store.set_generation(3)  # never goes back
     with pytest.raises(StaleGenerationError):
@@ -204,13 +260,13 @@ def test_generation_fencing(store, shards):
 
 def test_new_generation_cancels_in_flight_transfer(store, shards):
     raw, digest = shards[2]
-    store.begin(0, 2, len(raw), digest, gen=1)
-    store.write(0, 2, 0, raw[:4096], gen=1)
+    ticket = store.begin(0, 2, len(raw), digest, gen=1)
+    store.write(ticket, 0, raw[:4096])
     store.set_generation(2)
     with pytest.raises(StaleGenerationError):
-        store.write(0, 2, 4096, raw[4096:], gen=1)
-    with pytest.raises(MemckptError, match="not begun"):
-        store.finish(0, 2, gen=2)
+        store.write(ticket, 4096, raw[4096:])
+    with pytest.raises(StaleGenerationError):
+        store.finish(ticket)
     assert store.inventory() == {}
 
 
@@ -270,7 +326,7 @@ def test_restarted_store_adopts_everything(ram_root, store, shards):
     assert again.inventory() == store.inventory() == {0: [1, 2], 3: [3]}
     assert np.array_equal(again.read(3, 3), shards[3][0])
     raw, digest = shards[2]
-    assert again.begin(0, 2, len(raw), digest) is False
+    assert again.begin(0, 2, len(raw), digest) == 0
     # and keeps receiving: step 3 of rank 0 replaces step 1
     _send(again, 0, 3, *shards[3])
     assert again.inventory() == {0: [2, 3], 3: [3]}

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from memckpt.format import shard as fmt
-from memckpt.errors import ChecksumError, NoSnapshotError, PlacementError, StaleGenerationError
+from memckpt.errors import (ChecksumError, NoSnapshotError, PlacementError, StaleGenerationError,
+                            SupersededPutError)
 from memckpt.engine.snapshot import SnapshotEngine
 from memckpt.runtime.node.replica_store import scan
 from memckpt.runtime.node.transport import StoreConnection, send_msg
 from _shards import _train_state, shards  # noqa: F401 (fixture)
-from conftest import held_replica
+from conftest import held_replica, wait_for
 
 def test_streamed_shard_lands_verified_and_byte_identical(store, sender, shards):
     for step in (1, 2):
@@ -68,10 +69,10 @@ def test_generation_change_mid_stream_drops_the_shard(store, shards, monkeypatch
     assert len(raw) > 3 * 4096
     real_receive, fenced = store.receive, []
 
-    def receive(rank, step, offset, nbytes, fill, gen=-1):
+    def receive(ticket, offset, nbytes, fill):
         if offset == 4096 and not fenced:  # recovery starts generation 1 mid-stream
             fenced.append(store.set_generation(1))
-        return real_receive(rank, step, offset, nbytes, fill, gen)
+        return real_receive(ticket, offset, nbytes, fill)
 
     monkeypatch.setattr(store, "receive", receive)
     snd = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
@@ -98,6 +99,48 @@ def test_sender_dying_mid_shard_leaves_nothing_listed(store, shards):
     finally:
         snd.close()
     assert store.inventory() == {0: [1]}
+
+
+def test_a_dead_senders_late_bytes_never_touch_the_replacements_copy(store, shards,
+                                                                   monkeypatch):
+    """A sender dies half-way through a shard and the store's thread for its connection gets
+    to the bytes late (a loaded node); the replacement sends the same shard and is
+    acknowledged; only then does the dead sender's thread go on: it is refused, and the
+    acknowledged copy stays listed and intact. (The old thread caught mid-piece instead:
+    test_store.py's test_a_superseded_transfer_never_touches_the_newer_copy.)"""
+    raw, digest = shards[1]
+    real_receive, replaced = store.receive, threading.Event()
+    first: list[int] = []
+    outcome: list[BaseException] = []
+
+    def receive(ticket, offset, nbytes, fill):
+        first[:] = first or [ticket]
+        if ticket != first[0]:
+            return real_receive(ticket, offset, nbytes, fill)
+        replaced.wait(30)
+        try:
+            return real_receive(ticket, offset, nbytes, fill)
+        except BaseException as e:
+            outcome.append(e)
+            raise
+
+    monkeypatch.setattr(store, "receive", receive)
+    sock = socket.create_connection(store.address("127.0.0.1"), timeout=30)
+    send_msg(sock, {"rank": 0, "step": 1, "nbytes": len(raw), "checksum": digest, "gen": 0})
+    sock.recv(1024)  # the go-ahead
+    sock.sendall(memoryview(raw)[: len(raw) // 2])
+    sock.close()  # the worker died half-way; its thread at the store waits to read
+    wait_for(lambda: first, 10, "the dead sender's thread to reach its bytes")
+    snd = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
+    try:
+        assert snd.send(0, 1, raw, digest, gen=0) == len(raw)
+    finally:
+        snd.close()
+    replaced.set()
+    wait_for(lambda: outcome, 10, "the dead sender's thread to be refused")
+    assert isinstance(outcome[0], SupersededPutError), outcome
+    assert store.inventory() == {0: [1]}
+    assert np.array_equal(held_replica(store, 0, 1), raw)
 
 
 def test_cancelled_send_stops_and_closes(store, sender, shards):

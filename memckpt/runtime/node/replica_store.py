@@ -25,8 +25,10 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import itertools
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -39,7 +41,7 @@ from memckpt.engine.buffers import RamRegion, remove_path, resolve_ram_root
 from memckpt.runtime.node.transport import ShardServer
 from memckpt.runtime.node.uplink import Uplink, View
 from memckpt.errors import (MemckptError, NoSnapshotError, PlacementError,
-                            StaleGenerationError)
+                            StaleGenerationError, SupersededPutError)
 
 SLOTS = ("slot0.shard", "slot1.shard")
 RAM_HEADROOM = 256 << 20  # keep this much RAM free for the node's other processes
@@ -50,6 +52,18 @@ FILL_POLL_S = 0.002
 FILL_WAIT_BACKOFF = 20  # after a wait found nothing: puts of that rank that do not wait
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Put:
+    """One transfer of ``rank``'s shard of ``step`` into ``path``, from :meth:`ReplicaStore.begin`
+    to :meth:`ReplicaStore.finish`."""
+    rank: int
+    step: int
+    gen: int
+    path: Path
+    region: RamRegion
+    filled: Optional[tuple[fmt.Chunks, set[int]]] = None  # data chunks filled locally, checked
 
 
 def node_dir(ram_root: Path, job: str, node_id: str) -> Path:
@@ -131,20 +145,26 @@ class ReplicaStore:
         self.replicas.mkdir(parents=True, exist_ok=True)
         self.own.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._open: dict[tuple[int, int], RamRegion] = {}  # (rank, step) being received
+        # transfers under way: by ticket, and which one is current for each (rank, step)
+        self._open: dict[int, _Put] = {}
+        self._current: dict[tuple[int, int], int] = {}
+        self._tickets = itertools.count(1)
+        self._fenced: set[int] = set()  # tickets of transfers a newer generation fenced off
         self.generation = -1  # writes from older generations of workers are refused
         self._server: Optional[ShardServer] = None
         self._mapped: dict[Path, tuple[Optional[int], RamRegion]] = {}  # shard file -> (inode, mapping)
         self._fill_backoff: dict[int, int] = {}  # rank -> puts left that skip the fill wait
-        self._filled: dict[tuple[int, int], tuple[fmt.Chunks, set[int]]] = {}  # checked chunks
         self.uplink = Uplink(node_id)  # the node's readiness, metrics, heartbeats
 
     def set_generation(self, gen: int) -> None:
         """Fence off an older generation's in-flight replication (called during recovery)."""
         with self._lock:
             self.generation = max(self.generation, gen)
-            self._open.clear()
-            self._filled.clear()
+            for ticket, put in list(self._open.items()):
+                if put.gen < self.generation:
+                    del self._open[ticket]
+                    self._current.pop((put.rank, put.step), None)
+                    self._fenced.add(ticket)
         self.uplink.fence(gen)
 
     def _fence(self, gen: int) -> None:
@@ -195,10 +215,22 @@ class ReplicaStore:
         order = sorted(range(len(paths)), key=lambda i: -1 if (s := steps[i]) is None else s)
         return paths[order[0]]
 
-    def begin(self, rank: int, step: int, nbytes: int, checksum: str, gen: int = -1) -> bool:
-        """Prepare to receive ``rank``'s shard of ``step``; False if already held intact."""
+    def begin(self, rank: int, step: int, nbytes: int, checksum: str, gen: int = -1) -> int:
+        """Prepare to receive ``rank``'s shard of ``step``: the transfer's ticket, which
+        :meth:`receive`, :meth:`fill_local` and :meth:`finish` take; 0 if already held intact.
+
+        A transfer of the same shard still open (its sender died or stalled mid-shard, its
+        connection's thread not done yet) is superseded: every later call of it is refused,
+        and its file is replaced by a fresh one, so bytes it still writes into its mapping
+        (the rest of a piece under way) never land in this transfer's copy."""
         with self._lock:
             self._fence(gen)
+            stale = self._open.pop(self._current.pop((rank, step), 0), None)
+            if stale is not None:
+                log.info("memckpt: a new transfer of rank %d's replica of step %d supersedes "
+                         "one still open (its sender died or stalled mid-shard)", rank, step)
+                self._mapped.pop(stale.path, None)
+                remove_path(stale.path)
             path = self._slot_for(rank, step)
             if peek_step(path) == step:
                 try:
@@ -212,23 +244,41 @@ class ReplicaStore:
             invalidate(path)
             region = self._mapping(path, nbytes)
             fmt.mark_writing(region.array)
-            self._open[(rank, step)] = region
-            self._filled.pop((rank, step), None)  # a fill belongs to one put
-            return True
+            ticket = next(self._tickets)
+            self._open[ticket] = _Put(rank, step, gen, path, region)
+            self._current[(rank, step)] = ticket
+            return ticket
 
-    def fill_local(self, rank: int, step: int, chunks: fmt.Chunks) -> list[int]:
-        """Fill the data chunks of ``rank``'s begun replica of ``step`` that a complete shard
-        this node already holds at ``step`` has with the same checksum (another rank's own
-        slot, or another replica), by a local copy. Returns their indices: the sender skips
-        them. Each copied chunk is checksummed again before it counts (a source overwritten
+    def _put(self, ticket: int) -> _Put:
+        """The open transfer ``ticket``, if still current and of a current generation."""
+        with self._lock:
+            put = self._open.get(ticket)
+            if put is None and ticket in self._fenced:
+                raise StaleGenerationError(f"replica transfer {ticket} refused: its generation "
+                                           f"is older than the job's {self.generation}")
+            if put is None:
+                raise SupersededPutError(
+                    f"replica transfer {ticket} is not open on this store: never begun, "
+                    "finished, fenced off by recovery, or superseded by a newer transfer of "
+                    "the same shard")
+            self._fence(put.gen)
+            return put
+
+    def fill_local(self, ticket: int, chunks: fmt.Chunks) -> list[int]:
+        """Fill the data chunks of transfer ``ticket`` that a complete shard this node
+        already holds at its step has with the same checksum (another rank's own slot, or
+        another replica), by a local copy. Returns their indices: the sender skips them.
+        Each copied chunk is checksummed again before it counts (a source overwritten
         meanwhile is just sent), and :meth:`finish` verifies the whole shard as always.
         Never raises: a fill that fails only means more bytes on the wire."""
-        region = self._open.get((rank, step))
-        if region is None:
+        try:
+            put = self._put(ticket)
+        except MemckptError:
             return []
+        rank, step = put.rank, put.step
         filled: set[int] = set()
         try:
-            dest = region.array
+            dest = put.region.array
             data_len = len(dest) - chunks.data_offset
             for source in self._fill_sources(rank, step):
                 theirs = source.chunks
@@ -248,7 +298,7 @@ class ReplicaStore:
         except (OSError, ValueError, MemckptError) as e:
             log.info("memckpt: filling rank %d's replica of step %d locally stopped: %s",
                      rank, step, e)
-        self._filled[(rank, step)] = (chunks, filled)  # finish() need not hash them again
+        put.filled = (chunks, filled)  # finish() need not hash them again
         return sorted(filled)
 
     def _fill_sources(self, rank: int, step: int) -> list[fmt.Shard]:
@@ -309,28 +359,27 @@ class ReplicaStore:
                 f"{need / 2**30:.2f} GiB more, {avail / 2**30:.2f} GiB available; lower "
                 "placement.replicas, use fewer ranks per node, or add RAM")
 
-    def write(self, rank: int, step: int, offset: int, chunk: np.ndarray, gen: int = -1) -> int:
-        """Copy one chunk of a begun shard in (the Ray-call path; see :meth:`receive`)."""
+    def write(self, ticket: int, offset: int, chunk: np.ndarray) -> int:
+        """Copy one chunk of transfer ``ticket`` in (an in-process path; see :meth:`receive`)."""
         done = 0
 
         def fill(view: memoryview) -> None:
             nonlocal done
             np.frombuffer(view, dtype=np.uint8)[:] = chunk[done: done + len(view)]
             done += len(view)
-        return self.receive(rank, step, offset, len(chunk), fill, gen)
+        return self.receive(ticket, offset, len(chunk), fill)
 
-    def receive(self, rank: int, step: int, offset: int, nbytes: int,
-                fill: Callable[[memoryview], None], gen: int = -1) -> int:
-        """Let ``fill`` write bytes ``offset .. offset+nbytes`` of a begun shard straight into
-        its file (a socket's ``recv_into``, or a copy). ``fill`` is called on consecutive
-        parts of that range, in order."""
-        self._fence(gen)
-        region = self._open.get((rank, step))
-        if region is None:
-            raise MemckptError(f"replica of rank {rank} step {step} was not begun on this store")
+    def receive(self, ticket: int, offset: int, nbytes: int,
+                fill: Callable[[memoryview], None]) -> int:
+        """Let ``fill`` write bytes ``offset .. offset+nbytes`` of transfer ``ticket`` straight
+        into its file (a socket's ``recv_into``, or a copy). ``fill`` is called on
+        consecutive parts of that range, in order. Refused once the transfer is superseded
+        or fenced off (checked at every call: the server calls once per RECV_CHUNK)."""
+        put = self._put(ticket)
+        region = put.region
         if offset + nbytes > len(region.array):
-            raise MemckptError(f"replica of rank {rank} step {step}: bytes {offset}..{offset + nbytes}"
-                               f" exceed the announced {len(region.array)}")
+            raise MemckptError(f"replica of rank {put.rank} step {put.step}: bytes "
+                               f"{offset}..{offset + nbytes} exceed the announced {len(region.array)}")
         fmt.fill_flagged(region.array, offset, nbytes, fill)  # never listed while partial
         return nbytes
 
@@ -344,16 +393,24 @@ class ReplicaStore:
                 self._server = ShardServer(self, host)
             return self._server.address
 
-    def finish(self, rank: int, step: int, gen: int = -1) -> str:
-        """Verify the received shard and mark it complete; returns its checksum."""
-        with self._lock:
-            self._fence(gen)
-            region = self._open.pop((rank, step), None)
-            verified = self._filled.pop((rank, step), None)
-        if region is None:
-            raise MemckptError(f"replica of rank {rank} step {step} was not begun on this store")
-        shard = fmt.accept_received(region.array, f"replica of rank {rank} step {step}", step,
-                                    verified=verified)
+    def finish(self, ticket: int) -> str:
+        """Verify transfer ``ticket``'s shard and mark it complete; returns its checksum.
+        The transfer is closed either way. It stays current while it is verified, so a
+        transfer of the same shard begun meanwhile supersedes it (a fresh file) instead of
+        writing into the slot this one is about to flag complete."""
+        put = self._put(ticket)
+        try:
+            shard = fmt.accept_received(put.region.array,
+                                        f"replica of rank {put.rank} step {put.step}", put.step,
+                                        verified=put.filled)
+        finally:
+            with self._lock:
+                still_open = self._open.pop(ticket, None) is not None
+                if self._current.get((put.rank, put.step)) == ticket:
+                    del self._current[(put.rank, put.step)]
+        if not still_open:
+            raise SupersededPutError(f"replica of rank {put.rank} step {put.step}: a newer "
+                                     "transfer of the same shard superseded this one")
         return shard.header["data_xxh3"]
 
     # -- serving ----------------------------------------------------------------------------
@@ -445,7 +502,7 @@ class ReplicaStore:
         job starts afresh: its uplink goes on)."""
         with self._lock:
             self._open.clear()
-            self._filled.clear()
+            self._current.clear()
             self._mapped.clear()
             if self._server is not None:
                 self._server.close()

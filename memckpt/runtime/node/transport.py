@@ -44,7 +44,7 @@ import numpy as np
 
 from memckpt.format import shard as fmt
 from memckpt.errors import (ChecksumError, MemckptError, NoSnapshotError, PlacementError,
-                            StaleGenerationError)
+                            StaleGenerationError, SupersededPutError)
 
 _LEN = struct.Struct("<I")
 RECV_CHUNK = 16 << 20  # the receiver re-checks its generation fence between chunks
@@ -54,20 +54,20 @@ MAX_HEADER = 1 << 20
 # Errors a store may answer with, re-raised as the same type on the sender.
 _ERRORS: dict[str, type[MemckptError]] = {
     cls.__name__: cls for cls in (MemckptError, ChecksumError, NoSnapshotError, PlacementError,
-                                  StaleGenerationError)}
+                                  StaleGenerationError, SupersededPutError)}
 
 
 class Receiver(Protocol):
     """What the server needs from a store (see :class:`memckpt.runtime.node.replica_store.ReplicaStore`)."""
 
-    def begin(self, rank: int, step: int, nbytes: int, checksum: str, gen: int = -1) -> bool: ...
+    def begin(self, rank: int, step: int, nbytes: int, checksum: str, gen: int = -1) -> int: ...
 
-    def receive(self, rank: int, step: int, offset: int, nbytes: int,
-                fill: Callable[[memoryview], None], gen: int = -1) -> int: ...
+    def receive(self, ticket: int, offset: int, nbytes: int,
+                fill: Callable[[memoryview], None]) -> int: ...
 
-    def fill_local(self, rank: int, step: int, chunks: fmt.Chunks) -> list[int]: ...
+    def fill_local(self, ticket: int, chunks: fmt.Chunks) -> list[int]: ...
 
-    def finish(self, rank: int, step: int, gen: int = -1) -> str: ...
+    def finish(self, ticket: int) -> str: ...
 
     def serve_bytes(self, rank: int, step: int) -> np.ndarray: ...
 
@@ -218,30 +218,30 @@ class ShardServer:
         """Receive one shard: go-ahead (or refusal), bytes, verified acknowledgement."""
         rank, step, nbytes, gen = int(req["rank"]), int(req["step"]), int(req["nbytes"]), int(req["gen"])
         try:
-            wanted = self.store.begin(rank, step, nbytes, req["checksum"], gen)
+            ticket = self.store.begin(rank, step, nbytes, req["checksum"], gen)
         except MemckptError as e:
             return send_msg(conn, _refusal(e))
         chunks = _chunks_of(req.get("chunks"), nbytes)
-        filled = self.store.fill_local(rank, step, chunks) if wanted and chunks else []
-        send_msg(conn, {"ok": True, "send": wanted, "filled": filled})
-        if wanted:
-            send_msg(conn, self._receive(conn, rank, step, _spans(nbytes, chunks, filled), gen))
+        filled = self.store.fill_local(ticket, chunks) if ticket and chunks else []
+        send_msg(conn, {"ok": True, "send": bool(ticket), "filled": filled})
+        if ticket:
+            send_msg(conn, self._receive(conn, ticket, _spans(nbytes, chunks, filled)))
 
-    def _receive(self, conn: socket.socket, rank: int, step: int, spans: list[tuple[int, int]],
-                 gen: int) -> dict[str, Any]:
+    def _receive(self, conn: socket.socket, ticket: int,
+                 spans: list[tuple[int, int]]) -> dict[str, Any]:
         error: Optional[MemckptError] = None
         for off, n in (piece for span in spans for piece in _pieces(*span)):
             if error is not None:  # keep the stream in step: read and drop the rest
                 _recv_into(conn, memoryview(bytearray(n)))
                 continue
             try:
-                self.store.receive(rank, step, off, n, lambda view: _recv_into(conn, view), gen)
+                self.store.receive(ticket, off, n, lambda view: _recv_into(conn, view))
             except MemckptError as e:  # refused before reading: drop this piece, then the rest
                 error = e
                 _recv_into(conn, memoryview(bytearray(n)))
         if error is None:
             try:
-                return {"ok": True, "checksum": self.store.finish(rank, step, gen)}
+                return {"ok": True, "checksum": self.store.finish(ticket)}
             except MemckptError as e:
                 error = e
         return _refusal(error)
