@@ -259,8 +259,7 @@ class ReplicaStore:
             if put is None:
                 raise SupersededPutError(
                     f"replica transfer {ticket} is not open on this store: never begun, "
-                    "finished, fenced off by recovery, or superseded by a newer transfer of "
-                    "the same shard")
+                    "finished, or superseded by a newer transfer of the same shard")
             self._fence(put.gen)
             return put
 
