@@ -63,8 +63,9 @@ class StaleGenerationError(MemckptError):
 
 
 class SupersededPutError(MemckptError):
-    """A replica transfer the store no longer accepts: finished, fenced off by recovery, or
-    superseded by a newer transfer of the same shard."""
+    """A replica transfer the store no longer accepts: never begun, finished, or superseded
+    by a newer transfer of the same shard (one fenced off by recovery gets
+    :class:`StaleGenerationError`)."""
 
 
 class GenerationEnded(MemckptError):

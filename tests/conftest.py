@@ -167,6 +167,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # How much lower the process that runs the tests without Ray schedules itself (os.nice) under
 # ``-n 2``: the drills keep their CPU, and those tests take what the drills leave idle.
 NON_RAY_NICE = 10
+_with_ray = _niced = False  # the selection has Ray drills; this process has lowered itself
 
 
 def _is_ray(item: pytest.Item) -> bool:
@@ -204,9 +205,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if _with_ray and not _niced and "PYTEST_XDIST_WORKER" in os.environ and not _is_ray(item):
         os.nice(NON_RAY_NICE)
         _niced = True
-
-
-_with_ray = _niced = False
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -197,6 +197,24 @@ def test_a_transfer_superseded_while_it_verifies_is_not_acknowledged(store, shar
     assert np.array_equal(store.read(0, 2), raw)
 
 
+def test_a_transfer_fenced_off_while_it_verifies_is_not_acknowledged(store, shards,
+                                                                      monkeypatch):
+    """Recovery fences the sender's generation while its complete transfer is verified:
+    the store answers with the fence, not an acknowledgement."""
+    raw, digest = shards[1]
+    ticket = store.begin(0, 1, len(raw), digest, gen=0)
+    store.write(ticket, 0, raw)
+    real_accept = fmt.accept_received
+
+    def accept_while_recovery_fences(*args, **kwargs):
+        store.set_generation(1)
+        return real_accept(*args, **kwargs)
+
+    monkeypatch.setattr(fmt, "accept_received", accept_while_recovery_fences)
+    with pytest.raises(StaleGenerationError, match="generation"):
+        store.finish(ticket)
+
+
 def test_write_without_begin_is_refused(store, shards):
     raw, _ = shards[1]
     with pytest.raises(SupersededPutError, match="not open"):
@@ -246,9 +264,14 @@ def test_discard_after_invalidates_newer_steps(store, shards):
 
 def test_generation_fencing(store, shards):
     raw, digest = shards[1]
+    older = store.begin(0, 1, len(raw), digest, gen=4)  # under way when recovery fences
     store.set_generation(5)
     with pytest.raises(StaleGenerationError, match="generation 4"):
         store.begin(0, 1, len(raw), digest, gen=4)
+    with pytest.raises(StaleGenerationError):
+        store.write(older, 0, raw)
+    with pytest.raises(StaleGenerationError):
+        store.finish(older)
     ticket = store.begin(0, 1, len(raw), digest, gen=5)
     store.write(ticket, 0, raw)
     assert store.finish(ticket) == digest

@@ -23,9 +23,9 @@ committed, so the newest committed copy is never overwritten.
 from __future__ import annotations
 
 import logging
+import itertools
 import os
 import struct
-import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -253,15 +253,19 @@ class ReplicaStore:
         """The open transfer ``ticket``, if still current and of a current generation."""
         with self._lock:
             put = self._open.get(ticket)
-            if put is None and ticket in self._fenced:
-                raise StaleGenerationError(f"replica transfer {ticket} refused: its generation "
-                                           f"is older than the job's {self.generation}")
             if put is None:
-                raise SupersededPutError(
-                    f"replica transfer {ticket} is not open on this store: never begun, "
-                    "finished, or superseded by a newer transfer of the same shard")
+                raise self._not_open(ticket)
             self._fence(put.gen)
             return put
+
+    def _not_open(self, ticket: int) -> MemckptError:
+        """Why transfer ``ticket`` is no longer accepted (call with the lock held)."""
+        if ticket in self._fenced:
+            return StaleGenerationError(f"replica transfer {ticket} refused: its generation is "
+                                        f"older than the job's {self.generation}")
+        return SupersededPutError(
+            f"replica transfer {ticket} is not open on this store: never begun, finished, or "
+            "superseded by a newer transfer of the same shard")
 
     def fill_local(self, ticket: int, chunks: fmt.Chunks) -> list[int]:
         """Fill the data chunks of transfer ``ticket`` that a complete shard this node
@@ -404,12 +408,11 @@ class ReplicaStore:
                                         verified=put.filled)
         finally:
             with self._lock:
-                still_open = self._open.pop(ticket, None) is not None
+                closed = None if self._open.pop(ticket, None) else self._not_open(ticket)
                 if self._current.get((put.rank, put.step)) == ticket:
                     del self._current[(put.rank, put.step)]
-        if not still_open:
-            raise SupersededPutError(f"replica of rank {put.rank} step {put.step}: a newer "
-                                     "transfer of the same shard superseded this one")
+        if closed is not None:  # superseded or fenced off while it was verified
+            raise closed
         return shard.header["data_xxh3"]
 
     # -- serving ----------------------------------------------------------------------------
