@@ -188,16 +188,25 @@ def test_status_and_kill_from_another_terminal(head, tmp_path):
     assert bad.returncode == 1 and "no running memckpt job named 'no-such-job'" in bad.stderr
 
 
-def _agent_owners(clusters: set[str]) -> dict[int, tuple[str, list[int]]]:
-    """Every raylet of the ``clusters`` (GCS addresses) on this machine -> (its cluster, the
-    pids listening on the port its runtime-env agent published: where that raylet sends
-    its runtime-env requests)."""
+_ANY = {"0.0.0.0", "::"}  # a wildcard listener would take the node address's connections too
+
+
+def _agent_owners(clusters: set[str]) -> dict[int, tuple[str, int, list[int]]]:
+    """Every raylet of the ``clusters`` (GCS addresses) on this machine -> (its cluster, its
+    agent's port, the pids listening where that raylet sends its runtime-env requests).
+
+    The raylet dials its node's address at the port its runtime-env agent published, and the
+    agent binds that address alone; so the holders are the listeners on that address or a
+    wildcard at that port. A listener on another address (the dashboard's on 127.0.0.1) may
+    hold the same port number: Linux hands out a port to ``bind(address, 0)`` that another
+    address already uses, and no request of this raylet reaches it (a CI run met one)."""
     import psutil
     from ray._raylet import RUNTIME_ENV_AGENT_PORT_NAME, get_port_filename
-    listeners: dict[int, list[int]] = {}
+    listeners: dict[tuple[str, int], list[int]] = {}
     for c in psutil.net_connections("tcp"):
         if c.status == psutil.CONN_LISTEN and c.pid:
-            listeners.setdefault(c.laddr.port, []).append(c.pid)
+            ip = c.laddr.ip.removeprefix("::ffff:")  # an IPv4 address on a dual-stack socket
+            listeners.setdefault((ip, c.laddr.port), []).append(c.pid)
     out = {}
     for p in psutil.process_iter(["name", "cmdline"]):
         if p.info["name"] != "raylet":
@@ -208,7 +217,23 @@ def _agent_owners(clusters: set[str]) -> dict[int, tuple[str, list[int]]]:
         port_file = Path(args["session_dir"]) / get_port_filename(args["node_id"],
                                                                    RUNTIME_ENV_AGENT_PORT_NAME)
         port = int(port_file.read_text())
-        out[p.pid] = (args["gcs-address"], listeners.get(port, []))
+        dialled = {args["node_ip_address"]} | _ANY
+        out[p.pid] = (args["gcs-address"], port,
+                      [pid for (ip, at), pids in listeners.items() if at == port and ip in dialled
+                       for pid in pids])
+    return out
+
+
+def _described(pids: list[int]) -> list[str]:
+    """Each pid with its parent and command line, for a failure's message."""
+    import psutil
+    out = []
+    for pid in pids:
+        try:
+            q = psutil.Process(pid)
+            out.append(f"{pid} (parent {q.ppid()}): {' '.join(q.cmdline())[:300]}")
+        except psutil.NoSuchProcess:
+            out.append(f"{pid} (gone)")
     return out
 
 
@@ -224,10 +249,19 @@ def test_two_local_clusters_keep_their_own_agents(head, cluster):
     """The job-submission head (its own process) and the session's cluster side by side:
     each raylet's runtime-env agent port is held by that raylet's own agent and nothing
     else, so no raylet can send a job's runtime env to the other cluster's agent."""
+    import socket
+
     import psutil
     owners = _agent_owners({head["address"], cluster.address})
-    assert len({c for c, _ in owners.values()}) == 2 and len(owners) == 8, owners  # 2 x (head + 3)
-    for raylet, (_, pids) in owners.items():
+    assert len({c for c, _, _ in owners.values()}) == 2 and len(owners) == 8, owners  # 2 x (head + 3)
+    # the port number held on another address, as Linux may hand it out: not a holder
+    raylet, (_, port, _) = next(iter(owners.items()))
+    if cluster.address.split(":")[0] != "127.0.0.1":
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", port))
+            other.listen()
+            assert os.getpid() not in _agent_owners({head["address"], cluster.address})[raylet][2]
+    for raylet, (_, _, pids) in owners.items():
         # its agent, and any process the agent started meanwhile that inherited the socket
         # (psutil lists every holder of the listening socket): all under this raylet
         under = []
@@ -236,5 +270,5 @@ def test_two_local_clusters_keep_their_own_agents(head, cluster):
                 under.append(raylet in [q.pid for q in psutil.Process(pid).parents()])
             except psutil.NoSuchProcess:
                 pass  # gone: it holds no port
-        assert under and all(under), (raylet, pids)
-        assert any(_ppid(pid) == raylet for pid in pids), (raylet, pids)  # the agent itself
+        assert under and all(under), (raylet, _described(pids))
+        assert any(_ppid(pid) == raylet for pid in pids), (raylet, _described(pids))  # its agent
