@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from memckpt.bench.common import evict_from_page_cache
 from memckpt.bench.recovery.workload import (all_reduce_mean, build_state, compute_inputs,
                                         compute_loss)
-from memckpt.util.netutil import free_port
 
 if TYPE_CHECKING:
     import torch
@@ -36,12 +35,18 @@ def _as_address(address: Sequence[Any]) -> tuple[str, int]:
 
 
 # -- the alternative: restart every worker and torch.load ---------------------------------------
-def _init_group(master: tuple[str, int], rank: int, world: int) -> None:
+_GROUP_TIMEOUT_S = 60
+
+
+def _init_group(master: tuple[str, int], rank: int, world: int, held: Any) -> None:
     import datetime
 
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+
+    from memckpt.runtime.worker import rendezvous
+    timeout = datetime.timedelta(seconds=_GROUP_TIMEOUT_S)
+    dist.init_process_group("gloo", store=rendezvous.join(master, rank, held, timeout),
+                            rank=rank, world_size=world, timeout=timeout)
 
 
 class ColdWorker:
@@ -52,10 +57,18 @@ class ColdWorker:
         torch.set_num_threads(max(1, cpus))
         self.model: Optional[torch.nn.Module] = None
         self.opt: Optional[torch.optim.Optimizer] = None
+        self._rendezvous: Any = None  # the group's store, as rank 0 (address())
 
     def address(self) -> tuple[str, int]:
+        """As rank 0: the group's store, listening from now on (as memckpt's workers do)."""
+        import datetime
+
         import ray
-        return ray.util.get_node_ip_address(), free_port()
+
+        from memckpt.runtime.worker import rendezvous
+        self._rendezvous = rendezvous.host(ray.util.get_node_ip_address(),
+                                           datetime.timedelta(seconds=_GROUP_TIMEOUT_S))
+        return ray.util.get_node_ip_address(), self._rendezvous.port
 
     def save_checkpoint(self, path: str, d: int, n: int, seed: int) -> int:
         """Build the state and torch.save it to local disk, fsynced, then drop the file from
@@ -71,7 +84,7 @@ class ColdWorker:
               hold: bool = False) -> int:
         """Train until the peer fails; at ``kill_at`` write the time and SIGKILL this process,
         or with ``hold`` stay still there until the driver removes this process's node."""
-        _init_group(master, rank, world)
+        _init_group(master, rank, world, self._rendezvous)
         x, w = compute_inputs()
         for step in range(1, max_steps + 1):
             loss = all_reduce_mean(compute_loss(x, w, compute_iters), world)
@@ -88,7 +101,7 @@ class ColdWorker:
                          d: int, n: int, compute_iters: int) -> dict[str, float]:
         import torch
         t0 = time.time()
-        _init_group(master, rank, world)
+        _init_group(master, rank, world, self._rendezvous)
         t1 = time.time()
         model, opt = build_state(d, n, fresh=False)
         t2 = time.time()

@@ -22,7 +22,6 @@ from memckpt.format import shard as fmt
 from memckpt.format.dtensor import forget_meshes
 from memckpt.engine.buffers import resolve_ram_root
 from memckpt.config import Config
-from memckpt.util.netutil import free_port
 from memckpt.engine.populate import MIN_BYTES, POOL, HostReserve, SlotReserve, spare_budget
 from memckpt.runtime.worker.context import StopTraining, WorkerContext
 from memckpt.runtime.worker.node_link import NodeLink
@@ -124,6 +123,7 @@ class Worker:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
         self._takeover = threading.Lock()  # prefault against run: who owns the pool
+        self._rendezvous: Any = None  # the TCPStore address() hosts for the next generation
         self._running = threading.Event()
         self._prefaulting = 0  # prefault calls under way (a worker parks only without one)
         self.rebind(config, coordinator)
@@ -177,7 +177,14 @@ class Worker:
                 link.beat(ctx.last_step if ctx is not None else -1)
 
     def address(self) -> tuple[str, int]:
-        return self.ip, free_port()
+        """As the next generation's rank 0: where its ranks meet to make their process group
+        (:mod:`~memckpt.runtime.worker.rendezvous`: this worker listens there from now on)."""
+        import datetime
+
+        from memckpt.runtime.worker import rendezvous
+        timeout = datetime.timedelta(seconds=self.config.failure.collective_timeout_s)
+        self._rendezvous = rendezvous.host(self.ip, timeout)
+        return self.ip, self._rendezvous.port
 
     def abort(self, gen: int) -> None:
         """End generation ``gen``'s training function (recovery: a peer is gone)."""
@@ -251,6 +258,8 @@ class Worker:
         import torch
         import torch.distributed as dist
 
+        from memckpt.runtime.worker import rendezvous
+        held, self._rendezvous = self._rendezvous, None  # this generation's, if rank 0
         with self._takeover:
             if self.spec is None:  # a spare taking over: its pool stays as far as it got
                 POOL.stop()
@@ -271,10 +280,10 @@ class Worker:
             backend = "nccl" if gpu else "gloo"
         try:
             if spec.world_size > 1:
-                dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}",
-                                        rank=spec.rank, world_size=spec.world_size,
-                                        timeout=datetime.timedelta(
-                                            seconds=spec.config.failure.collective_timeout_s))
+                timeout = datetime.timedelta(seconds=spec.config.failure.collective_timeout_s)
+                dist.init_process_group(backend, rank=spec.rank, world_size=spec.world_size,
+                                        store=rendezvous.join(master, spec.rank, held, timeout),
+                                        timeout=timeout)
             self.ctx = WorkerContext(spec, self.node_id, self.link)
             if slot_files:
                 self.ctx.ckpt.offer_files(slot_files)
