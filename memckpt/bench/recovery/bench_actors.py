@@ -66,9 +66,9 @@ class ColdWorker:
         import ray
 
         from memckpt.runtime.worker import rendezvous
-        self._rendezvous = rendezvous.host(ray.util.get_node_ip_address(),
-                                           datetime.timedelta(seconds=_GROUP_TIMEOUT_S))
-        return ray.util.get_node_ip_address(), self._rendezvous.port
+        ip = ray.util.get_node_ip_address()
+        self._rendezvous = rendezvous.host(ip, datetime.timedelta(seconds=_GROUP_TIMEOUT_S))
+        return ip, self._rendezvous.port
 
     def save_checkpoint(self, path: str, d: int, n: int, seed: int) -> int:
         """Build the state and torch.save it to local disk, fsynced, then drop the file from
