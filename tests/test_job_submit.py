@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -56,13 +58,16 @@ config = memckpt.Config(
 """
 
 
-@pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    d = tmp_path_factory.mktemp("head")
+@contextmanager
+def local_cluster_process(d: Path, nodes: int):
+    """A local cluster held by ``python -m memckpt.runtime.tools.local_cluster`` (as
+    cluster/local-cluster.sh runs it), its dashboard on any free port (the session's
+    cluster runs too), logs in ``d``; yields its ready file's info and the environment to
+    reach it with. Stopped on exit, also when it failed to start."""
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     log = open(d / "cluster.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "memckpt.runtime.tools.local_cluster", "--nodes", "3",
-                             "--dashboard-port", "0",  # any free one: the shared cluster runs too
+    proc = subprocess.Popen([sys.executable, "-m", "memckpt.runtime.tools.local_cluster",
+                             "--nodes", str(nodes), "--dashboard-port", "0",
                              "--ready-file", str(d / "ready.json")],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -93,6 +98,12 @@ def head(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    with local_cluster_process(tmp_path_factory.mktemp("head"), nodes=3) as info:
+        yield info
 
 
 def job_dir(tmp_path: Path, name: str, steps: int = 12, delay: float = 0.0, chaos: str = "()",
@@ -272,3 +283,104 @@ def test_two_local_clusters_keep_their_own_agents(head, cluster):
                 pass  # gone: it holds no port
         assert under and all(under), (raylet, _described(pids))
         assert any(_ppid(pid) == raylet for pid in pids), (raylet, _described(pids))  # its agent
+
+
+PROBE_PY = """import time
+
+import ray
+
+time.sleep(3)  # an entrypoint that starts slowly (a loaded machine importing torch)
+ray.init()
+print("JOINED", ray.get_runtime_context().gcs_address)
+
+
+@ray.remote(num_cpus=1)
+def where():
+    return ray.get_runtime_context().get_node_id()
+
+
+print("NODES", " ".join(sorted(set(ray.get([where.remote() for _ in range(6)])))))
+"""
+
+
+def test_a_job_runs_on_the_cluster_it_was_submitted_to(head, tmp_path):
+    """A second local cluster starts after the job's own one, so it is the newest on the
+    machine. A job submitted to the older one, whose entrypoint starts slowly, joins the GCS
+    of the cluster it was submitted to and runs its tasks on that cluster's nodes only. (Ray
+    hands the entrypoint a RAY_ADDRESS it resolved from "auto": the newest cluster recorded
+    in the head's temp dir, which under one temp dir shared by both was the other one.)"""
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    with local_cluster_process(newer, nodes=1) as other:
+        wd = tmp_path / "probe"
+        wd.mkdir()
+        (wd / "probe.py").write_text(PROBE_PY)
+        res = subprocess.run(["ray", "job", "submit", "--address", head["dashboard_url"],
+                              "--working-dir", str(wd), "--", "python", "probe.py"],
+                             env=head["env"], capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    joined = re.search(r"^JOINED (\S+)$", out, re.M)
+    ran_on = re.search(r"^NODES (.+)$", out, re.M)
+    assert joined and joined.group(1) == head["address"] != other["address"], out[-3000:]
+    assert ran_on and set(ran_on.group(1).split()) <= set(head["nodes"]), (out[-3000:], head)
+
+
+def _session_dirs(gcs_address: str) -> list[str]:
+    """The session folder of every raylet of the cluster at ``gcs_address``."""
+    import psutil
+    dirs = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        if p.info["name"] == "raylet":
+            args = dict(a[2:].split("=", 1) for a in p.info["cmdline"][1:] if "=" in a)
+            if args.get("gcs-address") == gcs_address:
+                dirs.append(args["session_dir"])
+    return dirs
+
+
+SHORT_JOB_PY = """from memckpt.demo.job import GPTJob
+
+train = GPTJob(steps=3, size="tiny", seed=0)
+"""
+SHORT_CONFIG_PY = """import os
+
+import memckpt
+
+config = memckpt.Config(
+    job_name=os.environ.get("JOB_NAME", "wd"),
+    workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
+    placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
+    failure=memckpt.FailureConfig(warm_spares=False),
+)
+"""
+
+
+def test_working_dir_jobs_submitted_ten_times_in_a_row_all_succeed(head, tmp_path):
+    """The README's flow (``ray job submit --working-dir . -- memckpt run ...``) ten times in
+    a row on a 3-node local cluster: the coordinator, the stores and the ranks on every node
+    import memckpt from the job's unpacked working directory (the checkout's ``memckpt/``).
+    Every node unpacks it under its own Ray temp dir. When the nodes shared one folder, their
+    agents removed and extracted the same package in it while an actor started through
+    another agent imported from it, and about one job in four failed. The job is the
+    example's, shortened to 3 steps of the tiny model so the ten runs stay short."""
+    dirs = _session_dirs(head["address"])
+    assert len(dirs) == 4 and len(set(dirs)) == 4, dirs  # head + 3 nodes, each its own
+    repo = Path(__file__).resolve().parents[1]
+    wd = tmp_path / "checkout"
+    shutil.copytree(repo / "memckpt", wd / "memckpt",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (wd / "job.py").write_text(SHORT_JOB_PY)
+    (wd / "config.py").write_text(SHORT_CONFIG_PY)
+    for i in range(10):
+        res = subprocess.run(
+            ["ray", "job", "submit", "--address", head["dashboard_url"], "--working-dir", str(wd),
+             "--runtime-env-json", json.dumps({"env_vars": {"JOB_NAME": f"wd-{i}"}}), "--",
+             "memckpt", "run", "job.py:train", "--config", "config.py",
+             "--summary", str(tmp_path / f"wd-{i}.json")],
+            env=head["env"], capture_output=True, text=True, timeout=600)
+        out = res.stdout + res.stderr
+        assert res.returncode == 0 and "succeeded" in out.lower(), (i, out[-3000:])
+        summary = json.loads((tmp_path / f"wd-{i}.json").read_text())
+        assert len(summary["losses"]) == 3, (i, summary)
+    unpacked = [d for d in dirs if (Path(d) / "runtime_resources" / "working_dir_files").is_dir()]
+    assert len(unpacked) >= 3, dirs  # every worker node unpacked it, each in its own folder
