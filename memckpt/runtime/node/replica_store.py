@@ -177,11 +177,13 @@ class ReplicaStore:
 
     # -- the node's agent toward the coordinator (memckpt.runtime.node.uplink) --------------
     def join(self, rank: int, gen: int, ranks: list[int], coordinator: Any,
-             interval_s: float) -> bool:
-        """``rank`` of generation ``gen`` reports through this store; ``ranks``: every rank
-        placement put on this node. False: ``gen`` is fenced off."""
+             interval_s: float, pid: Optional[int] = None,
+             timeout_s: Optional[float] = None) -> bool:
+        """``rank`` (process ``pid``) of generation ``gen`` reports through this store;
+        ``ranks``: every rank placement put on this node; the job's heartbeat interval and
+        timeout. False: ``gen`` is fenced off."""
         return gen >= self.generation and self.uplink.join(rank, gen, ranks, coordinator,
-                                                            interval_s)
+                                                            interval_s, pid, timeout_s)
 
     def rank_ready(self, rank: int, gen: int, step: int, holders: list[str]) -> bool:
         """``rank``'s shard of ``step`` is placed (False: join first)."""

@@ -17,6 +17,10 @@ The coordinator is the handle a rank passed at ``join`` (its ``WorkerSpec``'s): 
 restarts the coordinator in place behind the same named handle, and calls in flight are
 retried (``max_task_retries=-1``). A heartbeat thread sends the node's heartbeat every
 interval once a generation joined.
+
+A rank late to beat is looked at on its node each interval from then on: its silence goes
+to the coordinator net of what its process waited for a CPU (:mod:`memckpt.policy.liveness`),
+so a rank starved by something else on the node is not taken for a hung one.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from memckpt.runtime.node.aggregator import NodeAggregator
+from memckpt.policy.liveness import LATE_BEATS, ProcSample, StarvationCredit, net_silence
+from memckpt.runtime.node import procstat
+from memckpt.runtime.node.aggregator import Heartbeat, NodeAggregator
 
 COMMIT_GROUP = "commit"  # the store's concurrency group for ranks waiting on a commit
 COMMIT_WAITERS = 64  # its threads: a node's ranks waiting at once (more just queue)
@@ -34,6 +40,7 @@ KEEP_ANSWERS = 4  # commit answers kept per generation (a few steps in flight)
 
 View = tuple[Optional[int], Optional[int], Optional[str]]
 Get = Callable[[Any, float], Any]  # (a call's reference, timeout) -> its answer; TimeoutError
+Sample = Callable[[int], Optional[ProcSample]]  # a pid -> its state and CPU waits, or None
 
 
 def ray_get(ref: Any, timeout_s: float) -> Any:
@@ -44,16 +51,22 @@ def ray_get(ref: Any, timeout_s: float) -> Any:
 class Uplink:
     """One node's aggregation toward the coordinator (thread-safe). ``coordinator`` (given
     at ``join``) is called as an actor handle (``.method.remote(...)``), whose references
-    ``get`` resolves (default: ``ray.get``)."""
+    ``get`` resolves (default: ``ray.get``); ``sample`` looks at a rank's process (default:
+    :func:`memckpt.runtime.node.procstat.sample`)."""
 
     def __init__(self, node: str, clock: Callable[[], float] = time.monotonic,
-                 get: Get = ray_get) -> None:
+                 get: Get = ray_get, sample: Sample = procstat.sample) -> None:
         self.node = node
         self.clock = clock
         self.get = get
+        self.sample = sample
         self.agg = NodeAggregator(node)
         self.coordinator: Any = None
         self.interval_s = 0.5
+        self.timeout_s = 5.0  # the job's heartbeat timeout (given at join)
+        self._pids: dict[int, int] = {}  # this generation's ranks' processes on this node
+        self._credits: dict[int, StarvationCredit] = {}  # late ranks: their CPU waits
+        self._excused: set[tuple[int, int]] = set()  # (gen, rank) said starved once
         self.floor = -1  # generations below it are fenced off (set_generation)
         self._cond = threading.Condition()
         self._answers: dict[tuple[int, int], Any] = {}  # (gen, step) -> ref of the answer
@@ -63,8 +76,10 @@ class Uplink:
 
     # -- called by the node's ranks -------------------------------------------------------
     def join(self, rank: int, gen: int, ranks: Iterable[int], coordinator: Any,
-             interval_s: float) -> bool:
-        """``rank`` starts generation ``gen`` with ``ranks`` on this node. False: fenced."""
+             interval_s: float, pid: Optional[int] = None,
+             timeout_s: Optional[float] = None) -> bool:
+        """``rank`` (process ``pid``) starts generation ``gen`` with ``ranks`` on this node;
+        ``interval_s``, ``timeout_s``: the job's heartbeat settings. False: fenced."""
         with self._cond:
             if gen < self.floor:
                 return False
@@ -75,8 +90,15 @@ class Uplink:
                 # the ended generation's summaries still held: the coordinator keeps their
                 # losses for the steps the new one resumed from
                 self.coordinator.ended_metrics.remote(self.node, old, held)
+            if gen > old:
+                self._pids.clear()
+                self._credits.clear()
+                self._excused = {k for k in self._excused if k[0] >= gen}
             if gen == self.agg.gen:
                 self.coordinator, self.interval_s = coordinator, interval_s
+                self.timeout_s = timeout_s or self.timeout_s
+                if pid is not None:
+                    self._pids[rank] = pid
                 self.agg.beat(rank, gen, -1, self.clock())  # alive from its own join
             if self._thread is None:
                 self._thread = threading.Thread(target=self._beat_loop, daemon=True,
@@ -183,14 +205,45 @@ class Uplink:
         the rest of the job."""
         with self._cond:
             self._fence_if_refused()
-            hb = self.agg.heartbeat(self.clock())
+            now = self.clock()
+            hb = self.agg.heartbeat(now)
             coordinator = self.coordinator
             if (hb is None or coordinator is None or hb.gen < self.floor
                     or self._closed.is_set()):
                 return False
-            self._beat = (hb.gen, coordinator.node_heartbeat.remote(self.node, hb.gen, hb.beats,
+            beats = self._net_of_starvation(hb, now)
+            self._beat = (hb.gen, coordinator.node_heartbeat.remote(self.node, hb.gen, beats,
                                                                     hb.metrics))
         return True
+
+    def _net_of_starvation(self, hb: Heartbeat, now: float) -> dict[int, tuple[float, int]]:
+        """``hb``'s ages, each late rank's less what its process waited for a CPU since it
+        went late (its process sampled once an interval while it stays late). The first
+        time that saves a rank from the timeout in a generation, the job's events say so."""
+        late = LATE_BEATS * self.interval_s
+        beats = dict(hb.beats)
+        for rank in [r for r in self._credits if beats.get(r, (0.0, 0))[0] <= late]:
+            del self._credits[rank]  # it beat again
+        for rank, (age, step) in hb.beats.items():
+            pid = self._pids.get(rank)
+            if age <= late or pid is None:
+                continue
+            sample = self.sample(pid)
+            if sample is None:
+                continue  # gone, or no /proc: judged by its heartbeat alone
+            credit = self._credits.get(rank)
+            if credit is None:
+                self._credits[rank] = StarvationCredit(sample, now)
+                continue
+            credit.add(sample, now)
+            net = net_silence(age, credit, self.timeout_s)
+            beats[rank] = (net, step)
+            if age > self.timeout_s >= net and (hb.gen, rank) not in self._excused:
+                self._excused.add((hb.gen, rank))
+                self.coordinator.log_event.remote("rank_starved", {
+                    "gen": hb.gen, "rank": rank, "node": self.node, "pid": pid,
+                    "silent_s": round(age, 3), "waited_for_cpu_s": round(credit.credit_s, 3)})
+        return beats
 
     def _fence_if_refused(self) -> None:
         if self._beat is None:

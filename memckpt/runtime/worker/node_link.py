@@ -11,6 +11,7 @@ heartbeat stops, see ``Coordinator.liveness``).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -62,9 +63,11 @@ class NodeLink:
         import ray
         spec = self.spec
         with self._lock:
+            failure = spec.config.failure
             self._joined = bool(ray.get(self.store.join.remote(
                 spec.rank, spec.gen, list(spec.node_ranks), spec.coordinator,
-                spec.config.failure.heartbeat_interval_s), timeout=CALL_S))
+                failure.heartbeat_interval_s, os.getpid(), failure.heartbeat_timeout_s),
+                timeout=CALL_S))
             if self._joined:  # a restarted store lost what it held: this rank's reports again
                 kept = list(self._kept)
                 self._kept.clear()
