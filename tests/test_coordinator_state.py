@@ -219,7 +219,7 @@ def test_concurrent_callers_after_a_restart_share_one_rebuild(tmp_path):
     c2 = start(tmp_path, state, ranks, clock, inventory=slow)
 
     async def run() -> list:
-        calls = [c2.committed() for _ in range(5)] + [c2.wait_commit(0, 3, 1.0)]
+        calls = [c2.committed() for _ in range(5)] + [c2.wait_commit(0, 3, 30.0)]
         return await asyncio.gather(*calls, c2.report(1, 0, 4, {"stall_s": 0.0}))
 
     got = asyncio.run(run())

@@ -66,13 +66,15 @@ def test_lost_ram_copies_fall_back_to_persisted(full_cluster, reference, tmp_pat
     assert result["losses"] == reference["losses"]
     assert result["final_digest"] == reference["final_digest"]
     (rec,) = result["recoveries"]
-    # the newest persisted step when the nodes died (every 2 steps): 6 is certain by then
-    # (a local-disk persist of this job takes milliseconds, far less than the steps before
-    # a newer one would supersede it), 8 or 10 may be complete too
-    assert rec["resumed_step"] in (6, 8, 10)
+    # a step persisted (every 2 steps) before the nodes died at step 11: which one depends
+    # on how far the uploads had got by then (a newer due step supersedes a pending one),
+    # not on anything the product promises about timing
+    log = events(run_dir)
+    persisted = {e["step"] for e in log if e["event"] == "persisted"}
+    assert rec["resumed_step"] in persisted and rec["resumed_step"] <= 10, (rec, persisted)
+    (fallback,) = [e for e in log if e["event"] == "fallback_to_persisted"]
+    assert fallback["step"] == rec["resumed_step"]
     assert set(rec["sources"].values()) == {"persisted"}
-    kinds = [e["event"] for e in events(run_dir)]
-    assert "fallback_to_persisted" in kinds
 
 
 def test_stop_file_persists_and_stops(full_cluster, tmp_path):

@@ -193,11 +193,12 @@ def test_sigstopped_worker_is_found_by_heartbeat_and_the_group_restarts(full_clu
     assert (loss, digest) == reference
     (killed,) = [e for e in ev if e["event"] == "hung_rank_killed"]
     assert killed["rank"] == 2 and killed["gen"] == 0
-    # found within the heartbeat timeout (plus a beat's and a check's interval) of the last
-    # step every rank finished (rank 2 stopped itself at the start of the next)
+    # found by its heartbeat (the timeout, plus a beat's and a check's interval, from the last
+    # step every rank finished; rank 2 stopped itself at the start of the next), not by the
+    # survivors' collective timing out: loose on a loaded machine
     steps = [json.loads(x) for x in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
     last = max(s["time"] for s in steps if s["gen"] == 0 and s["step"] == KILL_AT - 1)
-    assert killed["time"] - last < cfg.failure.heartbeat_timeout_s + 2.0
+    assert killed["time"] - last < cfg.failure.collective_timeout_s / 2
     restored = [e for e in ev if e["event"] == "restored" and e["gen"] == 1]
     assert len(restored) == 3
     assert all(e["source"].startswith(("local:", "peer:")) for e in restored)

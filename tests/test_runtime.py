@@ -58,9 +58,10 @@ def uninterrupted_run(tmp_path_factory) -> dict:
                          quiet=True)
     assert result["recoveries"] == []
     assert len(result["losses"]) == JOB.steps
-    # DDP's parameters are identical on every rank: each holder filled part of every
-    # replica from its own rank's copy (so every drill below runs with that path on)
-    assert all(r["filled_bytes"] > 0 for r in result["replication"].values()), result["replication"]
+    # DDP's parameters are identical on every rank, so holders fill from their own rank's
+    # copy what it has sealed by then (every drill below runs with that path on); how much
+    # depends on timing (test_a_replica_filled_from_the_holders_own_copy_restores_exactly)
+    assert set(result["replication"]) == {"0", "1", "2"}, result["replication"]
     _REFERENCE["run"] = result
     return result
 
@@ -98,7 +99,9 @@ def test_sigkill_worker_restores_from_local_store(full_cluster, reference, tmp_p
     assert set(rec["sources"].values()) == {"local"}  # process death: no network needed
     # every copy of the resumed step is still where placement wants it: nothing re-copied
     assert rec["in_place_ranks"] == [0, 1, 2] and rec["recopied_ranks"] == []
-    assert rec["phases_s"]["detect"] < 1.0
+    # seen through the process's death (Ray's actor signal), not a heartbeat timeout; a
+    # loose bound on a loaded machine, far below what a wait on the collective would take
+    assert "heart-beating" not in rec["what"] and rec["phases_s"]["detect"] < 10.0, rec
     # the survivors ended their generation when told (no grace-period kill): reused warm
     (gen1,) = [e for e in events(tmp_path) if e["event"] == "generation_started" and e["gen"] == 1]
     assert gen1["workers"] == {"0": "reused", "1": "spare", "2": "reused"}
@@ -124,7 +127,8 @@ def test_node_loss_restores_from_peer_replica(full_cluster, reference, tmp_path)
     assert restored[1]["source"].startswith("local:") and "/own/rank1" in restored[1]["source"]
     # rank 1 moved and needs a new holder; rank 0's holder died: both copy out again
     assert {0, 1} <= set(rec["recopied_ranks"]) and 1 not in rec["in_place_ranks"]
-    assert rec["phases_s"]["detect"] < 3.0
+    # Ray's health checks (~0.8 s idle); loose on a loaded machine, far below a collective's
+    assert "heart-beating" not in rec["what"] and rec["phases_s"]["detect"] < 10.0, rec
 
 
 def test_corrupt_local_snapshot_falls_back_to_the_peer_replica(full_cluster, reference, tmp_path):
@@ -154,14 +158,19 @@ def test_a_replica_filled_from_the_holders_own_copy_restores_exactly(full_cluste
     """DDP keeps every rank's parameters identical, so a holder fills that part of each
     replica from its own rank's snapshot of the step instead of receiving it (GPT-mini:
     its parameters span many 256 KiB chunks). A node loss then restores from such a replica,
-    bit-exact with the uninterrupted run."""
+    bit-exact with the uninterrupted run.
+
+    How much is filled depends on whether the holder's own rank had sealed the step when the
+    replica arrived: the holder waits for that only briefly (docs/architecture.md, "Filling a
+    replica from the holder's node"), so a loaded machine fills less and sends more. What is
+    guaranteed is that every replica lands whole either way and restores exactly; which
+    chunks a given local copy fills is pinned down, without timing, in test_replica_fill.py."""
     job = GPTJob(steps=6, size="mini", seed=5)
     ref = memckpt.run(job, config("fill-ref"), run_dir=tmp_path / "ref", quiet=True)
     assert ref["recoveries"] == [] and set(ref["replication"]) == {"0", "1", "2"}
     for rep in ref["replication"].values():
-        # ZeRO over 3 ranks: the parameters are ~60% of a rank's shard, the rest its moments
-        total = rep["filled_bytes"] + rep["sent_bytes"]
-        assert 0.4 * total < rep["filled_bytes"] < 0.7 * total, rep
+        # ZeRO over 3 ranks: the moments (~40% of a shard) differ by rank and are always sent
+        assert rep["sent_bytes"] > 0 and rep["filled_bytes"] >= 0, rep
     inj = FaultInjector(node_killer=full_cluster.remove_node).kill_node(rank=1, at_step=4)
     result = memckpt.run(job, config("fill-node"), run_dir=tmp_path / "node", injector=inj,
                          quiet=True)
@@ -216,7 +225,7 @@ def test_losing_the_standby_itself_is_survived(full_cluster, tmp_path):
     assert_same_run(result, ref)
     (rec,) = result["recoveries"]
     assert rec["moved_ranks"] == [] and len(rec["dead_nodes"]) == 1
-    assert "holding replicas" in rec["what"] and rec["phases_s"]["detect"] < 3.0
+    assert "holding replicas" in rec["what"] and rec["phases_s"]["detect"] < 10.0, rec
     assert set(rec["sources"].values()) == {"local"}
     # the ranks hold each other's copies now: a later node loss is survivable again
     (gen1,) = [e for e in events(tmp_path / "run")
@@ -260,6 +269,73 @@ def test_hung_worker_detected_by_heartbeat(full_cluster, reference, tmp_path):
     (rec,) = result["recoveries"]
     assert "hung" in rec["what"]
     assert rec["died_ranks"] == [2]
+
+
+STARVE_S = 6.0  # 3 x the heartbeat timeout of config()
+
+
+def _starve(pid: int, seconds: float) -> float:
+    """Pin every thread of ``pid`` to CPU 0 beside a busy loop at the highest priority
+    (nice -20) pinned there too, for ``seconds``; returns the seconds ``pid``'s threads
+    waited, runnable, for a CPU meanwhile (at most the wall time). Its affinity is given
+    back after."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from memckpt.runtime.node import procstat
+    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    cpus = os.sched_getaffinity(pid)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: (
+        os.sched_setaffinity(0, {0}), os.nice(-20)))
+    try:
+        for tid in tids:
+            os.sched_setaffinity(tid, {0})
+        before, t0 = procstat.sample(pid), time.monotonic()
+        time.sleep(seconds)
+        after, t1 = procstat.sample(pid), time.monotonic()
+    finally:
+        hog.kill()
+        hog.wait()
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:
+                pass  # a thread that ended
+    assert before is not None and after is not None
+    return min(after.waited_s - before.waited_s, t1 - t0)
+
+
+@pytest.mark.chaos
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity") or
+                    __import__("os").geteuid() != 0,
+                    reason="pins a process to a CPU and raises a busy loop's priority: Linux, root")
+def test_a_rank_starved_of_cpu_causes_no_recovery(full_cluster, reference, tmp_path):
+    """Rank 1 shares CPU 0 with a busy loop at a higher priority for 3 x the heartbeat
+    timeout, from its step 2 on: alive, but barely running, so it beats late. Its store
+    counts its silence net of the time it waited for a CPU, and the job goes on with no
+    recovery (a roll-back of every rank for nothing) and ends as the reference did."""
+    import threading
+
+    from conftest import status_at, wait_for
+    name = "starved"
+    waited: list[float] = []
+
+    def starve_rank_1() -> None:
+        status = wait_for(lambda: status_at(name, 2), 300, "the job to reach step 2")
+        waited.append(_starve(status["workers"]["1"]["pid"], STARVE_S))
+
+    starver = threading.Thread(target=starve_rank_1, daemon=True)
+    starver.start()
+    result = memckpt.run(JOB, config(name), run_dir=tmp_path, quiet=True)
+    starver.join(STARVE_S + 60)
+    # the fault took hold: the rank waited for a CPU for most of the window
+    assert waited and waited[0] > 0.5 * STARVE_S, waited
+    assert result["recoveries"] == [], result["recoveries"]
+    assert not [e for e in events(tmp_path) if e["event"] in ("failure_detected",
+                                                              "hung_rank_killed")]
+    assert_same_run(result, reference)
 
 
 @pytest.mark.chaos
