@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "memckpt"
 # name and everything under it; "memckpt" alone catches every other top-level module.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("memckpt.cli",)),
-    ("apps", ("memckpt.bench", "memckpt.demo", "memckpt.ray_train", "memckpt.integrations")),
+    ("apps", ("memckpt.bench", "memckpt.demo", "memckpt.ray_train", "memckpt.integrations",
+              "memckpt.testing")),
     ("runtime", ("memckpt.runtime",)),
     ("checkpointer", ("memckpt.checkpointer",)),
     ("persist", ("memckpt.persist",)),
@@ -33,7 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 # the public face at the top level; every other module lives in a room (sub-package)
 TOP_LEVEL = {"memckpt", "memckpt.config", "memckpt.errors", "memckpt.version",
-             "memckpt.checkpointer"}
+             "memckpt.checkpointer", "memckpt.testing"}
 FACADE = "memckpt"
 FACADE_LAYER = "runtime"
 MAX_LINES = 600

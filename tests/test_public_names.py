@@ -118,6 +118,22 @@ def test_fault_injector_lives_with_the_drills_only():
     assert FaultInjector().kill_worker(rank=1, at_step=3).faults[0].target == "worker"
 
 
+def test_drill_tools_have_a_public_home_that_import_memckpt_does_not_load():
+    """``memckpt.testing`` (the path the docs give) offers the drill tools where they live now;
+    ``import memckpt`` neither loads it nor offers them at the top level."""
+    import memckpt.testing
+    from memckpt.runtime.tools.faults import FaultInjector
+    from memckpt.runtime.tools.local_cluster import LocalCluster, local_cluster
+    assert (memckpt.testing.LocalCluster, memckpt.testing.local_cluster,
+            memckpt.testing.FaultInjector) == (LocalCluster, local_cluster, FaultInjector)
+    assert sorted(memckpt.testing.__all__) == ["FaultInjector", "LocalCluster", "local_cluster"]
+    assert not {"LocalCluster", "FaultInjector"} & set(memckpt.__all__)
+    code = "import sys, memckpt; print('memckpt.testing' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout.strip()
+    assert out == "False"
+
+
 def test_failure_policy_is_a_deprecated_alias_of_failure_config():
     """The old name still builds the config (this version only) and warns, naming the new one,
     whether it is reached as memckpt.FailurePolicy or imported from memckpt.config."""
