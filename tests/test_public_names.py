@@ -1,11 +1,13 @@
 """Every ``memckpt.X`` the README and the docs/ pages name exists: the package's public names
 (``memckpt.WorkerContext``, ``memckpt.run``, ...) and the modules and names behind dotted paths
-(``memckpt.bench.recovery``, ``memckpt.ray_train.X``). The pages are read when the test runs,
-so a page added later is checked too."""
+(``memckpt.bench.recovery``, ``memckpt.ray_train.X``). Every bare name a Python block uses
+(``LocalCluster(...)``) is bound on the page, a builtin or a public ``memckpt`` name. The pages
+are read when the test runs, so a page added later is checked too."""
 
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib
 import inspect
 import re
@@ -98,6 +100,68 @@ def _public_attributes() -> set[str]:
     lazy = {n for n in memckpt.__all__ if n not in vars(memckpt)}
     return {n for n, v in vars(memckpt).items()
             if not n.startswith("_") and not isinstance(v, ModuleType)} | lazy
+
+
+def _python_blocks(page: Path) -> list[tuple[int, str]]:
+    """(line of the opening fence, code) for each fenced ``python`` block of a page."""
+    return [(page.read_text()[:m.start()].count("\n") + 1, m.group(2)) for m in re.finditer(
+        r"^([ \t]*)```python[^\n]*\n(.*?)^\1```", page.read_text(), flags=re.S | re.M)]
+
+
+def _bound(tree: ast.AST) -> set[str]:
+    """The names a block binds: imports, assignments, defs and their parameters, loops, ..."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            out.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {a.asname or a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            out.add(node.name)
+    return out
+
+
+def _unresolved(code: str, earlier: frozenset[str] | set[str] = frozenset()) -> set[str]:
+    """The bare names ``code`` uses that nothing resolves: not bound in it or in ``earlier``
+    (the page's blocks above it, which a block continues), not a builtin, not a public
+    ``memckpt`` name (a submodule such as ``memckpt.config`` is not one)."""
+    tree = ast.parse(code)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return {n for n in used - _bound(tree) - earlier
+            if not hasattr(builtins, n) and n not in _public_attributes()}
+
+
+def _bare_name_problems() -> list[str]:
+    problems = []
+    for page in _pages():
+        earlier: set[str] = set()
+        for line, code in _python_blocks(page):
+            problems += [f"{page.relative_to(ROOT)}:{line}: {n}"
+                         for n in sorted(_unresolved(code, earlier))]
+            earlier |= _bound(ast.parse(code))
+    return problems
+
+
+def test_bare_names_check_sees_what_it_checks():
+    """The scan finds the blocks, and flags a name no import gives (a drill tool used bare)."""
+    assert sum(len(_python_blocks(p)) for p in _pages()) >= 10
+    assert _unresolved('LocalCluster(node_labels=[{"rack": "r1"}])') == {"LocalCluster"}
+    assert _unresolved("config.load_config()") == {"config"}  # a submodule, not a public name
+    assert _unresolved("from memckpt.testing import LocalCluster\n"
+                       "with LocalCluster() as c:\n    print(c, Config, len([x for x in ()]))") == set()
+    assert _unresolved("model.train()", earlier={"model"}) == set()
+
+
+def test_every_bare_name_in_a_python_block_resolves():
+    """A reader who copies a block gets no NameError from a name the page never imports:
+    the user's own objects are bound in the block (``model, opt = ...  # yours``) or above it."""
+    problems = _bare_name_problems()
+    assert not problems, ("names used in Python blocks that no import on the page gives "
+                          "(import them, or bind the reader's own as `x = ...`):\n" + "\n".join(problems))
 
 
 def test_every_exported_name_is_documented_and_nothing_else_is_exported():
