@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, TextIO
 
 from memckpt.errors import MemckptError
+from memckpt.util.fsutil import write_atomic
 
 DEFAULT_STEPS = 20
 DEFAULT_SIZE = "mini"
@@ -423,11 +424,7 @@ def run_local(steps: int = DEFAULT_STEPS, kill_at: Optional[int] = None,
             "median_snapshot_seconds": ref.median_step("snapshot_seconds"),
         }
         path = Path(summary)
-        if path.parent and not path.parent.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, (json.dumps(doc, indent=2) + "\n").encode())
         say(f"summary written to {path} ({total_s:.1f} s in all)")
     return 0 if identical else 1
 

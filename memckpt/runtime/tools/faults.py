@@ -17,12 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from memckpt.config import ChaosEvent
+from memckpt.config import SIGNALS as CHAOS_SIGNALS, ChaosEvent
 
 STEADY_WAIT_S = 120.0  # how long a steady fault waits for the job's standby
 
-SIGNALS = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "TERM": signal.SIGTERM,
-           "CONT": signal.SIGCONT}
+# the chaos signals a config may name, and CONT, which wakes a STOPped process
+SIGNALS = {name: signal.Signals[f"SIG{name}"] for name in (*CHAOS_SIGNALS, "CONT")}
 
 
 def _on_node(node_id: str):
