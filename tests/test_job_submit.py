@@ -342,27 +342,54 @@ SHORT_JOB_PY = """from memckpt.demo.job import GPTJob
 
 train = GPTJob(steps=3, size="tiny", seed=0)
 """
-SHORT_CONFIG_PY = """import os
-
-import memckpt
+SHORT_CONFIG_PY = """import memckpt
 
 config = memckpt.Config(
-    job_name=os.environ.get("JOB_NAME", "wd"),
+    job_name="wd",
     workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
     placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
     failure=memckpt.FailureConfig(warm_spares=False),
 )
 """
+# What a memckpt job's actors do first, on every node at once: import memckpt (the
+# coordinator, the stores) from the job's unpacked working directory.
+IMPORT_PROBE_PY = """import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+ray.init()
+
+
+@ray.remote(num_cpus=1)
+class Importer:
+    def where(self):
+        import memckpt.persist.catalog  # noqa: F401 (the import that failed)
+        import memckpt.runtime.coordinator.coordinator  # noqa: F401
+        import memckpt.runtime.node.replica_store  # noqa: F401
+        import memckpt
+        return ray.get_runtime_context().get_node_id(), memckpt.__file__
+
+
+nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")]
+actors = [Importer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+          .remote() for n in nodes]
+for node, path in ray.get([a.where.remote() for a in actors]):
+    print("IMPORTED", node, path)
+"""
 
 
 def test_working_dir_jobs_submitted_ten_times_in_a_row_all_succeed(head, tmp_path):
-    """The README's flow (``ray job submit --working-dir . -- memckpt run ...``) ten times in
-    a row on a 3-node local cluster: the coordinator, the stores and the ranks on every node
-    import memckpt from the job's unpacked working directory (the checkout's ``memckpt/``).
-    Every node unpacks it under its own Ray temp dir. When the nodes shared one folder, their
-    agents removed and extracted the same package in it while an actor started through
-    another agent imported from it, and about one job in four failed. The job is the
-    example's, shortened to 3 steps of the tiny model so the ten runs stay short."""
+    """The README's flow (``ray job submit --working-dir . -- memckpt run ...``) on a 3-node
+    local cluster: the coordinator, the stores and the ranks on every node import memckpt
+    from the job's unpacked working directory (the checkout's ``memckpt/``). Each node
+    unpacks it under its own Ray temp dir. When the nodes shared one folder, their agents
+    removed and extracted the same package there while an actor started through another
+    agent imported from it, and about one job in four failed at start.
+
+    The example job runs once (shortened to 3 tiny steps); then ten submissions in a row of
+    the same working directory start an actor on every node at once that imports memckpt's
+    coordinator and store from it (what the failed jobs' actors did first): every one
+    succeeds, each node imports from a folder of its own. (Ten whole jobs would cost this
+    suite 4-7 minutes on a 2-core machine for the same few seconds at start.)"""
     dirs = _session_dirs(head["address"])
     assert len(dirs) == 4 and len(set(dirs)) == 4, dirs  # head + 3 nodes, each its own
     repo = Path(__file__).resolve().parents[1]
@@ -371,16 +398,26 @@ def test_working_dir_jobs_submitted_ten_times_in_a_row_all_succeed(head, tmp_pat
                     ignore=shutil.ignore_patterns("__pycache__"))
     (wd / "job.py").write_text(SHORT_JOB_PY)
     (wd / "config.py").write_text(SHORT_CONFIG_PY)
-    for i in range(10):
-        res = subprocess.run(
-            ["ray", "job", "submit", "--address", head["dashboard_url"], "--working-dir", str(wd),
-             "--runtime-env-json", json.dumps({"env_vars": {"JOB_NAME": f"wd-{i}"}}), "--",
-             "memckpt", "run", "job.py:train", "--config", "config.py",
-             "--summary", str(tmp_path / f"wd-{i}.json")],
-            env=head["env"], capture_output=True, text=True, timeout=600)
+    (wd / "probe.py").write_text(IMPORT_PROBE_PY)
+
+    def submit_wd(*entrypoint: str) -> str:
+        res = subprocess.run(["ray", "job", "submit", "--address", head["dashboard_url"],
+                              "--working-dir", str(wd), "--", *entrypoint],
+                             env=head["env"], capture_output=True, text=True, timeout=600)
         out = res.stdout + res.stderr
-        assert res.returncode == 0 and "succeeded" in out.lower(), (i, out[-3000:])
-        summary = json.loads((tmp_path / f"wd-{i}.json").read_text())
-        assert len(summary["losses"]) == 3, (i, summary)
-    unpacked = [d for d in dirs if (Path(d) / "runtime_resources" / "working_dir_files").is_dir()]
-    assert len(unpacked) >= 3, dirs  # every worker node unpacked it, each in its own folder
+        assert res.returncode == 0 and "succeeded" in out.lower(), out[-3000:]
+        return out
+
+    submit_wd("memckpt", "run", "job.py:train", "--config", "config.py",
+              "--summary", str(tmp_path / "wd.json"))
+    assert len(json.loads((tmp_path / "wd.json").read_text())["losses"]) == 3
+    for i in range(10):
+        out = submit_wd("python", "probe.py")
+        imported = dict(line.split()[1:3] for line in out.splitlines()
+                        if line.startswith("IMPORTED "))
+        assert set(imported) == set(head["nodes"]), (i, out[-3000:])
+        folders = {str(Path(path).parent.parent) for path in imported.values()}
+        assert len(folders) == 3, (i, imported)  # no two nodes import from one folder
+        assert all("/runtime_resources/working_dir_files/" in path and
+                   any(path.startswith(d + "/") for d in dirs)
+                   for path in imported.values()), (i, imported, dirs)
