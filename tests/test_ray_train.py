@@ -346,7 +346,11 @@ def test_a_worker_killed_during_the_groups_restart(full_cluster, reference, tmp_
     assert killed
     assert result.error is None
     assert (loss, digest) == reference
+    # one recovery per kill and none beyond (a live rank taken for hung under load would add
+    # one: the events then name who memckpt killed, or which group Ray Train restarted)
     plans = [e for e in ev if e["event"] == "recovery_plan"]
-    assert [p["gen"] for p in plans] == [1, 2]
+    assert [p["gen"] for p in plans] == [1, 2], [
+        e for e in ev if e["event"] in ("failure_detected", "hung_rank_killed", "rank_starved",
+                                        "recovery_plan", "fault_injected")]
     assert [p["resumed_step"] for p in plans] == [KILL_AT - 1, KILL_AT - 1]
     assert_clean(ram_root)

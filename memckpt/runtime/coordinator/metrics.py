@@ -38,6 +38,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "memckpt_failures": (
         "counter", "failures detected, by what died: worker, node, hung, unreachable, peer, "
         "coordinator", ("target",)),
+    "memckpt_ranks_starved": (
+        "counter", "late ranks whose silence was their process waiting for a CPU (not "
+        "declared hung), once per rank and generation", ()),
     "memckpt_recovery_phase_seconds": (
         "gauge", "duration of each phase of the last recovery (detect, stop, plan, resume, "
         "total)", ("phase",)),
@@ -105,6 +108,8 @@ class JobMetrics:
             self._count_pending()
         elif kind == "job_failed":
             self._count_pending()
+        elif kind == "rank_starved":
+            self._m["memckpt_ranks_starved"].inc(1.0)
         elif kind == "coordinator_restarted":
             self._m["memckpt_failures"].inc(1.0, tags={"target": "coordinator"})
         elif kind == "recovery_finished":
