@@ -84,11 +84,11 @@ def test_a_process_starved_by_a_higher_priority_loop_on_its_core_waits_for_the_c
         victim.send_signal(signal.SIGSTOP)
         wait_for(lambda: (procstat.sample(victim.pid) or ProcSample("?", 0)).state == "T", 10,
                  "the stopped victim's state")
-        stopped = procstat.sample(victim.pid)
+        earned = credit.credit_s
         time.sleep(0.5)
-        assert stopped is not None
-        assert credit.add(procstat.sample(victim.pid) or stopped, time.monotonic()) == \
-            credit.credit_s  # nothing more while stopped
+        later = procstat.sample(victim.pid)
+        assert later is not None and later.state == "T"
+        assert credit.add(later, time.monotonic()) == earned  # nothing more while stopped
     finally:
         for p in (victim, hog):
             if p is not None:
