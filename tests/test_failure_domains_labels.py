@@ -4,6 +4,9 @@ but no cluster starts: ``ray.nodes()`` is replaced by a fixed node table."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from memckpt import Config, PlacementConfig, WorkersConfig
@@ -118,6 +121,8 @@ def test_local_cluster_nodes_carry_their_labels(monkeypatch):
     added = []
 
     class FakeCluster:
+        address = "127.0.0.1:6379"
+
         def __init__(self, **_):
             pass
 
@@ -132,5 +137,11 @@ def test_local_cluster_nodes_carry_their_labels(monkeypatch):
     for name, value in (("RAY_AUTH_MODE", "disabled"), ("RAY_DEDUP_LOGS", "0")):
         monkeypatch.setenv(name, value)  # LocalCluster sets them unless set: restored after
     c = LocalCluster(nodes=3, connect=False, node_labels=[{"rack": "r1"}, {"rack": "r2"}])
-    assert c.add_node({"rack": "r3"}) == "n4"
-    assert added == [{"rack": "r1"}, {"rack": "r2"}, None, {"rack": "r3"}]
+    try:
+        assert c.add_node({"rack": "r3"}) == "n4"
+        assert added == [{"rack": "r1"}, {"rack": "r2"}, None, {"rack": "r3"}]
+        # "auto" inside this cluster names it, from the head's own temp dir
+        assert (Path(c.temp_dir) / "head" / "ray_current_cluster").read_text() == \
+            FakeCluster.address
+    finally:
+        shutil.rmtree(c.temp_dir, ignore_errors=True)

@@ -108,6 +108,7 @@ class LocalCluster:
             dashboard_agent_listen_port=0, include_log_monitor=worker_logs,
             _system_config=dict(health_checks)))
         # "auto" inside this cluster (a submitted job's entrypoint) means this cluster
+        os.makedirs(os.path.join(self.temp_dir, "head"), exist_ok=True)
         write_ray_address(self.cluster.address, os.path.join(self.temp_dir, "head"))
         self.nodes: dict[str, Any] = {}
         labels = list(node_labels or ())
