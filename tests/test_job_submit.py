@@ -411,8 +411,19 @@ def test_working_dir_jobs_submitted_ten_times_in_a_row_all_succeed(head, tmp_pat
     submit_wd("memckpt", "run", "job.py:train", "--config", "config.py",
               "--summary", str(tmp_path / "wd.json"))
     assert len(json.loads((tmp_path / "wd.json").read_text())["losses"]) == 3
+    # the probes through Ray's job SDK, the REST calls `ray job submit` makes (one CLI
+    # process less each)
+    from ray.job_submission import JobStatus, JobSubmissionClient
+    client = JobSubmissionClient(head["dashboard_url"])
     for i in range(10):
-        out = submit_wd("python", "probe.py")
+        job = client.submit_job(entrypoint="python probe.py", runtime_env={"working_dir": str(wd)})
+        ended = wait_for(lambda: client.get_job_status(job) in (JobStatus.SUCCEEDED,
+                                                                JobStatus.FAILED,
+                                                                JobStatus.STOPPED) and
+                         client.get_job_status(job), 300, f"probe {i} to end", interval=0.5)
+        out = client.get_job_logs(job)
+        assert ended == JobStatus.SUCCEEDED, (i, ended, client.get_job_info(job).message,
+                                              out[-3000:])
         imported = dict(line.split()[1:3] for line in out.splitlines()
                         if line.startswith("IMPORTED "))
         assert set(imported) == set(head["nodes"]), (i, out[-3000:])
