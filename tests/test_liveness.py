@@ -112,6 +112,9 @@ def _node_a(handle, clock: Clock, samples: dict[int, ProcSample]) -> Uplink:
         assert up.join(r, 0, NODES["a"], handle, interval_s=0.25, pid=1000 + r, timeout_s=2.0)
         up.beat(r, 0, 5)  # past its first step: judged by the heartbeat timeout
     up.close()  # no beat thread: this test ticks it
+    assert up._thread is not None
+    up._thread.join(5)
+    assert not up._thread.is_alive()
     OPEN.append(up)
     return up
 
