@@ -14,7 +14,7 @@ import pytest
 import memckpt
 from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, NoSnapshotError, PlacementError, SupersededPutError
-from memckpt.runtime.node.replica_store import SLOTS, ReplicaStore, StaleGenerationError, node_dir, own_dir
+from memckpt.runtime.node.replica_store import ReplicaStore, StaleGenerationError, node_dir, own_dir
 from conftest import STORE_JOB as JOB, STORE_NODE as NODE
 
 from _shards import _snapshot, _train_state, shards  # noqa: F401 (fixture)
@@ -227,7 +227,7 @@ def test_two_slots_newest_step_overwrites_the_older(store, shards):
     for s in (1, 2, 3):
         _send(store, 0, s, *shards[s])
     assert store.inventory() == {0: [2, 3]}
-    assert sorted(p.name for p in (store.replicas / "rank0").glob("*.shard")) == sorted(SLOTS)
+    assert sorted(p.name for p in (store.replicas / "rank0").glob("*.shard")) == sorted(fmt.SLOT_NAMES)
     for s in (2, 3):
         assert np.array_equal(store.read(0, s), shards[s][0])
     with pytest.raises(NoSnapshotError):

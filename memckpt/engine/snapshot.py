@@ -44,7 +44,6 @@ from memckpt.format.state import Captured
 
 log = logging.getLogger("memckpt")
 
-SLOT_NAMES = ("slot0.shard", "slot1.shard")
 
 
 @dataclass
@@ -88,7 +87,7 @@ def newest_layout_in(directory: Path) -> Optional[fmt.Layout]:
     headers alone (nothing populated): what a restore of it will create, known before an
     engine maps the slots."""
     newest: Optional[tuple[int, fmt.Layout]] = None
-    for name in SLOT_NAMES:
+    for name in fmt.SLOT_NAMES:
         found = _read_slot(Path(directory) / name, populate=False)
         if found is None:
             continue
@@ -164,7 +163,7 @@ class SnapshotEngine:
         self._offered: list[Path] = []  # populated files the next new slots become
         self._pin = torch.cuda.is_available()
         self._stream = torch.cuda.Stream() if self._pin else None
-        self.slots = [Slot(self.directory / n) for n in SLOT_NAMES]
+        self.slots = [Slot(self.directory / n) for n in fmt.SLOT_NAMES]
         self._adopt_existing()
 
     # -- existing slots (a previous process's snapshots) -----------------------------------

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     import torch
 
 MAGIC = b"MEMCKPT\x01"
+# A rank's two slots in its folder (the snapshot engine writes them; a node's store holds
+# a replica's two under the same names)
+SLOT_NAMES = ("slot0.shard", "slot1.shard")
 FORMAT_VERSION = 2  # written; see the module docstring
 READ_VERSIONS = (1, 2)  # read
 PREFIX = struct.Struct("<8sIIQQQQQQ")  # 64 bytes

@@ -43,7 +43,6 @@ from memckpt.runtime.node.uplink import Uplink, View
 from memckpt.errors import (MemckptError, NoSnapshotError, PlacementError,
                             StaleGenerationError, SupersededPutError)
 
-SLOTS = ("slot0.shard", "slot1.shard")
 RAM_HEADROOM = 256 << 20  # keep this much RAM free for the node's other processes
 # How long a holder waits for its own ranks to seal the step a replica arrives for (they
 # finish the same step at about the same time) before it takes every byte over the wire.
@@ -85,7 +84,7 @@ def scan(directory: Path) -> dict[int, dict[int, Path]]:
             rank = int(rank_dir.name[4:])
         except ValueError:
             continue
-        for name in SLOTS:
+        for name in fmt.SLOT_NAMES:
             step = peek_step(rank_dir / name)
             if step is not None:
                 out.setdefault(rank, {})[step] = rank_dir / name
@@ -209,7 +208,7 @@ class ReplicaStore:
     def _slot_for(self, rank: int, step: int) -> Path:
         rank_dir = self.replicas / f"rank{rank}"
         rank_dir.mkdir(parents=True, exist_ok=True)
-        paths = [rank_dir / n for n in SLOTS]
+        paths = [rank_dir / n for n in fmt.SLOT_NAMES]
         steps = [peek_step(p) for p in paths]
         if step in steps:
             return paths[steps.index(step)]

@@ -27,7 +27,6 @@ from memckpt.runtime.worker.context import StopTraining, WorkerContext
 from memckpt.runtime.worker.node_link import NodeLink
 from memckpt.runtime.node.replica_store import node_dir
 from memckpt.runtime.worker.spec import RestoreInstruction, WorkerSpec
-from memckpt.engine.snapshot import SLOT_NAMES
 from memckpt.format.state import restore_allocations
 
 PARK_S = 2.0  # how long park() waits for a spare's prefault to end (it does within a chunk)
@@ -141,7 +140,7 @@ class Worker:
         self.link: Optional[NodeLink] = None  # this generation's line to its node's store
         self.reserve = HostReserve()  # held while a spare idles (see prefault)
         folder = node_dir(resolve_ram_root(config.ram_root), config.job_name, self.node_id)
-        self.slot_reserves = [SlotReserve(folder, i) for i in range(len(SLOT_NAMES))]
+        self.slot_reserves = [SlotReserve(folder, i) for i in range(len(fmt.SLOT_NAMES))]
         return self.node_id
 
     def park(self) -> bool:
