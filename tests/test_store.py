@@ -143,8 +143,9 @@ def test_a_superseded_transfer_never_touches_the_newer_copy(store, shards):
     loaded node): the replacement's transfer of the same shard begins, completes and is
     listed meanwhile; then the old thread's piece ends, flagging and writing as it goes.
     The newer copy stays listed and intact, and the old transfer is refused from then on.
-    (A fresh-clone CI run failed this way, docs/testing.md run 32: the old thread's flag
-    landed on the newer copy, which had reused the same slot file.)"""
+    (A fresh-clone run failed this way, CHANGELOG "A replica acknowledged to its sender is no
+    longer lost": the old thread's flag landed on the newer copy, which had reused the same
+    slot file.)"""
     raw, digest = shards[1]
     old = store.begin(0, 1, len(raw), digest)
     newer: list[int] = []
