@@ -45,7 +45,6 @@ from memckpt.format.state import Captured
 log = logging.getLogger("memckpt")
 
 
-
 @dataclass
 class Slot:
     path: Path
