@@ -23,9 +23,10 @@ from typing import (TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, S
 import torch
 
 from memckpt.format import shard as fmt
-from memckpt.engine.buffers import RamRegion, remove_path, resolve_ram_root
+from memckpt.engine.buffers import (RamRegion, allocated_bytes, free_bytes, remove_path,
+                                    resolve_ram_root)
 from memckpt.config import Config
-from memckpt.errors import ChecksumError, MemckptError, StateError
+from memckpt.errors import ChecksumError, MemckptError, MemoryBudgetError, StateError
 from memckpt.engine.stop import STOP, Control
 from memckpt.util.fsutil import write_atomic
 from memckpt.persist.catalog import protect
@@ -33,7 +34,9 @@ from memckpt.persist.manifest import ShardEntry
 from memckpt.persist.uploader import Persister, persisted_restore
 from memckpt.engine.populate import MIN_BYTES, POOL
 from memckpt.engine.restore import VerifiedViews, load_memory
-from memckpt.engine.snapshot import EngineStats, SnapshotEngine, newest_layout_in
+from memckpt.engine.slot import newest_layout_in
+from memckpt.engine.snapshot import EngineStats, SnapshotEngine
+from memckpt.policy.footprint import NodeFootprint, budget_bytes, over_budget
 from memckpt.policy.threads import hash_threads, local_ranks_from, usable_cores
 from memckpt.format.state import TrainState, restore_allocations, same_layout
 
@@ -87,6 +90,7 @@ class Checkpointer(RestoreAndStep):
         self.events: list[dict[str, Any]] = []
         # ranks on this node share its cores: LOCAL_WORLD_SIZE (torchrun) unless given
         local = local_ranks if local_ranks is not None else local_ranks_from(os.environ)
+        self.local_ranks = local
         # before the engine maps the slots, so the two run side by side
         self._prefilled = self._prefill()
         self.engine = SnapshotEngine(
@@ -94,7 +98,8 @@ class Checkpointer(RestoreAndStep):
             identity={"job": config.job_name, "rank": rank, "world_size": world_size,
                       "fingerprint": config.fingerprint()},
             gated=not self.commits_when_sealed, on_complete=self._sealed, on_sealing=config.engine.on_sealing,
-            seal_threads=hash_threads(config.engine.seal_threads, usable_cores(), local))
+            seal_threads=hash_threads(config.engine.seal_threads, usable_cores(), local),
+            room_check=self._check_room, skip_unchanged=config.engine.skip_unchanged)
         self._on_sealed = on_sealed
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its pre-hook handle
         self.control = Control(config.stop_file)
@@ -102,6 +107,31 @@ class Checkpointer(RestoreAndStep):
         # the metrics the last restored shard's step was snapshotted with (see snapshot)
         self.restored_report: Optional[dict[str, float]] = None
         self.persister = self._make_persister()
+
+    # -- host RAM ---------------------------------------------------------------------------------
+    def footprint(self, shard_bytes: int) -> NodeFootprint:
+        """What memckpt holds on this node with slots of ``shard_bytes``: two for each of its
+        ``local_ranks`` (one process has no replicas elsewhere). Every rank's shard is taken
+        to be this one's size: each rank checks, so the largest decides."""
+        return NodeFootprint(shard_bytes, own_ranks=self.local_ranks, replica_ranks=0)
+
+    def node_folder(self) -> Path:
+        """The folder holding every memckpt file of this job on this node."""
+        return self.directory.parent
+
+    def _check_room(self, slot_bytes: int) -> None:
+        """Before a slot file is made or resized: stop with the numbers (never SIGBUS or the
+        OOM killer later) when the node's planned footprint exceeds ``Config.ram_budget`` or
+        the shared-memory file system's room."""
+        import psutil
+        fp = self.footprint(slot_bytes)
+        budget = budget_bytes(self.config.ram_budget, psutil.virtual_memory().total)
+        folder = self.node_folder()
+        room = free_bytes(self.directory) + allocated_bytes(folder)  # ours may be reused
+        problem = over_budget(fp, budget, room)
+        if problem:
+            raise MemoryBudgetError(f"{problem} (job {self.config.job_name!r}, rank {self.rank}, "
+                                    f"files under {folder})")
 
     def _make_persister(self) -> Optional[Persister]:
         """This process persists its own sealed snapshots to the configured tiers."""

@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memckpt.policy import placement
+from memckpt.policy.footprint import RamBudget, check_ram_budget
 from memckpt.errors import ConfigError, PlacementError
 
 CONTENT_KINDS = ("model", "optimizer", "scheduler", "scaler", "data", "rng", "extras")
 FALL_BEHIND_POLICIES = ("wait", "skip")
 SEALING_POLICIES = ("wait", "skip")
+SKIP_UNCHANGED = ("verify", "trust", "off")  # EngineConfig.skip_unchanged
 SNAPSHOT_MODES = ("sync", "overlap")
 CHAOS_TARGETS = ("worker", "node", "random", "store", "coordinator")
 SIGNALS = ("KILL", "STOP", "TERM")
@@ -253,16 +255,27 @@ class EngineConfig:
     ``failure.on_fall_behind``.
     ``prepare_slots``: map, populate (and pin, on CUDA) both snapshot slots in the
     background at ``restore()`` instead of on the first snapshot's step.
+    ``skip_unchanged``: a tensor unchanged since its slot last took it (a frozen base model,
+    buffers nothing wrote) is not copied again, its chunks are not hashed again, and its
+    holders are not sent them again. ``"verify"`` (the default): the tensor's version
+    counter, storage and shape must be as then, and its bytes are compared with the slot's
+    (reads both, writes and hashes nothing): a write through ``p.data`` is caught too. GPU
+    tensors are always copied under it. ``"trust"``: the same tensor object with the same
+    version counter is taken as unchanged without the compare, on CPU and GPU alike; a write
+    that bypasses autograd's version counter (``p.data.copy_(...)``) is then missed:
+    only for jobs that never write frozen tensors that way. ``"off"``: copy everything.
     """
 
     seal_threads: int = 0
     on_sealing: str = "wait"
     prepare_slots: bool = True
+    skip_unchanged: str = "verify"
 
     def __post_init__(self) -> None:
         _positive_int("engine.seal_threads", self.seal_threads, minimum=0)
         _choice("engine.on_sealing", self.on_sealing, SEALING_POLICIES)
         _bool("engine.prepare_slots", self.prepare_slots)
+        _choice("engine.skip_unchanged", self.skip_unchanged, SKIP_UNCHANGED)
 
 
 ON_INCOMPATIBLE = ("error", "start_fresh")
@@ -349,6 +362,9 @@ class Config:
     snapshot_every: int = 1  # take an in-RAM snapshot every N steps
     snapshot_mode: str = "sync"  # sync: the step waits for the local copy; overlap: not even that
     ram_root: Optional[str] = None  # where snapshot buffers live; None: /dev/shm/memckpt
+    # the host RAM memckpt may hold per node: a fraction of its RAM (float) or bytes (int);
+    # a job whose slots would need more stops before its first snapshot (docs/configuration.md)
+    ram_budget: RamBudget = 0.5
     persistence: tuple[PersistTier, ...] = ()
     failure: FailureConfig = field(default_factory=FailureConfig)
     load: LoadSpec = field(default_factory=LoadSpec)
@@ -368,6 +384,8 @@ class Config:
                 _fail(name, getattr(self, name), f"pass a memckpt.{kind.__name__}(...)")
         _positive_int("snapshot_every", self.snapshot_every)
         _choice("snapshot_mode", self.snapshot_mode, SNAPSHOT_MODES)
+        if problem := check_ram_budget(self.ram_budget):
+            _fail("ram_budget", self.ram_budget, problem)
         object.__setattr__(self, "persistence", self._tuple_of("persistence", PersistTier))
         object.__setattr__(self, "chaos", self._tuple_of("chaos", ChaosEvent))
         uris = [t.uri for t in self.persistence]
@@ -425,7 +443,7 @@ class Config:
         snapshot holds, so they are left out: a drill can resume a normal run.
         """
         d = self.to_dict()
-        for volatile in ("chaos", "job_name", "ram_root", "stop_file", "engine"):
+        for volatile in ("chaos", "job_name", "ram_root", "ram_budget", "stop_file", "engine"):
             d.pop(volatile)
         d["placement"].pop("failure_domain")  # where copies sit, not what a snapshot holds
         for tier in d["persistence"]:

@@ -48,6 +48,12 @@ class NoSnapshotError(MemckptError):
     """There is no complete snapshot to restore from."""
 
 
+class MemoryBudgetError(MemckptError):
+    """The snapshot slots would not fit the host RAM memckpt may hold on a node
+    (``Config.ram_budget``) or the shared-memory file system's room; raised before the first
+    snapshot allocates anything, with the numbers and the settings that lower them."""
+
+
 class FallBehindError(MemckptError):
     """Background copies could not keep up and the policy asked to fail."""
 

@@ -15,11 +15,12 @@ class _Bench:
     state_bytes = 4 << 20
 
 
-def _recovery(total: float, peer: bool = False) -> dict:
+def _recovery(total: float, peer: bool = False, peak_x: float = 4.0) -> dict:
     s = {"total_s": total, "phases_s": {"detect": 0.1, "total": total},
          "resume_split_s": {"fetch": 0.2}, "resumed_step": 3, "workers": [1, 2],
-         "sources": [{"1": "local"}], "spare_slot_ranks": [[]], "foreign_cpu": 0.1,
-         "replication": [(1000, 0.01)]}
+         "sources": [{"1": "local"}], "foreign_cpu": 0.1, "replication": [(1000, 0.01)],
+         "peak_footprint_x": peak_x, "peak_footprint_bytes": int(peak_x * 2000),
+         "state_slot_bytes": 2000, "peak_footprint_parts": {"n1/own/rank1": 2000}}
     if peer:
         s["peer_fetch"] = {"bytes": 1000, "seconds": 0.02}
     return s
@@ -55,6 +56,27 @@ def test_rows_report_their_shape_keys_in_order_and_compare_with_the_same_failure
     assert by["memckpt-node"]["baseline"] == BASELINE
     assert by["memckpt-peer-fetch"]["ratio_to_raw"] == pytest.approx(0.5)
     json.dumps(rows)  # what --json writes
+
+
+def test_recovery_rows_report_the_worst_host_ram_peak_beside_the_timings():
+    from memckpt.bench.recovery.report import TARGET_FOOTPRINT_X, check_targets, format_table
+    got = Samples(worker=[_recovery(1.0, peak_x=3.9), _recovery(3.0, peak_x=4.05)],
+                  node=[_recovery(2.0, peer=True, peak_x=4.6)],
+                  base=[{"total_s": 10.0, "phases_s": {}, "restart_s": 4.0, "file_bytes": 9,
+                         "foreign_cpu": None}])
+    rows = [r.to_dict() for r in build_rows(_Bench(), got, "tiny")]
+    by = {r["method"]: r for r in rows}
+    # the worst run's, not the median's: a bound holds for every run or it does not hold
+    assert by["memckpt-worker"]["peak_footprint_x"] == 4.05
+    assert by["memckpt-worker"]["peak_footprint_bytes"] == 8100
+    assert by["memckpt-worker"]["peak_footprint_parts"] == {"n1/own/rank1": 2000}
+    assert "peak_footprint_x" not in by[BASELINE]
+    table = format_table(rows).splitlines()
+    assert "| RAM peak / state |" in table[0]
+    assert "| 4.05× (7.91 KiB) |" in next(x for x in table if "memckpt-worker" in x)
+    targets = {d.split(":")[0]: ok for ok, d in check_targets(rows) if "host RAM" in d}
+    assert targets == {"worker recovery": True, "node recovery": False}
+    assert TARGET_FOOTPRINT_X == 4.1
 
 
 def test_compare_settings_fill_sizes_and_refuse_bad_values_naming_the_field():

@@ -173,7 +173,12 @@ def test_status_and_kill_from_another_terminal(head, tmp_path):
                                        head["address"], "--json"],
                             env=head["env"], capture_output=True, text=True, timeout=60)
         statuses.append(st)
-        return st.returncode == 0 and json.loads(st.stdout)["committed"] not in (None, 0)
+        if st.returncode != 0:
+            return False
+        s = json.loads(st.stdout)
+        # and a node's store measured its memckpt files (every few seconds, with a heartbeat)
+        return s["committed"] not in (None, 0) and any(
+            r["held"] > 0 for r in (s.get("node_ram") or {}).values())
 
     wait_for(training, 180, lambda: "the job to train: " + statuses[-1].stdout
              + statuses[-1].stderr, interval=1)
@@ -182,6 +187,10 @@ def test_status_and_kill_from_another_terminal(head, tmp_path):
                                           head["address"]], env=head["env"], capture_output=True,
                                text=True, timeout=60)
         assert "placement" in human.stdout and "rank 2" in human.stdout
+        # each node's memckpt host RAM against its budget (#50), some of it held
+        held = re.findall(r"node \S+: RAM held ([\d.]+) \S+ of budget [\d.]+ \S+ \(\d+%\)",
+                          human.stdout)
+        assert held and any(float(x) > 0 for x in held), human.stdout
         kill = subprocess.run(memckpt + ["kill", "--worker", "2", "--job", "drill-cli", "--address",
                                          head["address"]], env=head["env"], capture_output=True,
                               text=True, timeout=60)

@@ -49,7 +49,6 @@ def test_small_strided_and_foreign_memory_are_left_alone():
     assert pop.populate([small, strided]) == 0
 
 
-
 @linux
 def test_a_mapping_that_cannot_be_populated_is_skipped():
     mm = mmap.mmap(-1, 8 * MB, prot=mmap.PROT_READ)  # read-only: no write population
@@ -243,70 +242,3 @@ def test_a_spare_holds_a_shard_only_where_a_recovery_keeps_its_room():
     assert pop.spare_budget(2 * GiB, 1 * GiB, available=4 * GiB + GiB // 2, total=10 * GiB) \
         == GiB // 2
     assert pop.spare_budget(2 * GiB, 1 * GiB, available=3 * GiB, total=10 * GiB) == 0
-
-
-def _resident(path) -> int:
-    """Bytes of a tmpfs file that have memory behind them (not holes)."""
-    import os
-    return os.stat(path).st_blocks * 512
-
-
-def _dead_pid() -> int:
-    import subprocess
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-@linux
-def test_a_slot_reserve_is_a_populated_file_handed_over_at_release(ram_root):
-    from pathlib import Path
-    folder = Path(ram_root) / "node"
-    reserve = pop.SlotReserve(folder)
-    assert reserve.hold(24 * MB) == 24 * MB
-    assert reserve.path.name == f"spare-{__import__('os').getpid()}-0.mem"
-    assert reserve.path.stat().st_size == 24 * MB
-    assert _resident(reserve.path) >= 24 * MB  # the pages exist, not just a sparse file
-    # resized in place for a smaller shard, in whole pages that cover it (a shard file's
-    # size is rarely a page multiple, and a slot file smaller than the shard is no use)
-    assert reserve.hold(8 * MB + 100) == 8 * MB + pop.PAGE
-    assert reserve.path.stat().st_size == 8 * MB + pop.PAGE
-    assert reserve.release() == reserve.path  # the taker's now: renamed in or unlinked
-    assert reserve.path.exists()
-    assert reserve.hold(16 * MB) == 0 and reserve.path.stat().st_size == 8 * MB + pop.PAGE
-    reserve.path.unlink()
-    # a spare that never held anything hands over nothing
-    assert pop.SlotReserve(Path(ram_root) / "other").release() is None
-
-
-@linux
-def test_releasing_a_slot_reserve_interrupts_a_hold_in_progress(ram_root):
-    from pathlib import Path
-    reserve = pop.SlotReserve(Path(ram_root))
-    reserve.CHUNK = 1 * MB
-    held, path = _hold_cut_short(reserve, 512 * MB)
-    assert held == 0  # the spare holds nothing now: the file is the taker's
-    assert path is not None and 0 < _resident(path) < 512 * MB  # the rest never populated
-    path.unlink()
-
-
-@linux
-def test_a_dead_spares_slot_file_is_taken_over_by_the_next_spare(ram_root):
-    """A spare killed while idle leaves its populated file in the node's RAM folder: the
-    next spare there renames it in (its pages stay resident) instead of leaving that RAM
-    held for nobody; a second stale file is removed."""
-    from pathlib import Path
-    folder = Path(ram_root)
-    stale = [folder / f"spare-{_dead_pid()}-1.mem" for _ in range(2)]
-    for i, f in enumerate(stale):
-        f.write_bytes(bytes([i + 1]) * (4 * MB))
-    live = folder / "spare-1-1.mem"  # pid 1 is alive: another spare's file, never touched
-    other = folder / f"spare-{_dead_pid()}-0.mem"  # the other slot's: the other reserve's
-    for f in (live, other):
-        f.write_bytes(b"x")
-    reserve = pop.SlotReserve(folder, index=1)
-    assert reserve.hold(4 * MB) == 4 * MB
-    assert not any(f.exists() for f in stale) and live.exists() and other.exists()
-    kept = reserve.path.read_bytes()
-    assert kept in (b"\x01" * (4 * MB), b"\x02" * (4 * MB))  # renamed, not a new file
-    reserve.release().unlink()

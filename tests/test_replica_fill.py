@@ -149,7 +149,9 @@ def test_a_holder_whose_own_rank_stays_behind_stops_waiting_for_it(
     for step in (5, 6):
         shard = _snapshot(sender_rank, state, step)
         t0, n = time.monotonic(), len(polls)
-        assert _send(sender, shard) == len(shard.raw)  # nothing to fill from
+        # step 5: nothing to fill from; step 6 (the same state) fills from step 5's slot
+        assert _send(sender, shard) == (len(shard.raw) if step == 5 else shard.header_capacity
+                                        + fmt.PREFIX.size)
         waits.append(time.monotonic() - t0)
         polled.append(len(polls) - n)
         assert np.array_equal(held_replica(store, 0, step), shard.raw)
@@ -238,3 +240,73 @@ def test_a_chunk_table_that_disagrees_with_the_header_vouches_for_nothing(
     with pytest.raises(ChecksumError, match="data checksum mismatch"):
         sender.send(0, 5, shard.raw, shard.header["data_xxh3"], 0, chunks=lying)
     assert 0 not in store.inventory()
+
+
+def _moments_move(state: memckpt.TrainState, by: float) -> None:
+    """The optimizer state changes; the weight stays (a frozen base's chunks)."""
+    (opt,) = state.optimizers.values()
+    for st in opt.state.values():
+        st["exp_avg"].add_(by)
+        st["exp_avg_sq"].add_(by)
+
+
+def test_a_holder_is_sent_only_the_chunks_that_changed(store, sender, sender_rank):
+    """A rank whose 3 MiB weight does not change while its moments do (a frozen base
+    beside what trains). Step 1 lands in one replica slot, step 2 in the other (its weight
+    chunks copied there from step 1's, on the holder), step 3 over step 1's slot (its weight
+    chunks left where they are): after the first, only the changed chunks and the header
+    cross the network, and every replica verifies and is the sender's bytes exactly."""
+    state = _state(moment_shift=0.0)
+    sent = []
+    for step in (1, 2, 3):
+        _moments_move(state, 0.5)
+        shard = _snapshot(sender_rank, state, step)
+        sent.append(_send(sender, shard))
+        held = held_replica(store, 0, step)
+        assert np.array_equal(held, shard.raw)
+        assert fmt.open_shard(held, "replica", verify=True).step == step
+    assert sent == [len(shard.raw), len(shard.raw) - PARAM_BYTES, len(shard.raw) - PARAM_BYTES]
+    assert store.inventory() == {0: [2, 3]}
+
+
+def test_chunks_the_overwritten_copy_holds_unchanged_stay_in_place(store, sender, sender_rank):
+    """Step 3 overwrites step 1's replica slot and has step 1's weight, which step 2 (the
+    other slot) does not: the weight's chunks are neither sent nor copied, they are already
+    where step 3 needs them."""
+    state = _state(moment_shift=0.0)
+    (weight,) = state.model.parameters()
+    frozen = weight.detach().clone()
+    sent = []
+    for step, w in ((1, frozen), (2, frozen + 1.0), (3, frozen)):
+        with torch.no_grad():
+            weight.copy_(w)
+        _moments_move(state, 0.5)
+        shard = _snapshot(sender_rank, state, step)
+        sent.append(_send(sender, shard))
+        assert np.array_equal(held_replica(store, 0, step), shard.raw)
+    assert sent == [len(shard.raw), len(shard.raw), len(shard.raw) - PARAM_BYTES]
+
+
+def test_a_half_written_replica_slot_is_never_a_source_in_place(store, sender, sender_rank):
+    """A transfer that stopped half way left its slot flagged incomplete: the next transfer
+    into it takes nothing from it as it stands, and its replica is whole."""
+    state = _state(moment_shift=0.0)
+    shards = {}
+    for step in (1, 2):
+        _moments_move(state, 0.5)
+        shards[step] = _snapshot(sender_rank, state, step)
+        _send(sender, shards[step])
+    path = scan(store.replicas)[0][1]
+    with open(path, "r+b") as f:  # a transfer of step 3 began and died: flagged, torn
+        f.seek(fmt.STATE_OFFSET)
+        f.write(b"\0\0\0\0")
+        at, _ = shards[1].chunks.span(0, shards[1].layout.data_len)
+        f.seek(at)
+        f.write(b"\xff" * 4096)
+    _moments_move(state, 0.5)
+    shard = _snapshot(sender_rank, state, 3)
+    # the weight comes from step 2's slot (copied, each chunk re-checked), not in place
+    assert _send(sender, shard) == len(shard.raw) - PARAM_BYTES
+    held = held_replica(store, 0, 3)
+    assert np.array_equal(held, shard.raw)
+    assert fmt.open_shard(held, "replica", verify=True).step == 3

@@ -15,7 +15,8 @@ import pytest
 
 import memckpt
 from memckpt.demo.job import GPTJob
-from memckpt.errors import PlacementError, RecoveryError
+from memckpt.engine.buffers import PeakFootprint, default_ram_root
+from memckpt.errors import MemoryBudgetError, PlacementError, RecoveryError
 from memckpt.runtime.driver import kept
 from memckpt.runtime.tools.faults import FaultInjector
 
@@ -79,6 +80,17 @@ def run_with(injector: FaultInjector, name: str, tmp_path, **failure) -> dict:
                        quiet=True)
 
 
+# #50: two own slots and two replica slots per rank with one replica; 0.1x for headers
+FOOTPRINT_LIMIT = 4.1
+
+
+def assert_footprint(held: PeakFootprint) -> None:
+    """The job held at most FOOTPRINT_LIMIT times its state in host RAM at its peak, over a
+    run with a fault and its recovery (warm spares on: they hold no slot files)."""
+    assert held.state_bytes > 0, held.at_peak
+    assert held.ratio <= FOOTPRINT_LIMIT, (held.ratio, held.state_bytes, held.at_peak)
+
+
 def assert_same_run(result: dict, reference: dict) -> None:
     assert result["losses"] == reference["losses"]
     assert result["final_digest"] == reference["final_digest"]
@@ -91,8 +103,10 @@ def events(tmp_path) -> list[dict]:
 def test_sigkill_worker_restores_from_local_store(full_cluster, reference, tmp_path):
     # steady: killed once every node's warm spare is up and holds a shard's worth of memory
     inj = FaultInjector().kill_worker(rank=1, at_step=KILL_AT, steady=True)
-    result = run_with(inj, "kill-worker", tmp_path, warm_spares=True)
+    with PeakFootprint(default_ram_root() / "kill-worker") as held:
+        result = run_with(inj, "kill-worker", tmp_path, warm_spares=True)
     assert_same_run(result, reference)
+    assert_footprint(held)
     (rec,) = result["recoveries"]
     assert rec["died_ranks"] == [1] and rec["dead_nodes"] == []
     assert rec["resumed_step"] == KILL_AT - 1  # the step being taken when it died is redone
@@ -114,9 +128,17 @@ def test_sigkill_worker_restores_from_local_store(full_cluster, reference, tmp_p
 
 
 def test_node_loss_restores_from_peer_replica(full_cluster, reference, tmp_path):
-    inj = FaultInjector(node_killer=full_cluster.remove_node).kill_node(rank=1, at_step=KILL_AT)
-    result = run_with(inj, "kill-node", tmp_path, warm_spares=True)
+    removed: set[str] = set()  # its RAM is gone with it: its files no longer count
+
+    def remove(node: str) -> None:
+        removed.add(node)
+        full_cluster.remove_node(node)
+
+    inj = FaultInjector(node_killer=remove).kill_node(rank=1, at_step=KILL_AT)
+    with PeakFootprint(default_ram_root() / "kill-node", gone=removed) as held:
+        result = run_with(inj, "kill-node", tmp_path, warm_spares=True)
     assert_same_run(result, reference)
+    assert_footprint(held)
     (rec,) = result["recoveries"]
     assert len(rec["dead_nodes"]) == 1
     assert rec["moved_ranks"] == [1]
@@ -426,6 +448,25 @@ def test_error_raised_by_every_rank_at_once_reaches_the_caller(cluster, tmp_path
         memckpt.run(train, config("user-error"), run_dir=tmp_path, quiet=True)
     book = kept.current()  # this module's jobs run inside memckpt.keep_workers()
     assert book is not None and len(book) == 0  # a failed job's workers are not kept
+
+
+def test_a_job_over_its_ram_budget_stops_before_its_first_snapshot(cluster, tmp_path):
+    """Slots that would not fit Config.ram_budget: the job stops with the numbers and the
+    settings that lower them, before any slot file or replica is made, and is not retried
+    as a failure (never a SIGBUS or the OOM killer halfway)."""
+    budget = 2 << 20  # the tiny GPT's 3 ranks hold ~0.9 MiB each: 2 own + 2 replica slots
+    cfg = dataclasses.replace(config("over-budget"), ram_budget=budget)
+    with pytest.raises(MemoryBudgetError) as ei, \
+            PeakFootprint(default_ram_root() / "over-budget", every_s=0.01) as held:
+        memckpt.run(JOB, cfg, run_dir=tmp_path, quiet=True)
+    msg = str(ei.value)
+    assert "ram_budget allows 2.00 MiB" in msg, msg
+    assert "2 slots x 1 rank(s) run here" in msg and "1 peer rank(s) whose copies" in msg
+    assert "placement.replicas" in msg and "Config.ram_budget" in msg
+    assert held.peak == 0, held.at_peak  # no slot file was made (the stores' folders are
+    # removed when the job ends, so it is watched while it runs)
+    kinds = [e["event"] for e in events(tmp_path)]
+    assert "recovery_plan" not in kinds and "job_failed" in kinds
 
 
 def test_one_node_job_says_it_has_no_peer_replicas(cluster, tmp_path, capfd):

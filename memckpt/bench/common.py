@@ -20,6 +20,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable, ClassVar, Mapping, NoReturn, Optional, Sequence
 
+from memckpt.policy.footprint import human_bytes  # noqa: F401 (the bench's formatter)
 from memckpt.errors import ConfigError
 
 GIB = 1 << 30
@@ -215,16 +216,6 @@ def spawn_failure(phase: str, work: str, error: BaseException) -> RuntimeError:
 
 
 # -- formatting ---------------------------------------------------------------------------------
-def human_bytes(n: Optional[float]) -> str:
-    """1.50 GiB, 12.0 GiB, 3.20 MiB, 512 B; "–" for None."""
-    if n is None:
-        return "–"
-    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}" if n < 10 * scale else f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
-
-
 def human_s(s: Optional[float]) -> str:
     """1.25 s, 12.3 ms, 40 µs; "–" for None."""
     if s is None:

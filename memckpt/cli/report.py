@@ -4,7 +4,8 @@ Reads the run folder the coordinator and runtime write (``events.jsonl``,
 ``losses.jsonl``, ``steps.jsonl``) of a finished or running job. Top panel: loss
 per step, failures, resumes and the steps redone after each resume (shaded), and
 the world size over the steps when an elastic job resized; bottom panel: each step's snapshot
-stall (every rank, and the slowest).
+stall (every rank, and the slowest). Printed too: each node's peak of memckpt's host RAM
+against its budget (the ``node_ram`` events, a node's stores' measures every few seconds).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from memckpt.cli.status import ram_line
 from memckpt.errors import ConfigError, MemckptError
 
 WIDTH_PX, HEIGHT_PX, DPI = 1200, 800, 100
@@ -42,6 +44,8 @@ def main(args: argparse.Namespace) -> int:
     planned = sum(1 for rec in timeline["recoveries"] if rec.get("planned"))
     print(f"{out}: {len(timeline['steps'])} steps, {f} failure(s), {r - planned} recovery(ies)"
           + (f", {planned} planned resize(s)" if planned else "") + f"; data in {data}")
+    for node, r in sorted(timeline.get("node_ram", {}).items()):
+        print(f"  node {node[:12]}: peak {ram_line(r['peak_bytes'], r['budget_bytes'])}")
     return 0
 
 
@@ -85,7 +89,19 @@ def load_timeline(run_dir: Path) -> dict[str, Any]:
     return {"run_dir": str(run_dir), "job_started": started,
             "figure": {"width_px": WIDTH_PX, "height_px": HEIGHT_PX, "dpi": DPI},
             "steps": steps, "failures": failures, "recoveries": recoveries,
-            "rollbacks": rollbacks, "world_sizes": _world_sizes(events)}
+            "rollbacks": rollbacks, "world_sizes": _world_sizes(events),
+            "node_ram": node_ram(events)}
+
+
+def node_ram(events: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """node -> the most memckpt's files held in its RAM (``peak_bytes``) and the budget then
+    (``budget_bytes``), from the coordinator's ``node_ram`` events (one per new peak)."""
+    out: dict[str, dict[str, int]] = {}
+    for e in events:
+        if e["event"] == "node_ram" and e["held_bytes"] >= out.get(e["node"], {}).get(
+                "peak_bytes", -1):
+            out[e["node"]] = {"peak_bytes": e["held_bytes"], "budget_bytes": e["budget_bytes"]}
+    return out
 
 
 def _world_sizes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Iterable, Optional
 
+from memckpt.policy.footprint import human_bytes
 from memckpt.runtime.tools.job_client import fetch_status
 
 
@@ -13,6 +15,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", default="memckpt", help="the job_name of the config (default memckpt)")
     parser.add_argument("--address", default="auto", help="Ray cluster address (default auto)")
     parser.add_argument("--json", action="store_true", help="print the raw status as JSON")
+
+
+def ram_line(held: int, budget: int) -> str:
+    """A node's memckpt files against its ``Config.ram_budget``, as in "RAM held 1.50 GiB
+    of budget 8.00 GiB (19%)"."""
+    share = f" ({100 * held / budget:.0f}%)" if budget > 0 else ""
+    return f"RAM held {human_bytes(held)} of budget {human_bytes(budget)}{share}"
+
+
+def ram_lines(node_ram: dict, live: Optional[Iterable[str]] = None) -> list[str]:
+    """One line per node of what memckpt holds in its RAM (the coordinator's ``node_ram``:
+    node -> held, budget, peak bytes), the ``live`` nodes only when given."""
+    keep = None if live is None else set(live)
+    out = []
+    for node, r in sorted(node_ram.items()):
+        if keep is None or node in keep:
+            peak = f", peak {human_bytes(r['peak'])}" if r.get("peak", 0) > r["held"] else ""
+            out.append(f"  node {node[:12]}: {ram_line(r['held'], r['budget'])}{peak}")
+    return out
 
 
 def format_status(job: str, s: dict, now: float) -> str:
@@ -51,6 +72,11 @@ def format_status(job: str, s: dict, now: float) -> str:
         lines.append(f"  rank {rank}: step {m.get('step')}, snapshot stall "
                      f"{1000 * m.get('stall_s', 0):.1f} ms{landed}, last report "
                      f"{now - m.get('time', now):.1f}s ago")
+    # nodes that beat in this generation (a dead node's last figure is left out), measured
+    # by their stores every few seconds
+    ram = ram_lines(s.get("node_ram") or {}, s.get("node_beats") or None)
+    if ram:
+        lines += ["memckpt's host RAM per node (its files, against Config.ram_budget):"] + ram
     return "\n".join(lines)
 
 

@@ -2,8 +2,7 @@
 
 ``populate`` faults in a tensor's memory in one system call; ``TensorPool`` (the process's
 ``POOL``) makes the tensors a restore will create ahead of time; ``HostReserve`` is memory
-an idle spare keeps faulted in and hands back when it takes over a rank; ``SlotReserve`` is
-a shared-memory file it keeps populated to become the snapshot slot its restore fetches into.
+an idle spare keeps faulted in and hands back when it takes over a rank.
 
 A restore writes the whole state into memory the process has never touched: a new
 process's parameters, or the optimizer state it creates. Faulting that in 4 KiB at a
@@ -19,16 +18,13 @@ from __future__ import annotations
 import functools
 import math
 import mmap
-import os
 import threading
-from pathlib import Path
 from typing import Iterable, Optional
 
-import psutil
 import torch
 
-from memckpt.engine.buffers import (MADV_POPULATE_READ, MADV_POPULATE_WRITE, PAGE, libc_madvise,
-                             map_memory, page_resident, populate_mapping)
+from memckpt.engine.buffers import (MADV_POPULATE_WRITE, PAGE, libc_madvise,
+                             map_memory, page_resident)
 from memckpt.format.state import LoadMemory
 
 MIN_BYTES = 1 << 20  # below this a system call costs more than the faults it saves
@@ -220,115 +216,3 @@ class HostReserve:
                 chunk.close()
             self._chunks.clear()
             return freed
-
-
-class SlotReserve:
-    """A shared-memory file an idle warm spare keeps populated in its node's RAM folder: the
-    snapshot slot its restore fetches a peer's replica into, should it take over a rank whose
-    shards this node does not hold.
-
-    Such a rank needs a new slot before the fetch can land a byte, and on a VM that hands
-    freed memory back to its host that slot is fresh memory: 0.9-1.2 s per GiB here, a
-    quarter of a lost node's recovery. The spare populates the file while it idles; at
-    takeover the snapshot engine renames it in as that slot
-    (:meth:`memckpt.engine.snapshot.SnapshotEngine.offer_files`). A restore that needs no new slot
-    (the rank's shards are on this node) unlinks it first, and its pages serve that
-    restore's allocations as a :class:`HostReserve`'s do.
-
-    A spare keeps one per snapshot slot (``spare-<pid>-<index>.mem``, outside the folders
-    stores scan): the second slot is mapped while the restore loads, and on a node whose
-    cores are busy populating it there slowed that load as much as the first slot's did.
-    The files of a spare that died are taken over by the next spare on the node, pages and
-    all, so they never hold RAM for nobody. ``hold`` populates chunk by chunk, so a ``release``
-    (the spare is needed now) never waits for more than one chunk. Thread-safe: the two run
-    on different actor threads.
-    """
-
-    CHUNK = 64 << 20
-    PREFIX, SUFFIX = "spare-", ".mem"
-
-    def __init__(self, folder: Path, index: int = 0) -> None:
-        self.folder = Path(folder)
-        self.index = index
-        self.path = self.folder / f"{self.PREFIX}{os.getpid()}-{index}{self.SUFFIX}"
-        self._lock = threading.Lock()
-        self._released = False
-        self._populated = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the file populated so far."""
-        return self._populated
-
-    def hold(self, nbytes: int) -> int:
-        """Size the file to ``nbytes`` (no more than the tmpfs has room for) and fault its
-        pages in; returns the bytes populated. A no-op after ``release`` (and 0 when one
-        interrupts it: the file is the taker's now)."""
-        with self._lock:
-            if self._released:
-                return 0
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self._take_stale()
-            st = os.statvfs(self.folder)
-            have = self.path.stat().st_size if self.path.exists() else 0
-            room = (st.f_bavail * st.f_frsize + have) // PAGE * PAGE
-            nbytes = min(-(-nbytes // PAGE) * PAGE, room)  # whole pages, covering nbytes
-            if nbytes <= 0:
-                self._discard()
-                return 0
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-                mm = map_memory(fd, nbytes, populate=False)
-            finally:
-                os.close(fd)
-            self._populated = 0  # pages already resident (a dead spare's) pass in no time
-        try:
-            while True:
-                with self._lock:
-                    if self._released:
-                        return 0
-                    if self._populated >= nbytes:
-                        return self._populated
-                    n = min(self.CHUNK, nbytes - self._populated)
-                    if libc_madvise(MADV_POPULATE_READ) is None:  # not Linux >= 5.14
-                        for off in range(self._populated, self._populated + n, PAGE):
-                            mm[off] = 0
-                    elif not populate_mapping(mm, MADV_POPULATE_READ, self._populated, n):
-                        self._discard()  # no room after all: hold nothing rather than a hole
-                        return 0
-                    self._populated += n
-        finally:
-            mm.close()  # the pages stay in the file
-
-    def release(self) -> Optional[Path]:
-        """Stop holding (a hold in progress ends after its chunk; later holds do nothing);
-        returns the file, if any, for the caller to take over or unlink."""
-        self._released = True  # first: a hold re-takes the lock between chunks at once
-        with self._lock:
-            if self._populated and self.path.exists():
-                return self.path
-            self._discard()
-            return None
-
-    def _discard(self) -> None:
-        self.path.unlink(missing_ok=True)
-        self._populated = 0
-
-    def _take_stale(self) -> None:
-        """Rename a file of ours (same index) that a spare on this node left when it died into
-        ours (its pages are still resident); unlink any more of them."""
-        for f in self.folder.glob(f"{self.PREFIX}*-{self.index}{self.SUFFIX}"):
-            try:
-                pid = int(f.name[len(self.PREFIX):].split("-")[0])
-            except ValueError:
-                continue
-            if pid == os.getpid() or psutil.pid_exists(pid):
-                continue
-            try:
-                if self.path.exists():
-                    f.unlink()
-                else:
-                    f.replace(self.path)
-            except FileNotFoundError:
-                pass  # another spare took it

@@ -25,11 +25,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
-import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -37,64 +36,15 @@ import numpy as np
 import torch
 
 from memckpt.format import shard as fmt
-from memckpt.engine.buffers import RamRegion, remove_path
+from memckpt.engine.buffers import RamRegion
 from memckpt.engine.landing import Landing, all_landed
+from memckpt.engine.slot import Slot, has_size, read_slot
+from memckpt.engine.unchanged import known_chunks, stamp, unchanged
 from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError
+from memckpt.config import SKIP_UNCHANGED
 from memckpt.format.state import Captured
 
 log = logging.getLogger("memckpt")
-
-
-@dataclass
-class Slot:
-    path: Path
-    region: Optional[RamRegion] = None
-    layout: Optional[fmt.Layout] = None
-    header_capacity: int = 0
-    step: Optional[int] = None  # step of the complete snapshot it holds
-    complete: bool = False
-    readers: int = 0
-    views: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def mem(self) -> RamRegion:
-        """The mapped region; only asked for once the slot was prepared or found."""
-        assert self.region is not None, f"{self.path} is not mapped"
-        return self.region
-
-    @property
-    def age(self) -> int:
-        """The step held, -1 for none: newer snapshots compare greater."""
-        return -1 if self.step is None else self.step
-
-
-def _read_slot(path: Path, populate: bool, pin: bool = False
-               ) -> Optional[tuple[RamRegion, dict[str, Any], fmt.Layout, int]]:
-    """A slot file's mapping, header, layout and header capacity; None when there is no
-    file, or it is torn or foreign."""
-    if not path.exists():
-        return None
-    try:
-        region = RamRegion.open(path, populate=populate, pin=pin)
-        return (region, *fmt.read_header(region.array, str(path)))
-    except MemckptError:
-        return None
-
-
-def newest_layout_in(directory: Path) -> Optional[fmt.Layout]:
-    """The layout of the newest complete snapshot in ``directory``'s slots, from their
-    headers alone (nothing populated): what a restore of it will create, known before an
-    engine maps the slots."""
-    newest: Optional[tuple[int, fmt.Layout]] = None
-    for name in fmt.SLOT_NAMES:
-        found = _read_slot(Path(directory) / name, populate=False)
-        if found is None:
-            continue
-        region, header, layout, _ = found
-        region.close()
-        if newest is None or int(header["step"]) > newest[0]:
-            newest = (int(header["step"]), layout)
-    return None if newest is None else newest[1]
 
 
 SKIP_LOG_INTERVAL_S = 30.0  # a skipped snapshot is logged at most this often
@@ -107,7 +57,10 @@ class EngineStats:
     skipped: int = 0  # due but not taken: the previous one was still busy (policy "skip")
     waited_s: float = 0.0  # fall-behind policy "wait": time the step spent waiting
     allocations: int = 0  # slot (re)allocations; stays flat after warm-up
-    offered_taken: int = 0  # slots that were an offered file (a warm spare's), not new memory
+    copied_bytes: int = 0  # tensor bytes copied into slots, all snapshots
+    unchanged_bytes: int = 0  # tensor bytes found unchanged in their slot: not copied
+    last_copied_bytes: int = 0  # the newest snapshot's
+    last_unchanged_bytes: int = 0
     last_stall_s: float = 0.0
     last_step: Optional[int] = None
     last_seal_s: float = 0.0  # the seal of the newest snapshot (on a GPU it runs behind the copy)
@@ -132,8 +85,16 @@ class SnapshotEngine:
     def __init__(self, directory: Path, *, mode: str = "sync", on_fall_behind: str = "wait",
                  identity: Optional[dict[str, Any]] = None,
                  on_complete: Optional[Callable[[int, Path], None]] = None,
-                 gated: bool = False, seal_threads: int = 1, on_sealing: str = "wait") -> None:
+                 gated: bool = False, seal_threads: int = 1, on_sealing: str = "wait",
+                 room_check: Optional[Callable[[int], None]] = None,
+                 skip_unchanged: str = "verify") -> None:
         self.directory = Path(directory)
+        if skip_unchanged not in SKIP_UNCHANGED:
+            raise ValueError(f"skip_unchanged={skip_unchanged!r}: one of {SKIP_UNCHANGED}")
+        self.skip_unchanged = skip_unchanged
+        # called with a slot file's size before one is made or resized: raises when the
+        # node cannot afford slots of that size (Checkpointer's RAM budget)
+        self.room_check = room_check
         self.directory.mkdir(parents=True, exist_ok=True)
         self.mode = mode
         self.on_fall_behind = on_fall_behind
@@ -159,7 +120,6 @@ class SnapshotEngine:
         self._error: Optional[BaseException] = None
         self._aborted: Optional[BaseException] = None  # raised by every later snapshot
         self._newest: Optional[int] = None  # index of the slot written last (maybe in flight)
-        self._offered: list[Path] = []  # populated files the next new slots become
         self._pin = torch.cuda.is_available()
         self._stream = torch.cuda.Stream() if self._pin else None
         self.slots = [Slot(self.directory / n) for n in fmt.SLOT_NAMES]
@@ -168,7 +128,7 @@ class SnapshotEngine:
     # -- existing slots (a previous process's snapshots) -----------------------------------
     def _adopt_existing(self) -> None:
         for i, slot in enumerate(self.slots):
-            found = _read_slot(slot.path, populate=True, pin=self._pin)
+            found = read_slot(slot.path, populate=True, pin=self._pin)
             if found is None:
                 continue  # none, torn or foreign: this slot is simply free
             region, header, layout, cap = found
@@ -196,6 +156,7 @@ class SnapshotEngine:
                     slot.region.close()
                 slot.region, slot.layout, slot.header_capacity = None, None, 0
                 slot.step, slot.complete, slot.views = None, False, {}
+                slot.forget()
             self._newest = None
             for slot, src in zip(self.slots, files):
                 src.replace(slot.path)
@@ -218,7 +179,8 @@ class SnapshotEngine:
         try:
             self._prepare(slot, captured)
             fmt.mark_writing(slot.mem.array)
-            slot.complete, slot.step = False, None
+            slot.complete, slot.step, slot.dirty = False, None, []
+            self.stats.last_copied_bytes = self.stats.last_unchanged_bytes = 0
             meta_blob = captured.meta
             background = [(n, t) for n, t in captured.tensors
                           if self.mode == "overlap" and n in captured.stable]
@@ -226,6 +188,7 @@ class SnapshotEngine:
                           if not (self.mode == "overlap" and n in captured.stable)]
             landed = self._copy(slot, foreground)
         except BaseException:
+            slot.forget()
             with self._cond:
                 if slot.complete:  # failed before touching the slot: the other is still newest
                     self._newest = 1 - target
@@ -258,6 +221,7 @@ class SnapshotEngine:
         assert target is not None
         slot = self.slots[target]
         slot.complete, slot.step, slot.views = False, None, {}
+        slot.forget()
 
         def into(nbytes: int) -> np.ndarray:
             if slot.region is None or slot.region.size != nbytes:
@@ -372,50 +336,19 @@ class SnapshotEngine:
 
     def _map_slot(self, slot: Slot, layout: fmt.Layout, cap: int) -> None:
         """Map ``slot``'s file sized for ``layout`` with a header of ``cap`` bytes."""
+        slot.forget()  # the bytes move (or are new)
         self._map_file(slot, fmt.region_size(layout, cap))
         slot.layout, slot.header_capacity = layout, cap
         slot.views = fmt.tensor_views(slot.mem.tensor, layout, cap)
 
-    def offer_files(self, paths: list[Path]) -> None:
-        """Let the next slots this engine must create from nothing take ``paths`` instead,
-        one each: populated shared-memory files on the same filesystem (a warm spare's
-        :class:`memckpt.engine.populate.SlotReserve`), renamed in and shrunk to size, so the bytes
-        those slots receive land in memory the kernel already holds. A file too small for
-        its slot, or still here when :meth:`drop_offered` is called, is unlinked."""
-        self.drop_offered()
-        with self._cond:
-            self._offered = list(paths)
-
-    def drop_offered(self) -> None:
-        """Unlink the offered files no slot took (their pages go back to the kernel, warm)."""
-        with self._cond:  # the second slot may be mapped on the engine's thread
-            offered, self._offered = self._offered, []
-        for path in offered:
-            remove_path(path)
-
-    def _take_offered(self, slot: Slot, nbytes: int) -> None:
-        with self._cond:
-            offered = self._offered.pop(0) if self._offered else None
-        if offered is None:
-            return
-        try:
-            # only a new slot, and only shrinking: growing would leave a hole that a full
-            # tmpfs turns into SIGBUS at the first write (RamRegion.create checks the room)
-            if not slot.path.exists() and offered.stat().st_size >= nbytes:
-                os.truncate(offered, nbytes)
-                offered.replace(slot.path)
-                self.stats.offered_taken += 1
-                return
-        except OSError as e:
-            log.info("memckpt: not taking the spare's slot file %s: %s", offered, e)
-        remove_path(offered)
-
     def _map_file(self, slot: Slot, nbytes: int) -> None:
         """(Re)map ``slot``'s file at ``nbytes``, in place when it already has that size."""
+        if self.room_check is not None and not has_size(slot.path, nbytes):
+            self.room_check(nbytes)
         if slot.region is not None:
+            slot.views = {}  # the old mapping's last users: its pages go when they do
             slot.region.close(unlink=False)
-        else:
-            self._take_offered(slot, nbytes)
+            slot.region = None
         slot.region = RamRegion.reuse_or_create(slot.path, nbytes, pin=self._pin)
         self.stats.allocations += 1
 
@@ -436,7 +369,11 @@ class SnapshotEngine:
                     self._stream.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(self._stream):
                         for name, t in tensors:
+                            if self._unchanged(slot, name, t):
+                                spans.append((*where[name], None))
+                                continue
                             slot.views[name].copy_(t, non_blocking=True)
+                            self._copied(slot, name, t, where[name])
                             event = None
                             if t.is_cuda:
                                 # blocking: a waiting thread sleeps instead of spinning (up to
@@ -446,11 +383,30 @@ class SnapshotEngine:
                             spans.append((*where[name], event))
                 else:
                     for name, t in tensors:
-                        slot.views[name].copy_(t)
+                        if not self._unchanged(slot, name, t):
+                            slot.views[name].copy_(t)
+                            self._copied(slot, name, t, where[name])
                         spans.append((*where[name], None))
         finally:
             landing.queued(spans)
         return landing
+
+    def _unchanged(self, slot: Slot, name: str, t: torch.Tensor) -> bool:
+        """Whether ``slot`` still holds ``t``'s bytes (:mod:`memckpt.engine.unchanged`): then
+        it is not copied, and its chunks are neither hashed nor sent again."""
+        if not unchanged(slot.kept.get(name), t, slot.views[name], self.skip_unchanged):
+            return False
+        nbytes = t.numel() * t.element_size()
+        self.stats.unchanged_bytes += nbytes
+        self.stats.last_unchanged_bytes += nbytes
+        return True
+
+    def _copied(self, slot: Slot, name: str, t: torch.Tensor, span: tuple[int, int]) -> None:
+        slot.kept[name] = stamp(t)
+        slot.dirty.append(span)
+        nbytes = span[1] - span[0]
+        self.stats.copied_bytes += nbytes
+        self.stats.last_copied_bytes += nbytes
 
     def _finish(self, index: int, landed: Landing, copy_done: Landing, background: list,
                 step: int, meta: dict[str, Any]) -> None:
@@ -461,14 +417,19 @@ class SnapshotEngine:
             t0 = time.perf_counter()
             header = dict(self.identity, meta=meta, created_at=time.time())
             assert slot.layout is not None  # _prepare laid the slot out
+            chunks: list[str] = []
             fmt.seal(slot.mem.array, slot.layout, slot.header_capacity, step, header,
-                     self.map_fn, ready=all_landed([landed, copy_done]))
+                     self.map_fn, ready=all_landed([landed, copy_done]),
+                     known=known_chunks(slot.digests, slot.layout.data_len, slot.dirty),
+                     chunks_out=chunks)
+            slot.digests = chunks
             self.stats.last_seal_s = time.perf_counter() - t0
             self.stats.landed += 1
             slot.step, slot.complete = step, True
             if self.on_complete is not None:
                 self.on_complete(step, slot.path)
         except BaseException as e:  # kept, re-raised on the training thread
+            slot.forget()
             self._error = e
             raise
         finally:
@@ -502,6 +463,7 @@ class SnapshotEngine:
                 if slot.complete and slot.step is not None and doomed(slot.step):
                     fmt.mark_writing(slot.mem.array)
                     slot.complete, slot.step = False, None
+                    slot.forget()  # found corrupt, maybe: never a source of digests
             done = [i for i, s in enumerate(self.slots) if s.complete]
             self._newest = max(done, key=lambda i: self.slots[i].age) if done else None
 
@@ -573,7 +535,6 @@ class SnapshotEngine:
         finally:
             self._pool.shutdown(wait=True)
             self.hashers.shutdown(wait=True)
-            self.drop_offered()
             for slot in self.slots:
                 if slot.region is not None:
                     slot.views = {}

@@ -120,13 +120,19 @@ Ready = Callable[[int, int], None]
 
 
 def chunk_digests(data: np.ndarray | memoryview, chunk_bytes: int,
-                  map_fn: MapFn = map, ready: Optional[Ready] = None) -> list[str]:
+                  map_fn: MapFn = map, ready: Optional[Ready] = None,
+                  known: Optional[Mapping[int, str]] = None) -> list[str]:
     """xxh3-64 of each ``chunk_bytes`` chunk of ``data``, computed through ``map_fn``, each
-    batch once ``ready`` says its bytes have landed."""
+    batch once ``ready`` says its bytes have landed. ``known``: chunk index -> digest of
+    chunks whose bytes are known unchanged since they were hashed (taken, not hashed)."""
     view = memoryview(data).cast("B")
-    offsets = range(0, len(view), chunk_bytes)
+    known = known or {}
+    offsets = [off for off in range(0, len(view), chunk_bytes)
+               if off // chunk_bytes not in known]
     runs = [(ready, view, chunk_bytes, run) for run in batched(offsets)]
-    return [d for batch in map_fn(_checksum_run, runs) for d in batch]
+    hashed = dict(zip(offsets, (d for batch in map_fn(_checksum_run, runs) for d in batch)))
+    return [known[off // chunk_bytes] if off // chunk_bytes in known else hashed[off]
+            for off in range(0, len(view), chunk_bytes)]
 
 
 def _checksum_run(job: tuple[Optional[Ready], memoryview, int, Sequence[int]]) -> list[str]:
@@ -135,7 +141,7 @@ def _checksum_run(job: tuple[Optional[Ready], memoryview, int, Sequence[int]]) -
     ready, view, chunk_bytes, run = job
     if not run:
         return []
-    if ready is not None:
+    if ready is not None:  # a run may skip known chunks: it waits for its whole span
         ready(run[0], min(run[-1] + chunk_bytes, len(view)))
     return [checksum(view[off: off + chunk_bytes]) for off in run]
 
@@ -290,13 +296,18 @@ def accept_received(region: np.ndarray, source: str, step: int,
 
 
 def seal(region: np.ndarray, layout: Layout, header_capacity: int, step: int,
-         header: Mapping[str, Any], map_fn: MapFn = map, ready: Optional[Ready] = None) -> str:
+         header: Mapping[str, Any], map_fn: MapFn = map, ready: Optional[Ready] = None,
+         known: Optional[Mapping[int, str]] = None,
+         chunks_out: Optional[list[str]] = None) -> str:
     """Checksum the data (its chunks through ``map_fn``: a thread pool's ``map`` hashes
-    them in parallel, each batch once ``ready`` says it landed), write the header, then
-    flag the region complete. Returns the data digest."""
+    them in parallel, each batch once ``ready`` says it landed; ``known`` chunks are taken
+    as given), write the header, then flag the region complete. Returns the data digest;
+    the chunk digests go to ``chunks_out``."""
     off = data_offset(header_capacity)
     size = chunk_bytes_for(layout.data_len)
-    chunks = chunk_digests(region[off: off + layout.data_len], size, map_fn, ready)
+    chunks = chunk_digests(region[off: off + layout.data_len], size, map_fn, ready, known)
+    if chunks_out is not None:
+        chunks_out[:] = chunks
     digest = digest_of_chunks(chunks)
     body = dict(header, step=step, tensors=layout.to_json(), data_len=layout.data_len,
                 data_xxh3=digest, chunk_bytes=size, chunk_xxh3=chunks, format=FORMAT_VERSION)

@@ -30,7 +30,7 @@ from memckpt.policy.recovery_plan import plan_in_place, source_label
 from memckpt.runtime.driver import actors
 from memckpt.runtime.driver.driver import STARTUP_TIMEOUT_S, default_run_dir
 from memckpt.runtime.tools.faults import Fault, aim, deliver, send_signals
-from memckpt.runtime.worker.spec import ranks_by_node
+from memckpt.runtime.worker.spec import copies_by_node, ranks_by_node
 from memckpt.runtime.worker.worker import RestoreInstruction, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -163,12 +163,14 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
         with self._lock:
             self._prune_after = None if gen == 0 else (-1 if committed is None else committed)
         refs = {}
-        by_node = ranks_by_node(assignment)
+        by_node, copies = ranks_by_node(assignment), copies_by_node(holders)
         for i, w in enumerate(workers):
             rank = w.distributed_context.world_rank
+            node = assignment[rank]
             spec = WorkerSpec(rank, cfg.workers.num_workers, gen, cfg, holders.get(rank, ()),
                               dict(self.stores), self.coordinator, restore.get(rank),
-                              self._faults, node_ranks=by_node[assignment[rank]])
+                              self._faults, node_ranks=by_node[node],
+                              node_copies=copies.get(node, ()))
             refs[rank] = worker_group.execute_single_async(i, worker_side.install, spec,
                                                            self.report)
         pids = {rank: ray.get(ref) for rank, ref in refs.items()}

@@ -195,6 +195,10 @@ class PathClient:
         first byte to the store's verified ack, over a kept connection as the Replicator."""
         from memckpt.format import shard as fmt
         from memckpt.runtime.node.transport import StoreConnection
+        # a byte of every page changes with the step, as training changes every tensor: a
+        # holder leaves in place only the chunks its copy already has (#50), and the same
+        # bytes again would cross as a header alone
+        self.region[fmt.data_offset(self.cap)::4096] = step % 251
         digest = fmt.seal(self.region, self.layout, self.cap, step, {})
         address = _as_address(address)
         conn = self._conns.get(address)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from memckpt.bench.foreign_load import ForeignLoad, wait_quiet
 from memckpt.bench.recovery.bench_actors import ColdWorker, PathClient, RawReceiver, RawSender
 from memckpt.bench.recovery.workload import RecoveryJob, StepTimedJob, layout, state_nbytes
+from memckpt.engine.buffers import PeakFootprint
 from memckpt.runtime.ray_nodes import on_node
 
 WORLD_SIZE = 2
@@ -137,8 +138,11 @@ class RecoveryBench:
         if kind == "node-standby":  # the third node runs nothing and holds both replicas
             extra["placement"] = memckpt.PlacementConfig("ring", 1, standby_nodes=1)
         try:
-            summary = memckpt.run(job, self.config(name, **extra), run_dir=self.run_root / name,
-                                  injector=inj, quiet=True)
+            # memckpt's host RAM over the whole run (training, the fault, the recovery): the
+            # job's folder under ram_root, every node's files (a removed node's until freed)
+            with PeakFootprint(self.ram_root / name) as ram:
+                summary = memckpt.run(job, self.config(name, **extra), run_dir=self.run_root / name,
+                                      injector=inj, quiet=True)
         finally:
             self._cleanup(name)
         recs = summary["recoveries"]
@@ -155,8 +159,7 @@ class RecoveryBench:
             "critical_rank": max(results, key=lambda r: r["first_step"]["t_all_reduce"])["rank"],
             "rank_splits_s": {str(r["rank"]): _resume_split([r], started) for r in results},
             "sources": rec["sources"],
-            # ranks whose restore fetched into the slot file their node's spare held ready
-            "spare_slot_ranks": sorted(r["rank"] for r in results if r.get("spare_slot")),
+            **_footprint(ram, results),
             "resumed_step": rec["resumed_step"], "what": rec["what"],
             "fault_at": rec["fault_at"], "results": results,
         }
@@ -170,7 +173,8 @@ class RecoveryBench:
         # time), "spare" (a warm process replaced a dead or stuck one) or "new".
         sample["workers"] = _generation_workers(self.run_root / name, rec["gen"])
         self.log(f"memckpt {kind} recovery: total {sample['total_s']:.2f} s "
-                 f"(runtime: {_fmt_phases(ph)}; sources {rec['sources']})")
+                 f"(runtime: {_fmt_phases(ph)}; sources {rec['sources']}); host RAM peak "
+                 f"{sample['peak_footprint_x'] or 0:.2f}x the state, {sample['peak_footprint_parts']}")
         return sample
 
     # -- raw transfer -------------------------------------------------------------------------
@@ -402,6 +406,22 @@ def _resume_split(results: list[dict[str, Any]], started: float) -> dict[str, fl
         "first_snapshot": last["first_step_done_at"] - max(r["first_step"]["t_snapshot"]
                                                            for r in results),
     }
+
+
+def _footprint(ram: PeakFootprint, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's host-RAM peak: bytes, against the training state, and where they were.
+
+    The state is one copy of every rank's shard: the sum of the ranks' own slot file sizes
+    (one slot each, header included), exact where the shard sizes the workload computes
+    leave the header out. The peak counts allocated pages, so a file's last partial page
+    makes it at most 4 KiB more per file than those sizes."""
+    state = sum(r["slot_bytes"] for r in results)
+    # "<node>/own/rank1" with the node's id cut short, as the log and the rows show it
+    parts = {"/".join([k.split("/")[0][:8], *k.split("/")[1:]]): v
+             for k, v in sorted(ram.at_peak.items())}
+    return {"peak_footprint_bytes": ram.peak, "state_slot_bytes": state,
+            "peak_footprint_x": ram.peak / state if state else None,
+            "peak_footprint_parts": parts}
 
 
 def _generation_workers(run_dir: Path, gen: int) -> dict[str, str]:

@@ -18,6 +18,9 @@ TARGET_DETECT_WORKER_S = 1.0
 TARGET_DETECT_NODE_S = 3.0
 TARGET_TRANSFER_RATIO = 0.70
 TARGET_SLOWDOWN = 0.05
+# memckpt's host RAM at its peak, with one replica, against the training state: two own
+# slots and two replica slots per rank (warm spares hold none), plus pages' rounding
+TARGET_FOOTPRINT_X = 4.1
 
 _PHASE_ORDER = ("detect", "stop", "plan", "resume", "fetch_and_load_max", "start_actors",
                 "process_group", "build", "torch_load", "first_step", "put", "get", "fetch",
@@ -54,12 +57,18 @@ def _versus(r: dict[str, Any]) -> str:
     return "–" if s is None else f"{100 * s:+.1f}%"
 
 
+def _footprint(r: dict[str, Any]) -> str:
+    x = r.get("peak_footprint_x")
+    return "–" if x is None else f"{x:.2f}× ({human_bytes(r.get('peak_footprint_bytes'))})"
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| benchmark | method | state | median | phase split (medians) | vs alternative |",
-             "| --- | --- | ---: | ---: | --- | ---: |"]
+    lines = ["| benchmark | method | state | median | RAM peak / state | phase split (medians) "
+             "| vs alternative |",
+             "| --- | --- | ---: | ---: | ---: | --- | ---: |"]
     for r in rows:
         lines.append(f"| {r['benchmark']} | {r['method']} | {human_bytes(r['state_bytes'])} | "
-                     f"{human_s(r['median_s'])} | {_split(r)} | {_versus(r)} |")
+                     f"{human_s(r['median_s'])} | {_footprint(r)} | {_split(r)} | {_versus(r)} |")
     return "\n".join(lines)
 
 
@@ -98,6 +107,14 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[Optional[bool], str]
             out.append((r["ratio_to_raw"] >= TARGET_TRANSFER_RATIO,
                         f"{label} throughput {100 * r['ratio_to_raw']:.0f}% of {raw} "
                         f"(target ≥ {100 * TARGET_TRANSFER_RATIO:.0f}%)"))
+    for method, label in (("memckpt-worker", "worker"), ("memckpt-node", "node"),
+                          ("memckpt-node-standby", "node (standby holder)")):
+        x = (by.get(method) or {}).get("peak_footprint_x")
+        if x is not None:
+            out.append((x <= TARGET_FOOTPRINT_X,
+                        f"{label} recovery: memckpt's host RAM at its peak {x:.2f}× the training "
+                        f"state (target ≤ {TARGET_FOOTPRINT_X}× with one replica: two own and "
+                        "two replica slots per rank)"))
     step = next((r for r in rows if r["benchmark"] == "step-time" and r.get("slowdown")), None)
     if step is not None:
         out.append((step["slowdown"] <= TARGET_SLOWDOWN,

@@ -41,7 +41,8 @@ SHAPES: dict[str, tuple[str, ...]] = {
     "recovery": ("benchmark", "method", "state_bytes", "median_s", "samples_s", "phases_s",
                  "resume_split_s", "runtime_total_s", "baseline", "speedup_vs_restart",
                  "speedup_vs_worker_restart", "foreign_cpu", "resumed_steps", "workers",
-                 "sources", "spare_slot_ranks", "note"),
+                 "sources", "peak_footprint_x", "peak_footprint_bytes", "peak_footprint_parts",
+                 "note"),
     "baseline": ("benchmark", "method", "state_bytes", "median_s", "samples_s", "phases_s",
                  "restart_s", "file_bytes", "speedup_vs_restart", "foreign_cpu", "note"),
     "peer-fetch": ("benchmark", "method", "state_bytes", "median_s", "phases_s",
@@ -83,7 +84,12 @@ class Row(KindedRow):
     resumed_steps: Optional[list[int]] = None
     workers: Optional[list[Any]] = None
     sources: Optional[list[dict[str, str]]] = None
-    spare_slot_ranks: Optional[list[list[int]]] = None
+    # memckpt's host RAM at its peak over a run (training, fault, recovery), the worst run:
+    # against one copy of every rank's shard, in bytes, and where (path below the job's
+    # RAM folder -> bytes)
+    peak_footprint_x: Optional[float] = None
+    peak_footprint_bytes: Optional[int] = None
+    peak_footprint_parts: Optional[dict[str, int]] = None
     restart_s: Optional[float] = None
     file_bytes: Optional[int] = None
     throughput_Bps: Optional[float] = None
@@ -156,7 +162,19 @@ def _recovery_row(b: RecoveryBench, got: Samples, method: str, samples: list[Sam
         speedup_vs_worker_restart=(base_total / total) if total and base_total else None,
         resumed_steps=[s["resumed_step"] for s in samples],
         workers=[s.get("workers") for s in samples], sources=[s["sources"] for s in samples],
-        spare_slot_ranks=[s.get("spare_slot_ranks", []) for s in samples])
+        **_worst_footprint(samples))
+
+
+def _worst_footprint(samples: list[Sample]) -> dict[str, Any]:
+    """The run whose host-RAM peak was the largest against its state (a bound is checked
+    against the worst, not the median)."""
+    got = [s for s in samples if s.get("peak_footprint_x") is not None]
+    if not got:
+        return {}
+    worst = max(got, key=lambda s: s["peak_footprint_x"])
+    return {"peak_footprint_x": worst["peak_footprint_x"],
+            "peak_footprint_bytes": worst["peak_footprint_bytes"],
+            "peak_footprint_parts": worst.get("peak_footprint_parts")}
 
 
 def _baseline_rows(b: RecoveryBench, got: Samples) -> list[Row]:

@@ -176,8 +176,16 @@ class RecoveryJob:
             # time the snapshots waited for a free slot (the gate: the newest step committed)
             "snapshot_waited_s": ctx.stats()["slot_waited_s"],
             "snapshot_allocations": ctx.stats()["slot_allocations"],
-            "spare_slot": ctx.stats()["spare_slot_taken"],
+            "slot_bytes": slot_file_bytes(ctx),
         }
+
+
+def slot_file_bytes(ctx: Any) -> int:
+    """The size of this rank's own snapshot slot file, the larger of the two: one copy of
+    its shard as memckpt holds it in RAM (header and data), the unit its host-RAM footprint
+    is counted in. 0 before a first snapshot."""
+    sizes = [s.path.stat().st_size for s in ctx.ckpt.engine.slots if s.path.exists()]
+    return max(sizes, default=0)
 
 
 class _TimedContext:

@@ -3,7 +3,8 @@
 It knows no tensor bytes. Each node's store sends it, per step, its ranks' readiness and
 step metrics (``node_ready``; ``node_metrics`` for a step no rank snapshotted) and, per
 interval, each rank's last sign of life (``node_heartbeat``; see
-:mod:`memckpt.runtime.node.aggregator`); a step every rank is ready for is committed. A
+:mod:`memckpt.runtime.node.aggregator`; every few seconds its memckpt RAM and budget, a new
+peak logged as ``node_ram``); a step every rank is ready for is committed. A
 silent store is a frozen or cut-off node (``liveness``). The per-rank ``shard_ready``,
 ``report`` and ``heartbeat`` serve a worker with no store on its node. Also: fire-once
 chaos claims, events (``events.jsonl``), rank 0's loss per step (``losses.jsonl``), each
@@ -41,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -50,14 +52,12 @@ from memckpt.persist.catalog import protect
 from memckpt.policy.step_metrics import Summary
 from memckpt.runtime.coordinator.metrics import JobMetrics
 from memckpt.runtime.coordinator.steps import StepLog
-from memckpt.runtime.coordinator.state_store import (COORDINATOR_NAMESPACE, GcsStateStore,
-                                               Inventory, InventorySource,
-                                               MemoryStateStore, StateStore, proven_ready,
-                                               ray_inventory)
+from memckpt.runtime.coordinator.state_store import (
+    COORDINATOR_NAMESPACE, GcsStateStore, Inventory, InventorySource, MemoryStateStore,
+    StateStore, proven_ready, ray_inventory)
 
-__all__ = ["COORDINATOR_NAMESPACE", "Coordinator", "GcsStateStore", "Inventory",
-           "MemoryStateStore", "STALE", "StateStore", "View", "coordinator_name",
-           "proven_ready", "ray_inventory"]
+__all__ = ["COORDINATOR_NAMESPACE", "Coordinator", "GcsStateStore", "Inventory", "MemoryStateStore",
+           "STALE", "StateStore", "View", "coordinator_name", "proven_ready", "ray_inventory"]
 
 def coordinator_name(job: str) -> str:
     return f"memckpt-coordinator-{job}"
@@ -113,6 +113,7 @@ class Coordinator:
         self._moved: Optional[asyncio.Future] = None  # see _wake_commit_waiters
         self.heartbeats: dict[int, tuple[float, int]] = {}  # rank -> (last sign, its step)
         self.node_beats: dict[str, tuple[float, int]] = {}  # node -> (last beat, newest step)
+        self.node_ram: dict[str, dict[str, int]] = {}  # node -> its RAM held, budget, peak (B)
         self._node_ranks: dict[str, list[int]] = {}  # this generation's ranks per node
         self._rank_node: dict[int, str] = {}  # and each rank's node
         self.received: Counter[str] = Counter()  # node messages taken, by method (tests, bench)
@@ -277,8 +278,7 @@ class Coordinator:
             return at - t > (timeout_s if step >= 0 else startup_timeout_s)
 
         silent = sorted(n for n, (t, step) in self.node_beats.items() if stale(t, step, now))
-        beats = self.node_beats
-        ranks = set()
+        ranks, beats = set(), self.node_beats
         for r, (t, step) in self.heartbeats.items():
             node = self._rank_node.get(r)
             if stale(t, step, beats[node][0] if node in beats else now):
@@ -320,8 +320,7 @@ class Coordinator:
 
     def _maybe_commit(self, step: int) -> None:
         """Commit ``step`` if every rank is ready for it and it is newer (call under the lock)."""
-        if len(self._ready.get(step, ())) < self.world_size or _at_least(self.s["committed"],
-                                                                          step):
+        if len(self._ready.get(step, ())) < self.world_size or _at_least(self.s["committed"], step):
             return
         self.s["committed"] = step
         self._stale_ready = False  # whatever readiness the restart lost, a newer step is in
@@ -399,7 +398,7 @@ class Coordinator:
             self.steps.orphaned(gen, metrics)
 
     async def node_heartbeat(self, node: str, gen: int, beats: Mapping[int, tuple[float, int]],
-                             metrics: list[Summary]) -> bool:
+                             metrics: list[Summary], ram: Optional[tuple[int, int]] = None) -> bool:
         """``beats``: each of its ranks' (age of its last sign of life, on the node's clock;
         its step), placed on this clock. O(ranks of the node). False: refused, ``gen`` is
         over (the store fences it off and stops beating for it)."""
@@ -407,6 +406,11 @@ class Coordinator:
             self._refused(node, gen, metrics)
             return gen > self.s["gen"]  # only an older generation is over
         self.received["node_heartbeat"] += 1
+        if ram is not None:  # every few seconds: (bytes its memckpt files hold, its budget)
+            peak = self.node_ram.get(node, {}).get("peak", 0)
+            if ram[0] > peak:  # a new peak (rare: slots are reused once made)
+                self.event("node_ram", node=node, held_bytes=ram[0], budget_bytes=ram[1])
+            self.node_ram[node] = {"held": ram[0], "budget": ram[1], "peak": max(peak, ram[0])}
         now, top = self.clock(), -1
         for r, (age, step) in beats.items():
             self.heartbeats[int(r)] = (now - age, step)
@@ -512,9 +516,6 @@ class Coordinator:
                         self.s["committed"])
         self._save_if_due()
 
-    def _newest_step(self) -> int:
-        return self.steps.newest
-
     async def claim(self, key: str, standby_timeout_s: float = 0.0) -> bool:
         """Fire-once: True the first time ``key`` is claimed in this job. With a timeout, a
         steady fault: first wait (up to it) until the job is in standby (set_standby)."""
@@ -561,7 +562,7 @@ class Coordinator:
 
     async def log_event(self, kind: str, fields: dict[str, Any]) -> None:
         if kind == "failure_detected":  # where the job was: the start of what a resume redoes
-            fields = dict(fields, reached_step=self._newest_step(), committed=self.s["committed"])
+            fields = dict(fields, reached_step=self.steps.newest, committed=self.s["committed"])
         self.event(kind, **fields)
 
     async def progress(self) -> dict[str, Any]:
@@ -587,11 +588,10 @@ class Coordinator:
                                 for r, (t, s) in self.heartbeats.items()},
                     node_beats={n: {"age_s": now - t, "step": s}
                                 for n, (t, s) in self.node_beats.items()},
+                    node_ram=self.node_ram,
                     refused_stale=self.received["stale"])
 
     async def whereabouts(self) -> dict[str, Any]:
-        import os
-
         import ray
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 

@@ -71,7 +71,7 @@ def start_store(config: Config, node: str) -> Any:
         name=store_name(config.job_name, node), namespace=COORDINATOR_NAMESPACE,
         num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=16,
         scheduling_strategy=on_node(node),
-    ).remote(config.ram_root or "", config.job_name, node)
+    ).remote(config.ram_root or "", config.job_name, node, config.ram_budget)
 
 
 def start_coordinator(config: Config, run_dir: Path) -> Any:

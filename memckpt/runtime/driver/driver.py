@@ -34,7 +34,7 @@ from memckpt.policy.progress import ProgressKey, progress_due
 from memckpt.runtime.tools.faults import Fault, FaultInjector, aim, deliver
 from memckpt.runtime.driver.pool import PING_S, Generation, WorkerPool
 from memckpt.runtime.driver.recovery import GRACE_S, DiedDuringRecovery, Recovery, Restore
-from memckpt.runtime.worker.spec import WorkerSpec, ranks_by_node
+from memckpt.runtime.worker.spec import WorkerSpec, copies_by_node, ranks_by_node
 
 if TYPE_CHECKING:
     from memckpt.runtime.worker.context import WorkerContext
@@ -203,12 +203,13 @@ class Runtime:
         workers, how = self.pool.assign(assignment)
         info, master = self._reach_workers(gen, workers, holders)
         refs = {}
-        by_node = ranks_by_node(assignment)
+        by_node, copies = ranks_by_node(assignment), copies_by_node(holders)
         for rank, w in workers.items():
+            node = assignment[rank]
             spec = WorkerSpec(rank, len(assignment), gen, cfg, tuple(holders.get(rank, ())),
                               dict(self.plane.stores), self.coordinator, restore.get(rank),
                               self.injector.at_steps(), resized=resized,
-                              node_ranks=by_node[assignment[rank]])
+                              node_ranks=by_node[node], node_copies=copies.get(node, ()))
             refs[w.run.remote(self.train_fn, master, spec)] = rank
         self._event("generation_started", gen=gen, world_size=len(assignment),
                     assignment=assignment, holders=holders,

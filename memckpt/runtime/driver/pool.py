@@ -4,7 +4,6 @@ the generation running, and a warm spare per node with the memory a restore fill
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Collection, Optional
 
@@ -42,8 +41,8 @@ class WorkerPool:
         self.workers: dict[int, Any] = {}  # rank -> live worker actor (reused across generations)
         self.worker_nodes: dict[int, str] = {}
         self.spares: dict[str, Any] = {}  # node -> idle warm worker
-        # node -> (spare, the stage asked of it: 0 state, 1 slot files, its prefault ref)
-        self._prefaults: dict[str, tuple[Any, int, Any]] = {}
+        # node -> (spare, its prefault ref)
+        self._prefaults: dict[str, tuple[Any, Any]] = {}
         self._standby = False  # every node's spare is up and has its memory in hand
         self._first_commit: Optional[int] = None  # the job's first committed step
         self._spare_nodes: set[str] = set()  # the live nodes that should have a spare
@@ -200,44 +199,31 @@ class WorkerPool:
 
     def prefault_spares(self, committed: Optional[int]) -> None:
         """Once the job's snapshot slots exist (a second step committed), ask each spare in
-        turn to prepare the memory a restore fills (:meth:`Worker.prefault`): one at a
-        time, so populating gigabytes never takes more than one core from training. First
-        every spare its state, then its slot files, emptiest node first (where a lost
-        node's rank goes): where nodes share a machine's RAM, the first spare asked must
-        not take what the others' state needs. Tells the coordinator when every node's
-        spare is ready: the job is in standby, a failure now meets a ready replacement."""
+        turn to prepare the memory a restore fills (:meth:`Worker.prefault`, within the
+        node's ``Config.ram_budget``): one at a time, so populating gigabytes never takes
+        more than one core from training. Tells the coordinator when every node's spare is
+        ready: the job is in standby, a failure now meets a ready replacement."""
         if committed is None:
             return
         if self._first_commit is None:
             self._first_commit = committed
         if committed <= self._first_commit:
             return
-        asked = {n: (stage, ref) for n, (sp, stage, ref) in self._prefaults.items()
-                 if self.spares.get(n) is sp}
-        refs = [ref for _, ref in asked.values()]
+        asked = {n: ref for n, (sp, ref) in self._prefaults.items() if self.spares.get(n) is sp}
+        refs = list(asked.values())
         _, pending = self.ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
-        todo = self._prefaults_due(asked)
+        todo = [n for n in self.spares if n not in asked]
         if not pending and todo:
-            node, stage = todo[0]
-            spare = self.spares[node]
-            self._prefaults[node] = (spare, stage, spare.prefault.remote(
-                self._largest_shard(), stage == 1))
+            spare = self.spares[todo[0]]
+            self._prefaults[todo[0]] = (spare, spare.prefault.remote(self._largest_shard()))
         standby = not self.config.failure.warm_spares or (
             not pending and not todo and set(self.spares) >= self._spare_nodes)
         if standby != self._standby:
             self._standby = standby
             self.plane.coordinator.set_standby.remote(standby)
             if standby:  # every prefault has returned: what each node's spare holds
-                held = self._held({n: ref for n, (_, ref) in asked.items()})
+                held = self._held(asked)
                 self.plane.event("standby", held_bytes={n[:12]: b for n, b in held})
-
-    def _prefaults_due(self, asked: dict[str, tuple[int, Any]]) -> list[tuple[str, int]]:
-        """(node, stage) of the prefaults still to ask, in order (see prefault_spares)."""
-        fresh = [n for n in self.spares if n not in asked]
-        if fresh:
-            return [(n, 0) for n in fresh]
-        ranks = Counter(self.worker_nodes.values())
-        return [(n, 1) for n in sorted(self.spares, key=lambda n: ranks[n]) if asked[n][0] < 1]
 
     def _largest_shard(self) -> Optional[tuple[int, list, int]]:
         """The largest shard any live node's store holds (see ReplicaStore.largest_shard):

@@ -37,7 +37,8 @@ import psutil
 import xxhash
 
 from memckpt.format import shard as fmt
-from memckpt.engine.buffers import RamRegion, remove_path, resolve_ram_root
+from memckpt.engine.buffers import RamRegion, allocated_bytes, remove_path, resolve_ram_root
+from memckpt.policy.footprint import RamBudget, budget_bytes
 from memckpt.runtime.node.transport import ShardServer
 from memckpt.runtime.node.uplink import Uplink, View
 from memckpt.errors import (MemckptError, NoSnapshotError, PlacementError,
@@ -63,6 +64,11 @@ class _Put:
     path: Path
     region: RamRegion
     filled: Optional[tuple[fmt.Chunks, set[int]]] = None  # data chunks filled locally, checked
+    # the chunk table of the complete shard this transfer overwrites (the rank's copy two
+    # snapshots back), when its bytes stay where they are: its chunks that did not change
+    # are left in place, neither sent nor copied
+    prior: Optional[fmt.Chunks] = None
+    prior_len: int = 0  # that shard's data length
 
 
 def node_dir(ram_root: Path, job: str, node_id: str) -> Path:
@@ -136,8 +142,12 @@ def invalidate(path: Path) -> None:
 class ReplicaStore:
     """Per-node holder of shards. Thread-safe; run as a threaded Ray actor."""
 
-    def __init__(self, ram_root: str, job: str, node_id: str) -> None:
+    def __init__(self, ram_root: str, job: str, node_id: str,
+                 ram_budget: RamBudget = 0.5) -> None:
+        """``ram_budget``: the job's ``Config.ram_budget`` (0.5, its default, where not
+        given), what the footprint it reports is held against."""
         self.node_id = node_id
+        self.ram_budget = ram_budget
         self.root = node_dir(resolve_ram_root(ram_root or None), job, node_id)
         self.own = self.root / "own"
         self.replicas = self.root / "replicas"
@@ -153,7 +163,8 @@ class ReplicaStore:
         self._server: Optional[ShardServer] = None
         self._mapped: dict[Path, tuple[Optional[int], RamRegion]] = {}  # shard file -> (inode, mapping)
         self._fill_backoff: dict[int, int] = {}  # rank -> puts left that skip the fill wait
-        self.uplink = Uplink(node_id)  # the node's readiness, metrics, heartbeats
+        # the node's readiness, metrics, heartbeats (and every few seconds its footprint)
+        self.uplink = Uplink(node_id, footprint=self.footprint)
 
     def set_generation(self, gen: int) -> None:
         """Fence off an older generation's in-flight replication (called during recovery)."""
@@ -242,13 +253,33 @@ class ReplicaStore:
                 except MemckptError:
                     pass
             self._check_memory(rank, nbytes, path)
+            prior, prior_len = self._prior(path, nbytes)
             invalidate(path)
             region = self._mapping(path, nbytes)
             fmt.mark_writing(region.array)
             ticket = next(self._tickets)
-            self._open[ticket] = _Put(rank, step, gen, path, region)
+            self._open[ticket] = _Put(rank, step, gen, path, region, prior=prior,
+                                      prior_len=prior_len)
             self._current[(rank, step)] = ticket
             return ticket
+
+    def _prior(self, path: Path, nbytes: int) -> tuple[Optional[fmt.Chunks], int]:
+        """The chunk table and data length of the complete shard in ``path``, if a transfer
+        of ``nbytes`` will overwrite it in place (same size: the file is reused, its bytes
+        stay); (None, 0) otherwise. Its chunks were verified when it was received, and
+        nothing has written to it since (this store is its only writer, and a transfer that
+        stopped half way left it flagged incomplete: not read here)."""
+        try:
+            if peek_step(path) is None or path.stat().st_size != nbytes:
+                return None, 0
+            region = RamRegion.open(path, populate=False)  # the header only
+            try:
+                header, layout, cap = fmt.read_header(region.array, str(path))
+            finally:
+                region.close()
+            return fmt.Chunks.of(header, fmt.data_offset(cap)), layout.data_len
+        except (OSError, MemckptError):
+            return None, 0
 
     def _put(self, ticket: int) -> _Put:
         """The open transfer ``ticket``, if still current and of a current generation."""
@@ -269,12 +300,15 @@ class ReplicaStore:
             "superseded by a newer transfer of the same shard")
 
     def fill_local(self, ticket: int, chunks: fmt.Chunks) -> list[int]:
-        """Fill the data chunks of transfer ``ticket`` that a complete shard this node
-        already holds at its step has with the same checksum (another rank's own slot, or
-        another replica), by a local copy. Returns their indices: the sender skips them.
-        Each copied chunk is checksummed again before it counts (a source overwritten
-        meanwhile is just sent), and :meth:`finish` verifies the whole shard as always.
-        Never raises: a fill that fails only means more bytes on the wire."""
+        """The data chunks of transfer ``ticket`` the sender need not send. First those the
+        shard it overwrites (this rank's copy two snapshots back) holds unchanged at the
+        same place: they stay as they are, neither sent, copied nor hashed again (a frozen
+        tensor's chunks: a step's network bytes follow what changed). Then those a complete
+        shard this node holds has with the same checksum (the rank's other replica slot,
+        another rank's own slot at the step: DDP's parameters are identical on every rank),
+        by a local copy, checksummed again before it counts (a source overwritten meanwhile
+        is just sent); :meth:`finish` verifies the rest of the shard as always. Returns
+        their indices. Never raises: a fill that fails only means more bytes on the wire."""
         try:
             put = self._put(ticket)
         except MemckptError:
@@ -284,7 +318,15 @@ class ReplicaStore:
         try:
             dest = put.region.array
             data_len = len(dest) - chunks.data_offset
-            for source in self._fill_sources(rank, step):
+            prior = put.prior
+            if prior is not None and (prior.data_offset, prior.chunk_bytes) == (
+                    chunks.data_offset, chunks.chunk_bytes):
+                for i, digest in enumerate(chunks.digests):
+                    if (i < len(prior.digests) and prior.digests[i] == digest
+                            and chunks.span(i, data_len) == prior.span(i, put.prior_len)):
+                        filled.add(i)
+            other = self._other_slot(put.path)
+            for source in ([other] if other is not None else []) + self._fill_sources(rank, step):
                 theirs = source.chunks
                 if theirs is None or theirs.chunk_bytes != chunks.chunk_bytes:
                     continue
@@ -304,6 +346,20 @@ class ReplicaStore:
                      rank, step, e)
         put.filled = (chunks, filled)  # finish() need not hash them again
         return sorted(filled)
+
+    def _other_slot(self, path: Path) -> Optional[fmt.Shard]:
+        """The complete shard in the other slot of the replica ``path`` is a slot of
+        (unverified: each chunk copied from it is checked)."""
+        for other in path.parent.glob("slot*.shard"):
+            if other == path or peek_step(other) is None:
+                continue
+            try:
+                with self._lock:
+                    array = self._mapping(other).array
+                return fmt.open_shard(array, str(other), verify=False)
+            except (OSError, MemckptError):
+                return None
+        return None
 
     def _fill_sources(self, rank: int, step: int) -> list[fmt.Shard]:
         """Complete shards of ``step`` on this node other than ``rank``'s (unverified: each
@@ -346,6 +402,9 @@ class ReplicaStore:
         if cached is not None and cached[0] == ino and nbytes in (None, cached[1].size):
             return cached[1]
         if nbytes:
+            if cached is not None:  # resized: let the old mapping's pages go first
+                self._mapped.pop(path)
+                cached[1].close()
             region = RamRegion.reuse_or_create(path, nbytes)
             ino = path.stat().st_ino  # only this store writes its replica files
         else:  # the inode seen before mapping: a file replaced meanwhile is remapped next time
@@ -495,6 +554,12 @@ class ReplicaStore:
                     remove_path(rank_dir)
                     removed.append(f"{sub}/{rank_dir.name}")
         return {"removed": removed, "freed_bytes": freed}
+
+    def footprint(self) -> tuple[int, int]:
+        """(bytes this job's memckpt files hold in this node's RAM: its ranks' slots and the
+        replicas it keeps, as allocated pages; the budget ``ram_budget`` gives them here)."""
+        return (allocated_bytes(self.root),
+                budget_bytes(self.ram_budget, psutil.virtual_memory().total))
 
     def memory(self) -> dict[str, int]:
         used = sum(p.stat().st_size for p in self.root.rglob("*.shard"))

@@ -18,6 +18,10 @@ restarts the coordinator in place behind the same named handle, and calls in fli
 retried (``max_task_retries=-1``). A heartbeat thread sends the node's heartbeat every
 interval once a generation joined.
 
+Every :data:`FOOTPRINT_EVERY_S` a heartbeat also carries what the node's memckpt files hold
+in RAM and the node's budget for them (the store's ``footprint``: a few stat calls), for
+``memckpt status`` and ``memckpt report``.
+
 A rank late to beat is looked at on its node each interval from then on: its silence goes
 to the coordinator net of what its process waited for a CPU (:mod:`memckpt.policy.liveness`),
 so a rank starved by something else on the node is not taken for a hung one.
@@ -37,10 +41,12 @@ COMMIT_GROUP = "commit"  # the store's concurrency group for ranks waiting on a 
 COMMIT_WAITERS = 64  # its threads: a node's ranks waiting at once (more just queue)
 COMMIT_WAIT_S = 5.0  # the coordinator holds a node_ready / wait_commit this long at most
 KEEP_ANSWERS = 4  # commit answers kept per generation (a few steps in flight)
+FOOTPRINT_EVERY_S = 5.0  # the node's RAM held and budget ride a heartbeat at most this often
 
 View = tuple[Optional[int], Optional[int], Optional[str]]
 Get = Callable[[Any, float], Any]  # (a call's reference, timeout) -> its answer; TimeoutError
 Sample = Callable[[int], Optional[ProcSample]]  # a pid -> its state and CPU waits, or None
+Footprint = Callable[[], tuple[int, int]]  # () -> (bytes memckpt holds on the node, budget)
 
 
 def ray_get(ref: Any, timeout_s: float) -> Any:
@@ -52,14 +58,18 @@ class Uplink:
     """One node's aggregation toward the coordinator (thread-safe). ``coordinator`` (given
     at ``join``) is called as an actor handle (``.method.remote(...)``), whose references
     ``get`` resolves (default: ``ray.get``); ``sample`` looks at a rank's process (default:
-    :func:`memckpt.runtime.node.procstat.sample`)."""
+    :func:`memckpt.runtime.node.procstat.sample`); ``footprint``, when given, measures the
+    node's memckpt RAM and budget for a heartbeat every :data:`FOOTPRINT_EVERY_S`."""
 
     def __init__(self, node: str, clock: Callable[[], float] = time.monotonic,
-                 get: Get = ray_get, sample: Sample = procstat.sample) -> None:
+                 get: Get = ray_get, sample: Sample = procstat.sample,
+                 footprint: Optional[Footprint] = None) -> None:
         self.node = node
         self.clock = clock
         self.get = get
         self.sample = sample
+        self.footprint = footprint
+        self._ram_at = float("-inf")  # when the footprint was last measured
         self.agg = NodeAggregator(node)
         self.coordinator: Any = None
         self.interval_s = 0.5
@@ -203,6 +213,7 @@ class Uplink:
         a refusal means its generation is over (this node froze or was cut off through the
         recovery), and the store fences it off itself, so a thawed node beats once, not for
         the rest of the job."""
+        ram = self._footprint_if_due()  # outside the lock: it reads the file system
         with self._cond:
             self._fence_if_refused()
             now = self.clock()
@@ -213,8 +224,22 @@ class Uplink:
                 return False
             beats = self._net_of_starvation(hb, now)
             self._beat = (hb.gen, coordinator.node_heartbeat.remote(self.node, hb.gen, beats,
-                                                                    hb.metrics))
+                                                                    hb.metrics, ram))
         return True
+
+    def _footprint_if_due(self) -> Optional[tuple[int, int]]:
+        """(RAM held, budget) when the next heartbeat should carry them, else None: measured
+        at most once per FOOTPRINT_EVERY_S (a beat that does not go drops it). A footprint
+        that fails is left out: it must never stop the node's heartbeat."""
+        now = self.clock()
+        if self.footprint is None or now - self._ram_at < FOOTPRINT_EVERY_S:
+            return None
+        self._ram_at = now
+        try:
+            held, budget = self.footprint()
+            return int(held), int(budget)
+        except Exception:  # noqa: BLE001 - a report, not a sign of life
+            return None
 
     def _net_of_starvation(self, hb: Heartbeat, now: float) -> dict[int, tuple[float, int]]:
         """``hb``'s ages, each late rank's less what its process waited for a CPU since it

@@ -67,7 +67,9 @@ class WorkerContext(RestoreAndStep):
         ram_root = resolve_ram_root(cfg.ram_root)
         self._ram_root = ram_root
         self.ckpt = RankCheckpointer(cfg, spec.rank, spec.world_size,
-                                     own_dir(ram_root, cfg.job_name, node_id), self._sealed)
+                                     own_dir(ram_root, cfg.job_name, node_id), self._sealed,
+                                     node_ranks=len(spec.node_ranks) or 1,
+                                     node_copies=len(spec.node_copies))
         # readiness, reports, heartbeats: through the node's store
         self.link = link if link is not None else NodeLink(spec, node_id).start()
         self.replicator = Replicator(spec, self.ckpt, self.link)
@@ -151,8 +153,6 @@ class WorkerContext(RestoreAndStep):
             self.spec.coordinator.log_event.remote("restored", {
                 "rank": self.rank, "gen": self.generation, "step": step,
                 "source": self.restore_source,
-                # fetched into the slot file a warm spare held ready (no new memory)
-                "spare_slot": self.ckpt.took_offered,
                 "seconds": round(self.restore_seconds["fetch_and_load_s"], 4)})
             self.ckpt.resume_at(step)
         if instr is not None and instr.reshard is None and self.ckpt.holds(step):
@@ -169,7 +169,6 @@ class WorkerContext(RestoreAndStep):
             if instr is not None:
                 self.restore_seconds["resnapshot_s"] = time.perf_counter() - t0
                 self.restore_seconds["recopied"] = 1.0
-        self.ckpt.drop_offered()  # the slots exist now; a spare's file is spare
         self.last_step = step
         return step
 
@@ -183,8 +182,6 @@ class WorkerContext(RestoreAndStep):
         for node in instr.sources:
             try:
                 if node == self.node_id:
-                    # no new slot: a spare's slot file frees its pages for this restore
-                    self.ckpt.drop_offered()
                     if not self.ckpt.holds(instr.step):
                         # the rank moved to a node holding its replica: the store's replica
                         # files become its own slots (renamed: nothing is copied, and the
@@ -373,12 +370,11 @@ class WorkerContext(RestoreAndStep):
     def stats(self) -> dict[str, Any]:
         """What this rank's snapshots and replication have cost so far: snapshots taken and
         the seconds the step waited on them; the engine's waits for a free slot, its slot
-        allocations, and whether it took over a spare's prepared slot; the last replication's
+        allocations; the last replication's
         seconds, and the replica bytes sent to holders and filled by holders on their own."""
         snap, engine, repl = self.ckpt.stats, self.ckpt.engine.stats, self.replicator
         return {"snapshots": snap.snapshots, "waited_s": snap.waited_s,
                 "slot_waited_s": engine.waited_s, "slot_allocations": engine.allocations,
-                "spare_slot_taken": engine.offered_taken > 0,
                 "replicate_s": repl.last_seconds, "sent_bytes": repl.bytes_sent,
                 "filled_bytes": repl.bytes_filled}
 

@@ -3,8 +3,8 @@
 A :class:`memckpt.Checkpointer` whose steps count as committed only when the coordinator
 says every copy is placed, whose sealed steps go to the replicator, which persists nothing
 itself (the worker's context persists committed steps) and reads no stop file (the driver
-does, and asks every rank), and which a restore fills by adopting a replica's files,
-fetching a peer's copy into a slot, or taking a spare's prepared slot file. The worker, its
+does, and asks every rank), and which a restore fills by adopting a replica's files
+or fetching a peer's copy into a slot. The worker, its
 context and its replicator reach the snapshot engine only through these methods.
 """
 
@@ -20,6 +20,7 @@ from memckpt.format import shard as fmt
 from memckpt.checkpointer import Checkpointer
 from memckpt.config import Config
 from memckpt.format.state import TrainState
+from memckpt.policy.footprint import NodeFootprint
 from memckpt.persist.uploader import Persister
 
 
@@ -28,8 +29,20 @@ class RankCheckpointer(Checkpointer):
     commits_when_sealed = False
 
     def __init__(self, config: Config, rank: int, world_size: int, directory: Path,
-                 on_sealed: Callable[[int, Path], None]) -> None:
-        super().__init__(config, rank, world_size, directory=directory, on_sealed=on_sealed)
+                 on_sealed: Callable[[int, Path], None], *, node_ranks: int = 1,
+                 node_copies: int = 0) -> None:
+        self.node_copies = node_copies
+        super().__init__(config, rank, world_size, directory=directory, on_sealed=on_sealed,
+                         local_ranks=node_ranks)
+
+    def footprint(self, shard_bytes: int) -> NodeFootprint:
+        """Two slots for each rank this node runs and for each rank whose copy its store
+        keeps (placement's holders), every shard taken to be this rank's size."""
+        return NodeFootprint(shard_bytes, own_ranks=self.local_ranks,
+                             replica_ranks=self.node_copies)
+
+    def node_folder(self) -> Path:
+        return self.directory.parent.parent  # <job>/<node>: own/ and replicas/
 
     def _make_persister(self) -> Optional[Persister]:
         return None  # committed steps are persisted by the worker's context
@@ -81,18 +94,6 @@ class RankCheckpointer(Checkpointer):
                 source: str) -> fmt.Shard:
         """Fetch ``step`` into a slot of its own (``receive(into)``), verified."""
         return self.engine.install(step, receive, source)
-
-    def offer_files(self, paths: list[Path]) -> None:
-        """A spare's prepared slot files, for the next slot this rank needs."""
-        self.engine.offer_files(paths)
-
-    def drop_offered(self) -> None:
-        self.engine.drop_offered()
-
-    @property
-    def took_offered(self) -> bool:
-        """A restore fetched into a slot file a warm spare held ready."""
-        return self.engine.stats.offered_taken > 0
 
     def newest_layout(self) -> Optional[fmt.Layout]:
         """The layout of the newest complete snapshot (what a restore of it creates)."""

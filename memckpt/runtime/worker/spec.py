@@ -4,7 +4,7 @@ failure, where its shard of the resumed step is."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from memckpt.config import Config
 
@@ -37,6 +37,17 @@ class WorkerSpec:
     # every rank placement put on this rank's node this generation (its own included): its
     # node's store reports them together (memckpt.runtime.worker.node_link); () reports alone
     node_ranks: tuple[int, ...] = ()
+    # the ranks whose copies this rank's node keeps (what its slots are planned against)
+    node_copies: tuple[int, ...] = ()
+
+
+def copies_by_node(holders: Mapping[int, Sequence[str]]) -> dict[str, tuple[int, ...]]:
+    """node -> the ranks whose replicas ``holders`` puts on it (each spec's ``node_copies``)."""
+    out: dict[str, list[int]] = {}
+    for r in sorted(holders):
+        for node in holders[r]:
+            out.setdefault(node, []).append(r)
+    return {n: tuple(rs) for n, rs in out.items()}
 
 
 def ranks_by_node(assignment: dict[int, str]) -> dict[str, tuple[int, ...]]:

@@ -20,12 +20,13 @@ import psutil
 
 from memckpt.format import shard as fmt
 from memckpt.format.dtensor import forget_meshes
-from memckpt.engine.buffers import resolve_ram_root
 from memckpt.config import Config
-from memckpt.engine.populate import MIN_BYTES, POOL, HostReserve, SlotReserve, spare_budget
+from memckpt.engine.buffers import allocated_bytes, resolve_ram_root
+from memckpt.engine.populate import MIN_BYTES, POOL, HostReserve, spare_budget
+from memckpt.policy.footprint import budget_bytes, spare_room
+from memckpt.runtime.node.replica_store import node_dir
 from memckpt.runtime.worker.context import StopTraining, WorkerContext
 from memckpt.runtime.worker.node_link import NodeLink
-from memckpt.runtime.node.replica_store import node_dir
 from memckpt.runtime.worker.spec import RestoreInstruction, WorkerSpec
 from memckpt.format.state import restore_allocations
 
@@ -139,13 +140,11 @@ class Worker:
         self.ctx: Optional[WorkerContext] = None
         self.link: Optional[NodeLink] = None  # this generation's line to its node's store
         self.reserve = HostReserve()  # held while a spare idles (see prefault)
-        folder = node_dir(resolve_ram_root(config.ram_root), config.job_name, self.node_id)
-        self.slot_reserves = [SlotReserve(folder, i) for i in range(len(fmt.SLOT_NAMES))]
         return self.node_id
 
     def park(self) -> bool:
-        """The job finished: give back what it held (the pool's tensors, a spare's reserves
-        and slot files; a prefault under way ends within a chunk) and forget it, to be kept
+        """The job finished: give back what it held (the pool's tensors, a spare's
+        reserve; a prefault under way ends within a chunk) and forget it, to be kept
         for the driver's next job. False (the driver kills it instead) while a generation
         runs or a prefault does not end in time."""
         if self._running.is_set():
@@ -155,11 +154,7 @@ class Worker:
             self.spec, self.ctx, self.link = None, None, None
         deadline = time.monotonic() + PARK_S
         while True:
-            self.reserve.release()  # each interrupts a hold under way
-            for reserve in self.slot_reserves:
-                path = reserve.release()
-                if path is not None:
-                    path.unlink(missing_ok=True)
+            self.reserve.release()  # interrupts a hold under way
             POOL.clear()  # and stops a fill
             if not self._prefaulting or time.monotonic() > deadline:
                 break
@@ -191,7 +186,7 @@ class Worker:
         if ctx is not None and spec is not None and spec.gen == gen:
             ctx.abort()
 
-    def prefault(self, shard: Optional[tuple[int, list, int]], slots: bool = False) -> int:
+    def prefault(self, shard: Optional[tuple[int, list, int]]) -> int:
         """A spare, once the job's shards exist: prepare the memory a restore of ``shard``
         fills (file bytes, tensor table, data bytes: the job's largest shard, from
         :meth:`memckpt.runtime.node.replica_store.ReplicaStore.largest_shard`; the spare may take
@@ -199,11 +194,12 @@ class Worker:
         a lost node's too). The optimizer state it creates is made ahead in
         :data:`POOL`; for the rest (the parameters), a :class:`HostReserve` is faulted in
         and unmapped at takeover. Either way the restore fills memory the kernel already
-        has. With ``slots`` (asked once every node's spare holds its state): up to two more
-        shards' worth, the snapshot slots a rank restored from a peer's replica needs on
-        this node, as files (:class:`SlotReserve`). Never more than :func:`spare_budget`
-        allows; skipped when the state lives on GPUs (the restore fills device memory) and
-        once this worker runs a rank. Returns the bytes the spare holds in all."""
+        has. It holds no snapshot slots: a rank it takes over adopts its replica's files
+        where this node holds them, and otherwise its slots are made at the restore, where
+        the lost node's no longer count. Never more than :func:`spare_budget` allows, nor
+        than what ``Config.ram_budget`` leaves after the node's memckpt files; skipped
+        when the state lives on GPUs (the restore fills device memory) and once this worker
+        runs a rank. Returns the bytes the spare holds in all."""
         if self.config.workers.gpus_per_worker or shard is None:
             return 0
         with self._takeover:
@@ -211,22 +207,20 @@ class Worker:
                 return 0
             self._prefaulting += 1
         try:
-            return self._prefault(shard, slots)
+            return self._prefault(shard)
         finally:
             with self._takeover:
                 self._prefaulting -= 1
 
-    def _prefault(self, shard: tuple[int, list, int], slots: bool) -> int:
+    def _prefault(self, shard: tuple[int, list, int]) -> int:
         nbytes, table, data_len = shard
         vm = psutil.virtual_memory()
-        if slots:
-            budget = spare_budget(len(self.slot_reserves) * nbytes, nbytes, vm.available,
-                                  vm.total)
-            for reserve in self.slot_reserves:  # a no-op once a takeover released them
-                budget -= reserve.hold(min(nbytes, budget))
-            return self._held()
         layout = fmt.Layout.from_json(table, data_len, "the job's largest shard")
-        budget = spare_budget(nbytes, nbytes, vm.available, vm.total)
+        folder = node_dir(resolve_ram_root(self.config.ram_root), self.config.job_name,
+                          self.node_id)
+        room = spare_room(budget_bytes(self.config.ram_budget, vm.total),
+                          allocated_bytes(folder))
+        budget = min(spare_budget(nbytes, nbytes, vm.available, vm.total), room)
         specs, room = [], budget
         for shape, dtype in restore_allocations(layout, MIN_BYTES):
             size = math.prod(shape) * dtype.itemsize
@@ -244,7 +238,7 @@ class Worker:
     def _held(self) -> int:
         if self.spec is not None:  # took over a rank meanwhile: holds nothing for later
             return 0
-        return POOL.nbytes + self.reserve.nbytes + sum(r.nbytes for r in self.slot_reserves)
+        return POOL.nbytes + self.reserve.nbytes
 
     def info(self) -> dict[str, Any]:
         return {"rank": self.spec.rank if self.spec else None, "pid": os.getpid(),
@@ -265,8 +259,6 @@ class Worker:
             self.spec, self.ctx = spec, None
         ahead: list = []  # what the next generation's restore will create
         self.reserve.release()  # a spare's reserve: its pages serve the restore below
-        # a spare's: the snapshot slots of a rank this node holds no shard of
-        slot_files = [f for f in (r.release() for r in self.slot_reserves) if f is not None]
         self.coordinator.register.remote(spec.rank, spec.gen, self.info())
         self.link = NodeLink(spec, self.node_id).start()
         self._running.set()
@@ -284,8 +276,6 @@ class Worker:
                                         store=rendezvous.join(master, spec.rank, held, timeout),
                                         timeout=timeout)
             self.ctx = WorkerContext(spec, self.node_id, self.link)
-            if slot_files:
-                self.ctx.ckpt.offer_files(slot_files)
             try:
                 result = train_fn(self.ctx)
             except StopTraining as stop:

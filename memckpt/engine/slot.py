@@ -1,0 +1,83 @@
+"""A snapshot slot: one shared-memory file holding one rank's shard of one step, and what
+the engine knows of it (its mapping, layout, step, readers, and what it holds unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from memckpt.engine.buffers import RamRegion
+from memckpt.errors import MemckptError
+from memckpt.format import shard as fmt
+
+
+@dataclass
+class Slot:
+    path: Path
+    region: Optional[RamRegion] = None
+    layout: Optional[fmt.Layout] = None
+    header_capacity: int = 0
+    step: Optional[int] = None  # step of the complete snapshot it holds
+    complete: bool = False
+    readers: int = 0
+    views: dict[str, torch.Tensor] = field(default_factory=dict)
+    # name -> the stamp (memckpt.engine.unchanged.stamp) of the tensor its bytes here were
+    # copied from, and the chunk digests of this slot's last seal: a tensor unchanged since
+    # is neither copied nor hashed again. Forgotten whenever the bytes may move.
+    kept: dict[str, tuple] = field(default_factory=dict)
+    digests: Optional[list[str]] = None
+    dirty: list[tuple[int, int]] = field(default_factory=list)  # written by the snapshot under way
+
+    def forget(self) -> None:
+        self.kept, self.digests = {}, None
+
+    @property
+    def mem(self) -> RamRegion:
+        """The mapped region; only asked for once the slot was prepared or found."""
+        assert self.region is not None, f"{self.path} is not mapped"
+        return self.region
+
+    @property
+    def age(self) -> int:
+        """The step held, -1 for none: newer snapshots compare greater."""
+        return -1 if self.step is None else self.step
+
+
+def read_slot(path: Path, populate: bool, pin: bool = False
+               ) -> Optional[tuple[RamRegion, dict[str, Any], fmt.Layout, int]]:
+    """A slot file's mapping, header, layout and header capacity; None when there is no
+    file, or it is torn or foreign."""
+    if not path.exists():
+        return None
+    try:
+        region = RamRegion.open(path, populate=populate, pin=pin)
+        return (region, *fmt.read_header(region.array, str(path)))
+    except MemckptError:
+        return None
+
+
+def newest_layout_in(directory: Path) -> Optional[fmt.Layout]:
+    """The layout of the newest complete snapshot in ``directory``'s slots, from their
+    headers alone (nothing populated): what a restore of it will create, known before an
+    engine maps the slots."""
+    newest: Optional[tuple[int, fmt.Layout]] = None
+    for name in fmt.SLOT_NAMES:
+        found = read_slot(Path(directory) / name, populate=False)
+        if found is None:
+            continue
+        region, header, layout, _ = found
+        region.close()
+        if newest is None or int(header["step"]) > newest[0]:
+            newest = (int(header["step"]), layout)
+    return None if newest is None else newest[1]
+
+
+def has_size(path: Path, nbytes: int) -> bool:
+    try:
+        return path.stat().st_size == nbytes
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,63 @@
+"""What a snapshot need not copy: tensors unchanged since their slot last took them.
+
+A rank's two slots alternate, so a slot being written held the same tensors two snapshots
+ago. A tensor whose bytes are still those (a frozen base model, a buffer nothing wrote) is
+left where it is: not copied, its chunks not hashed again by the seal (their digests are
+the slot's last seal's), and not sent again to holders (a holder leaves the chunks its copy
+already has in place: :meth:`memckpt.runtime.node.replica_store.ReplicaStore.fill_local`).
+
+Whether it is unchanged is decided by a stamp taken when it was copied (see :func:`stamp`)
+and, under ``EngineConfig.skip_unchanged="verify"``, a compare of its bytes with the slot's:
+a write through ``p.data`` moves no version counter, and must never leave a step restored
+stale.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from memckpt.engine.buffers import same_bytes
+from memckpt.format import shard as fmt
+
+
+def stamp(t: torch.Tensor) -> tuple:
+    """What must be the same for a tensor's bytes to be unchanged since its last copy: its
+    storage (held by the stamp, so no other storage can take its address meanwhile: a
+    capture's detached views of a parameter share it, a new RNG state tensor does not),
+    its version counter (shared by those views; bumped by every in-place op autograd sees,
+    in ``no_grad`` too), where it points and its shape."""
+    storage = t.untyped_storage()
+    return (storage, storage._cdata, t._version, t.data_ptr(), tuple(t.shape), t.stride(),
+            t.dtype, t.device)
+
+
+def unchanged(old: Optional[tuple], t: torch.Tensor, held: torch.Tensor, mode: str) -> bool:
+    """Whether ``held`` (the slot's copy of ``t``, stamped ``old`` when it was taken) still
+    is ``t``'s bytes. ``mode`` "trust": the stamp alone; "verify": and the bytes compared
+    (a GPU tensor cannot be compared cheaply: never unchanged); "off": never."""
+    if mode == "off" or old is None or old[1:] != stamp(t)[1:]:
+        return False
+    if mode == "trust":
+        return True
+    if t.is_cuda or not t.is_contiguous() or not held.is_contiguous():
+        return False
+    return same_bytes(t.data_ptr(), held.data_ptr(), t.numel() * t.element_size())
+
+
+def known_chunks(digests: Optional[Sequence[str]], data_len: int,
+                 dirty: Iterable[tuple[int, int]]) -> Optional[dict[int, str]]:
+    """Of a slot's last seal's chunk ``digests``, those that still hold: the chunks no byte
+    range in ``dirty`` (the tensors the snapshot under way copied) touches. None when the
+    slot has no usable digests."""
+    if digests is None:
+        return None
+    size = fmt.chunk_bytes_for(data_len)
+    if len(digests) != -(-data_len // size):
+        return None
+    touched: set[int] = set()
+    for start, end in dirty:
+        if end > start:
+            touched.update(range(start // size, (end - 1) // size + 1))
+    return {i: d for i, d in enumerate(digests) if i not in touched}

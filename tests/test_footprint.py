@@ -1,0 +1,168 @@
+"""Host RAM memckpt holds (#50): the planned footprint, the budget, and the stop before the
+first snapshot when a job would not fit. No Ray: the pure plan and the single-process
+Checkpointer against real shared-memory files."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import memckpt
+from memckpt.engine.buffers import PeakFootprint, allocated_bytes
+from memckpt.errors import ConfigError, MemoryBudgetError
+from memckpt.policy.footprint import (NodeFootprint, budget_bytes, check_ram_budget,
+                                      human_bytes, over_budget, spare_room)
+
+MiB = 1 << 20
+
+
+def test_a_node_holds_two_slots_per_rank_it_runs_and_per_copy_it_keeps():
+    fp = NodeFootprint(shard_bytes=100 * MiB, own_ranks=8, replica_ranks=8)
+    assert fp.own_bytes == fp.replica_bytes == 1600 * MiB
+    assert fp.total == 3200 * MiB and fp.state_bytes == 800 * MiB
+    assert fp.total / fp.state_bytes == 4.0  # 2 + 2k with one replica
+    two = NodeFootprint(shard_bytes=100 * MiB, own_ranks=8, replica_ranks=16)
+    assert two.total / two.state_bytes == 6.0  # 2 + 2k with k = 2
+    assert "2 slots x 8 rank(s) run here x 100.0 MiB = 1.56 GiB" in fp.explain()
+    assert "8 peer rank(s) whose copies this node keeps" in fp.explain()
+    alone = NodeFootprint(shard_bytes=MiB, own_ranks=1, replica_ranks=0)
+    assert "peer" not in alone.explain()  # no replicas, no clause about them
+    with pytest.raises(ValueError, match="negative"):
+        NodeFootprint(shard_bytes=-1, own_ranks=1, replica_ranks=0)
+
+
+def test_the_budget_is_a_fraction_of_the_nodes_ram_or_bytes():
+    assert budget_bytes(0.5, 64 << 30) == 32 << 30
+    assert budget_bytes(1.0, 64 << 30) == 64 << 30
+    assert budget_bytes(8 << 30, 64 << 30) == 8 << 30
+    assert check_ram_budget(0.25) == check_ram_budget(4 << 30) == ""
+    for bad in (0.0, 1.5, -0.1, 1, 100, True, "64GiB", None):
+        assert check_ram_budget(bad), bad
+    assert spare_room(10 * MiB, 4 * MiB) == 6 * MiB and spare_room(MiB, 4 * MiB) == 0
+
+
+@pytest.mark.parametrize("value,fix", [(1.5, "in (0, 1]"), (1, "at least 1048576"),
+                                       ("64GiB", "a number of bytes"), (True, "a fraction")])
+def test_a_bad_ram_budget_is_a_config_error_that_says_what_to_pass(value, fix):
+    with pytest.raises(ConfigError, match="ram_budget=") as ei:
+        memckpt.Config(ram_budget=value)
+    assert fix in str(ei.value)
+
+
+def test_the_budget_does_not_change_what_a_snapshot_holds():
+    """A job restarted with another budget resumes its snapshots (not in the fingerprint)."""
+    assert (memckpt.Config(ram_budget=0.9).fingerprint()
+            == memckpt.Config(ram_budget=64 << 20).fingerprint())
+
+
+def test_over_budget_names_the_numbers_and_the_settings_that_lower_them():
+    fp = NodeFootprint(shard_bytes=10 * MiB, own_ranks=2, replica_ranks=2)  # 80 MiB
+    assert over_budget(fp, budget=80 * MiB, shm_free=1 << 30) == ""
+    msg = over_budget(fp, budget=64 * MiB, shm_free=1 << 30)
+    assert "would hold 80.0 MiB" in msg and "more than ram_budget allows" in msg
+    assert "This node's state is 20.0 MiB" in msg and "ram_budget allows 64.0 MiB" in msg
+    for setting in ("placement.replicas", "workers.workers_per_node", "Config.ram_budget",
+                    "/dev/shm"):
+        assert setting in msg
+    tmpfs = over_budget(fp, budget=1 << 30, shm_free=50 * MiB)
+    assert "the free room of the shared-memory file system" in tmpfs and "50.0 MiB free" in tmpfs
+    assert human_bytes(512) == "512 B" and human_bytes(3 * MiB) == "3.00 MiB"
+
+
+def _state(width: int = 256) -> memckpt.TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(width, width)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, width)).sum().backward()
+    opt.step()  # Adam's moments exist: params + 2 moments, 12 bytes a parameter
+    return memckpt.TrainState(model, opt)
+
+
+def test_a_checkpointer_over_budget_stops_before_its_first_snapshot_allocates(tmp_path):
+    """The 1024x1024 AdamW state is ~12 MiB a slot: a 16 MiB budget cannot hold two."""
+    state = _state(1024)
+    cfg = memckpt.Config(job_name="over", ram_root=str(tmp_path), ram_budget=16 * MiB)
+    ckpt = memckpt.Checkpointer(cfg)
+    assert ckpt.restore(state) == 0
+    with pytest.raises(MemoryBudgetError) as ei:
+        ckpt.step(state, 1)
+    msg = str(ei.value)
+    assert "2 slots x 1 rank(s) run here" in msg and "ram_budget allows 16.0 MiB" in msg
+    assert "rank 0" in msg and "job 'over'" in msg
+    assert allocated_bytes(tmp_path) == 0 and not list(tmp_path.rglob("*.shard"))
+    ckpt.close()
+
+
+def test_ranks_sharing_a_node_are_planned_together(tmp_path, monkeypatch):
+    """Under torchrun every rank of a node checks the node's whole footprint
+    (LOCAL_WORLD_SIZE ranks' slots), not its own alone."""
+    state = _state(512)  # ~3 MiB a slot
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 8 ranks x 2 slots x 3 MiB = 48 MiB
+    cfg = memckpt.Config(job_name="shared", ram_root=str(tmp_path), ram_budget=32 * MiB)
+    ckpt = memckpt.Checkpointer(cfg)
+    ckpt.restore(state)
+    with pytest.raises(MemoryBudgetError, match="2 slots x 8 rank"):
+        ckpt.step(state, 1)
+    ckpt.close()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    ckpt = memckpt.Checkpointer(cfg)
+    ckpt.restore(state)
+    assert ckpt.step(state, 1) and ckpt.step(state, 2)
+    ckpt.close(unlink=True)
+
+
+def test_a_checkpointer_within_budget_holds_two_slots_at_its_peak(tmp_path):
+    """One process, no replicas: its footprint is its two slots, 2x the state (plus the
+    headers), sampled over real snapshots and a restore."""
+    state = _state(512)
+    cfg = memckpt.Config(job_name="within", ram_root=str(tmp_path), ram_budget=64 * MiB)
+    with PeakFootprint(tmp_path / "within", every_s=0.005) as held:
+        ckpt = memckpt.Checkpointer(cfg)
+        ckpt.restore(state)
+        for step in range(1, 6):
+            assert ckpt.step(state, step)
+        ckpt.close()
+        again = memckpt.Checkpointer(cfg)
+        assert again.restore(_state(512)) == 5
+        again.close(unlink=True)
+    assert held.state_bytes > 3 * MiB
+    assert 1.9 <= held.ratio <= 2.05, (held.ratio, held.at_peak)
+
+
+def test_peak_footprint_leaves_out_a_removed_nodes_files(tmp_path):
+    """A node a drill removed took its RAM with it; on one machine its tmpfs files stay."""
+    for node, rank in (("n1", 0), ("n2", 1)):
+        d = tmp_path / node / "own" / f"rank{rank}"
+        d.mkdir(parents=True)
+        for slot in ("slot0.shard", "slot1.shard"):
+            with open(d / slot, "wb") as f:
+                f.write(os.urandom(MiB))
+    with PeakFootprint(tmp_path, gone={"n2"}) as held:
+        pass
+    assert held.state_bytes == MiB and held.peak == 2 * MiB
+    assert list(held.at_peak) == ["n1/own/rank0"]
+
+
+def test_a_resized_slot_lets_its_old_pages_go_before_taking_new_ones(tmp_path, monkeypatch):
+    """A slot whose layout grew (Adam's moments appear after the first step) is made anew;
+    the old file is gone before the new one is allocated, so the two are never held
+    together (a third slot's worth at the peak, seen in the demo before)."""
+    from memckpt.engine.buffers import RamRegion
+    path = tmp_path / "slot0.shard"
+    RamRegion.create(path, 4 * MiB).close()
+    seen = []
+    create = RamRegion.create
+
+    def spy(p, size, pin=False):
+        seen.append((p.exists(), allocated_bytes(tmp_path)))
+        return create(p, size, pin=pin)
+
+    monkeypatch.setattr(RamRegion, "create", staticmethod(spy))
+    region = RamRegion.reuse_or_create(path, 8 * MiB)
+    assert seen == [(False, 0)] and path.stat().st_size == 8 * MiB
+    region.close()
+    again = RamRegion.reuse_or_create(path, 8 * MiB)  # the same size: reused, not made
+    assert len(seen) == 1
+    again.close()
