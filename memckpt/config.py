@@ -260,10 +260,12 @@ class EngineConfig:
     holders are not sent them again. ``"verify"`` (the default): the tensor's version
     counter, storage and shape must be as then, and its bytes are compared with the slot's
     (reads both, writes and hashes nothing): a write through ``p.data`` is caught too. GPU
-    tensors are always copied under it. ``"trust"``: the same tensor object with the same
-    version counter is taken as unchanged without the compare, on CPU and GPU alike; a write
-    that bypasses autograd's version counter (``p.data.copy_(...)``) is then missed:
-    only for jobs that never write frozen tensors that way. ``"off"``: copy everything.
+    tensors are always copied under it. ``"trust"``: a frozen parameter (``requires_grad``
+    False) with the same storage and version counter is taken as unchanged without the
+    compare, on CPU and GPU alike; everything else as under ``"verify"``. A write to a frozen
+    parameter that bypasses autograd's version counter (``p.data.copy_(...)``) is then
+    missed: only for jobs that never write their frozen parameters that way. ``"off"``:
+    copy everything.
     """
 
     seal_threads: int = 0

@@ -158,6 +158,30 @@ def test_a_frozen_tensor_written_through_p_data_is_caught_by_verify(tmp_path):
     _assert_same(_restored(cfg, 6), expect[6])
 
 
+def test_trust_takes_only_frozen_parameters_on_their_stamp(tmp_path):
+    """An old-style optimizer writes a trained parameter through ``p.data`` (no version
+    counter moves): "trust" takes only frozen parameters on their stamp alone, so the trained
+    one is still compared, found changed and copied; every step restores exactly."""
+    model, opt = _lora_like()
+    state = memckpt.TrainState(model, opt)
+    cfg = _config(tmp_path, "trust-trained", "trust")
+    ckpt = memckpt.Checkpointer(cfg)
+    ckpt.restore(state)
+    expect = {}
+    for step in range(1, 7):
+        g = torch.Generator().manual_seed(step)
+        model.zero_grad()
+        model(torch.randn(4, 512, generator=g)).square().mean().backward()
+        for p in model[1].parameters():
+            p.data.add_(p.grad, alpha=-0.1)  # no version bump
+        assert ckpt.step(state, step)
+        ckpt.wait()
+        expect[step] = _snapshot_state(model, opt)
+    ckpt.close()
+    _assert_same(_restored(cfg, 6), expect[6])
+    _assert_same(_restored(cfg, 5), expect[5])
+
+
 def test_unchanged_chunks_are_not_hashed_again_and_the_seal_still_verifies(tmp_path,
                                                                            monkeypatch):
     model, opt = _lora_like()

@@ -92,6 +92,7 @@ class SnapshotEngine:
         if skip_unchanged not in SKIP_UNCHANGED:
             raise ValueError(f"skip_unchanged={skip_unchanged!r}: one of {SKIP_UNCHANGED}")
         self.skip_unchanged = skip_unchanged
+        self._frozen: frozenset[str] = frozenset()  # the snapshot under way's (Captured.frozen)
         # called with a slot file's size before one is made or resized: raises when the
         # node cannot afford slots of that size (Checkpointer's RAM budget)
         self.room_check = room_check
@@ -180,6 +181,7 @@ class SnapshotEngine:
             self._prepare(slot, captured)
             fmt.mark_writing(slot.mem.array)
             slot.complete, slot.step, slot.dirty = False, None, []
+            self._frozen = captured.frozen
             self.stats.last_copied_bytes = self.stats.last_unchanged_bytes = 0
             meta_blob = captured.meta
             background = [(n, t) for n, t in captured.tensors
@@ -394,7 +396,8 @@ class SnapshotEngine:
     def _unchanged(self, slot: Slot, name: str, t: torch.Tensor) -> bool:
         """Whether ``slot`` still holds ``t``'s bytes (:mod:`memckpt.engine.unchanged`): then
         it is not copied, and its chunks are neither hashed nor sent again."""
-        if not unchanged(slot.kept.get(name), t, slot.views[name], self.skip_unchanged):
+        if not unchanged(slot.kept.get(name), t, slot.views[name], self.skip_unchanged,
+                         name in self._frozen):
             return False
         nbytes = t.numel() * t.element_size()
         self.stats.unchanged_bytes += nbytes

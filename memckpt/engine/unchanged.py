@@ -33,13 +33,16 @@ def stamp(t: torch.Tensor) -> tuple:
             t.dtype, t.device)
 
 
-def unchanged(old: Optional[tuple], t: torch.Tensor, held: torch.Tensor, mode: str) -> bool:
+def unchanged(old: Optional[tuple], t: torch.Tensor, held: torch.Tensor, mode: str,
+              frozen: bool = False) -> bool:
     """Whether ``held`` (the slot's copy of ``t``, stamped ``old`` when it was taken) still
-    is ``t``'s bytes. ``mode`` "trust": the stamp alone; "verify": and the bytes compared
-    (a GPU tensor cannot be compared cheaply: never unchanged); "off": never."""
+    is ``t``'s bytes. ``mode`` "verify": the stamp, and the bytes compared (a GPU tensor
+    cannot be compared cheaply: never unchanged); "trust": the stamp alone for a ``frozen``
+    parameter (no optimizer writes it, through ``p.data`` or a fused kernel, as they may a
+    trained one's), "verify" for the rest; "off": never."""
     if mode == "off" or old is None or old[1:] != stamp(t)[1:]:
         return False
-    if mode == "trust":
+    if mode == "trust" and frozen:
         return True
     if t.is_cuda or not t.is_contiguous() or not held.is_contiguous():
         return False

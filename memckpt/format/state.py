@@ -44,6 +44,9 @@ class Captured:
     tensors: list[tuple[str, torch.Tensor]]
     stable: frozenset[str]
     meta: dict[str, Any]
+    # parameters that do not train (requires_grad=False: a LoRA job's base): what
+    # EngineConfig.skip_unchanged="trust" takes as unchanged on its version counter alone
+    frozen: frozenset[str] = frozenset()
 
     @property
     def nbytes(self) -> int:
@@ -257,6 +260,7 @@ class TrainState:
         """Named live tensors and metadata for ``step``. Copies nothing large."""
         tensors: list[tuple[str, torch.Tensor]] = []
         stable: set[str] = set()
+        frozen: set[str] = set()
         world_size, rank = dt.world()
         dtensors: dict[str, Any] = {}
         meta: dict[str, Any] = {"step": step, "world_size": world_size, "rank": rank,
@@ -269,6 +273,8 @@ class TrainState:
             for key, t in m.state_dict(keep_vars=True).items():  # detached below, cheaper
                 name = f"model/{mname}/{key}"
                 keys.append(key)
+                if key in params and not t.requires_grad:
+                    frozen.add(name)
                 t = _local_alias(t, name, dtensors)
                 skey = _storage_key(t)
                 if skey in seen and t.numel():  # tied weight: store once, remember the alias
@@ -309,7 +315,7 @@ class TrainState:
             meta["extras"] = json.loads(json.dumps(self.extras))
         except (TypeError, ValueError) as e:
             raise StateError(f"extras must be JSON-able: {e}") from None
-        return Captured(tensors, frozenset(stable), meta)
+        return Captured(tensors, frozenset(stable), meta, frozenset(frozen))
 
     # -- load ------------------------------------------------------------------------------
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
