@@ -54,15 +54,25 @@ class RestoreAndStep(Protocol):
     (``RayTrainContext``) and the integrations' ``Saver`` over any of them.
 
     ``restore(state)`` loads the step to continue after into ``state`` and returns it (0 on
-    a fresh start); ``step(state, step)`` is called after each finished step and snapshots
-    when ``config.snapshot_every`` says so. Each class adds only what is its own.
+    a fresh start), and ``restore_source`` then says where it came from (None before, and
+    on a fresh start); ``step(state, step, **metrics)`` is called after each finished step,
+    snapshots when ``config.snapshot_every`` says so and reports ``metrics`` (the loss) where
+    there is someone to report to (the coordinator under ``memckpt.run``; one process keeps
+    them in the shard's header); ``close()`` releases what it holds (snapshots stay in RAM
+    for the next run). ``rank`` and ``world_size`` are the process's place in the job. Each
+    class adds only what is its own.
     """
 
     config: Config
+    rank: int
+    world_size: int
+    restore_source: Optional[str]
 
     def restore(self, state: TrainState) -> int: ...
 
-    def step(self, state: TrainState, step: int) -> object: ...
+    def step(self, state: TrainState, step: int, **metrics: float) -> object: ...
+
+    def close(self) -> object: ...
 
 
 class Checkpointer(RestoreAndStep):
@@ -85,6 +95,7 @@ class Checkpointer(RestoreAndStep):
             raise StateError(f"Checkpointer needs a memckpt.Config, got {type(config).__name__}")
         self.config = config
         self.rank, self.world_size = rank, world_size
+        self.restore_source: Optional[str] = None  # where the last restore came from
         root = Path(directory) if directory else resolve_ram_root(config.ram_root) / config.job_name
         self.directory = root / f"rank{rank}"
         self.events: list[dict[str, Any]] = []
@@ -182,8 +193,10 @@ class Checkpointer(RestoreAndStep):
         self.control.install_signal_handlers()
 
     # -- taking snapshots -------------------------------------------------------------------
-    def step(self, state: TrainState, step: int) -> bool:
-        """Call after finishing ``step``; snapshots when due. Returns True if it did.
+    def step(self, state: TrainState, step: int, **metrics: float) -> bool:
+        """Call after finishing ``step``; snapshots when due, ``metrics`` (its loss) kept in
+        the shard's header (a restore of it gives them back: :attr:`restored_report`).
+        Returns True if it snapshotted.
 
         A stop file or signal (see :mod:`memckpt.engine.stop`) makes this step snapshot
         and persist to every tier before returning, and sets ``should_stop`` to ask
@@ -192,7 +205,7 @@ class Checkpointer(RestoreAndStep):
         action = self.control.at(step)
         if not self.due(step) and action is None:
             return False
-        took = self.snapshot(state, step)
+        took = self.snapshot(state, step, metrics)
         if action is not None:
             self.persist_now(step)
             self.should_stop = action == STOP
@@ -417,6 +430,7 @@ class Checkpointer(RestoreAndStep):
         if views is not None:
             views.finish()
         self.restored_report = fmt.report_of(shard.meta)
+        self.restore_source = source
         self._event("restored", step=step, source=source, seconds=time.perf_counter() - t0)
         return step
 

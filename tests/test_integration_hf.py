@@ -109,6 +109,9 @@ def ddp_reference(ddp_job, tmp_path_factory):
                       run_dir=tmp / "run", quiet=True)
     assert ref["recoveries"] == [] and [r["world_size"] for r in ref["results"]] == [3, 3, 3]
     assert len([e for e in ref["results"][0]["log_history"] if "eval_loss" in e]) == 3  # 4, 8, 12
+    # every step's logged loss reached the coordinator (#52): the run's loss curve
+    logged = [e["loss"] for e in ref["results"][0]["log_history"] if "loss" in e]
+    assert len(logged) == 12 and ref["losses"] == pytest.approx(logged, rel=1e-6)
     return ref
 
 
@@ -139,6 +142,8 @@ def test_ddp_trainer_under_memckpt_run_survives_a_killed_worker(ddp_job, ddp_ref
     assert_same_ranks(got["results"], ddp_reference["results"])
     # parameters, optimizer state and scheduler on every rank, bit for bit
     assert got["final_digest"] == ddp_reference["final_digest"]
+    # and the loss curve the coordinator kept, across the recovery
+    assert got["losses"] == pytest.approx(ddp_reference["losses"], rel=1e-6)
 
 
 @pytest.mark.ray

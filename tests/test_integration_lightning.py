@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 L = pytest.importorskip("lightning.pytorch")
 
 import memckpt  # noqa: E402
+from memckpt.checkpointer import RestoreAndStep  # noqa: E402
 from memckpt.errors import StateError  # noqa: E402
 from memckpt.integrations.lightning import MemckptCallback  # noqa: E402
 from conftest import shm_base  # noqa: E402
@@ -103,8 +104,8 @@ def test_plain_sampler_and_bad_targets_are_refused(ram_root):
 
 
 def test_ddp_misconfigurations_fail_with_one_line():
-    class Ctx:  # stands for memckpt.run's context of rank 1 in 3
-        rank, world_size = 1, 3
+    class Ctx(RestoreAndStep):  # stands for memckpt.run's context of rank 1 in 3
+        rank, world_size, config = 1, 3, memckpt.Config()
 
     sampler = memckpt.ResumableSampler(12)
     callback = MemckptCallback(Ctx(), sampler)
@@ -167,6 +168,10 @@ def ddp_reference(ddp_job, cluster, tmp_path_factory):
         assert len(theirs["losses"]) == 12  # 2 epochs of 6 batches
     # the ranks drew different batches (the sampler dealt the data; no rank saw them all)
     assert len({tuple(r["losses"].values()) for r in ref["results"]}) == 3
+    # each step's loss reached the coordinator (#52): the job's curve is rank 0's
+    # training_step loss, one batch a step
+    keys = [f"{(s - 1) // 6}:{(s - 1) % 6}" for s in range(1, 13)]
+    assert ref["losses"] == [ref["results"][0]["losses"][k] for k in keys]
     return ref
 
 
@@ -195,6 +200,7 @@ def test_ddp_fit_under_memckpt_run_survives_a_killed_worker(ddp_job, ddp_referen
     assert rec["died_ranks"] == [1] and rec["resumed_step"] == 4
     assert [r["resumed_from"] for r in got["results"]] == [4, 4, 4]
     assert_same_batches(got["results"], ddp_reference["results"])
+    assert got["losses"] == ddp_reference["losses"]  # the coordinator's curve, across it
     # parameters, optimizer state, scheduler and loop position on every rank, bit for bit
     assert got["final_digest"] == ddp_reference["final_digest"]
 

@@ -250,7 +250,19 @@ class HFSnapshots(TrainerCallback):
         if state.epoch is not None and float(state.epoch).is_integer() and not self.epoch_ended:
             return  # the epoch's end comes next, with this same step
         self.last = step
-        self.saver.step(self.state(), step)
+        self.saver.step(self.state(), step, **logged_loss(state.log_history, step))
+
+
+def logged_loss(log_history: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """``{"loss": ...}`` when the Trainer logged a training loss at ``step`` (every step with
+    ``logging_steps=1``; its value is averaged over the ranks and the steps since the last
+    log), else nothing: what the step reports to memckpt.run's coordinator."""
+    for entry in reversed(log_history):
+        if entry.get("step") != step:
+            break
+        if "loss" in entry:
+            return {"loss": float(entry["loss"])}
+    return {}
 
 
 def folder_step(folder: str) -> int:

@@ -46,6 +46,7 @@ from lightning.pytorch import Callback
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from memckpt.checkpointer import RestoreAndStep
 from memckpt.errors import StateError
 from memckpt.format.data import ResumableSampler
 from memckpt.format.state import TrainState, rng_state, set_rng_state
@@ -53,6 +54,16 @@ from memckpt.integrations.saver import Saver
 
 log = logging.getLogger("memckpt")
 WHERE = "memckpt.integrations.lightning.MemckptCallback"
+
+
+def returned_loss(outputs: Any) -> dict[str, float]:
+    """``{"loss": ...}`` from what ``training_step`` returned for the step's last batch (a
+    loss tensor, or a dict holding one under "loss"; this rank's), else nothing: what the
+    step reports to memckpt.run's coordinator (whose curve is rank 0's)."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return {"loss": float(loss.detach())}
+    return {}
 
 
 class LoopPosition:
@@ -151,10 +162,10 @@ class MemckptCallback(Callback):
         sampler deal the data to the Trainer's ranks: one it was made with ``world_size=1``
         takes them here, before the loader's first iterator."""
         rank, world = trainer.global_rank, trainer.world_size
-        ctx_rank = getattr(self.target, "rank", None)  # a context's; a Config has none
-        ctx_world = getattr(self.target, "world_size", None)
-        if isinstance(ctx_rank, int) and isinstance(ctx_world, int) and \
-                (rank, world) != (ctx_rank, ctx_world):
+        if not isinstance(self.target, RestoreAndStep):
+            return  # a Config: one process, whatever the Trainer runs (Saver checks it)
+        ctx_rank, ctx_world = self.target.rank, self.target.world_size
+        if (rank, world) != (ctx_rank, ctx_world):
             raise StateError(f"{WHERE}: the Trainer runs rank {rank} of {world}, memckpt's context is "
                              f"rank {ctx_rank} of {ctx_world}; make the Trainer with devices=1, "
                              "num_nodes=ctx.world_size (DDP over the process group memckpt.run made)")
@@ -249,7 +260,7 @@ class MemckptCallback(Callback):
         self.epoch, self.batch_end = trainer.current_epoch, batch_idx + 1
         self.batch_size = trainer.train_dataloader.batch_size
         assert self.saver is not None
-        self.saver.step(self.state(trainer, pl_module), step)
+        self.saver.step(self.state(trainer, pl_module), step, **returned_loss(outputs))
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.epoch = trainer.current_epoch

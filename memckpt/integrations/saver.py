@@ -4,7 +4,7 @@ hands the training function, or ``memckpt.ray_train.context()``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from memckpt.checkpointer import Checkpointer, RestoreAndStep
 from memckpt.config import Config
@@ -34,13 +34,23 @@ class Saver(RestoreAndStep):
             raise StateError(f"{who} needs a memckpt.Config, the ctx memckpt.run passes the training "
                              f"function, or memckpt.ray_train.context(); got {type(target).__name__}")
         self.config: Config = self.inner.config
+        self.rank, self.world_size = self.inner.rank, self.inner.world_size
+        self.restore_source: Optional[str] = None
         self.closed = False
 
     def restore(self, state: TrainState) -> int:
-        return self.inner.restore(state)
+        step = self.inner.restore(state)
+        self.restore_source = self.inner.restore_source
+        return step
 
-    def step(self, state: TrainState, step: int) -> None:
-        self.inner.step(state, step)
+    def step(self, state: TrainState, step: int, **metrics: float) -> None:
+        """Snapshot when due; ``metrics`` (the front door's loss) reach the coordinator
+        under ``memckpt.run`` and Ray Train, the shard's header in one process."""
+        self.inner.step(state, step, **metrics)
+
+    def close(self) -> None:
+        """Keep the snapshots (as after a failure); a borrowed context is its door's."""
+        self._close(unlink=False)
 
     def finished(self) -> None:
         """Training ended normally: free an owned Checkpointer's RAM snapshots."""

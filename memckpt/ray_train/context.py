@@ -64,6 +64,7 @@ class RayTrainContext(RestoreAndStep):
             spec = dataclasses.replace(spec, restore=_from_storage(report[0] if report else None))
         self._inner = WorkerContext(spec, node)
         self.rank, self.world_size = spec.rank, spec.world_size
+        self.restore_source: Optional[str] = None  # set by restore
         self.config, self.generation, self.node_id = spec.config, spec.gen, node
         self._report = report
         self._reported = spec.restore.step if spec.restore is not None else 0
@@ -79,9 +80,6 @@ class RayTrainContext(RestoreAndStep):
     def replicator(self) -> Replicator:
         return self._inner.replicator
 
-    @property
-    def restore_source(self) -> Optional[str]:
-        return getattr(self._inner, "restore_source", None)
 
     def stats(self) -> dict[str, Any]:
         """See :meth:`memckpt.runtime.worker.context.WorkerContext.stats`."""
@@ -97,7 +95,9 @@ class RayTrainContext(RestoreAndStep):
     def restore(self, state: TrainState) -> int:
         """Load the step memckpt chose for this restart (0 on a fresh start): from this
         node's RAM, a peer's store, or, with every RAM copy gone, Ray Train's checkpoint."""
-        return self._inner.restore(state)
+        step = self._inner.restore(state)
+        self.restore_source = self._inner.restore_source
+        return step
 
     def step(self, state: TrainState, step: int, **metrics: float) -> None:
         """Snapshot ``step`` into RAM (replicated in the background); at each persisted
@@ -117,6 +117,11 @@ class RayTrainContext(RestoreAndStep):
             last = self._inner.last_step - self._inner.last_step % every
             if last > self._reported:
                 self._report_persisted(last, {})
+        self._inner.close()
+
+    def close(self) -> None:
+        """Stop this rank's replication and its line to the node (:meth:`finish` does too,
+        after committing the last snapshot)."""
         self._inner.close()
 
     def digest(self) -> Optional[str]:

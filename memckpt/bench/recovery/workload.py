@@ -162,7 +162,7 @@ class RecoveryJob:
         return {
             "first_step": first,
             "rank": ctx.rank, "generation": ctx.generation, "node_id": ctx.node_id,
-            "restored_step": start, "source": getattr(ctx, "restore_source", None),
+            "restored_step": start, "source": ctx.restore_source,
             "holders": list(ctx.spec.holders), "t_enter": t_enter, "t_built": t_built,
             "t_restored": t_restored, "first_step_done_at": marks[0] if marks else None,
             "step_marks": marks, "compute_s": compute_s, "replication": repl,

@@ -154,8 +154,8 @@ def run_steps(method: str, size: int, steps: int, directory: Path, ram_root: str
             assert isinstance(saver.inner, memckpt.Checkpointer)  # made here from a Config
             wait = saver.inner.wait
 
-            def last(state: Any, step: int) -> None:
-                step_fn(state, step)
+            def last(state: Any, step: int, **metrics: float) -> None:
+                step_fn(state, step, **metrics)
                 if step == steps:
                     wait()
                     kill_after.write_text(json.dumps(figures(ended=False)))

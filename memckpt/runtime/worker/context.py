@@ -60,6 +60,7 @@ class WorkerContext(RestoreAndStep):
         cfg = spec.config
         self.spec = spec
         self.rank, self.world_size, self.config = spec.rank, spec.world_size, cfg
+        self.restore_source: Optional[str] = None  # where restore() took the state from
         self.resized = spec.resized  # this generation runs at another world size than the last
         self.node_id = node_id
         self.generation = spec.gen
@@ -357,7 +358,7 @@ class WorkerContext(RestoreAndStep):
     def _snapshot(self, state: TrainState, step: int,
                   report: Optional[Mapping[str, float]] = None) -> bool:
         self._state = state
-        return self.ckpt.step(state, step, report)
+        return self.ckpt.step(state, step, **(report or {}))
 
     def batch_plan(self, global_batch: int, micro_batch: int) -> int:
         """Gradient-accumulation steps that keep ``global_batch`` samples per optimizer step

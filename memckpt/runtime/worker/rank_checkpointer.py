@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -50,11 +50,10 @@ class RankCheckpointer(Checkpointer):
     def _prefill(self) -> bool:
         return False  # the worker fills the restore's memory itself, knowing where it restores from
 
-    def step(self, state: TrainState, step: int,
-             report: Optional[Mapping[str, float]] = None) -> bool:
-        """Snapshot ``step`` when due, with the step's ``report`` in its header; a stop or
+    def step(self, state: TrainState, step: int, **metrics: float) -> bool:
+        """Snapshot ``step`` when due, with the step's ``metrics`` in its header; a stop or
         persist request reaches the rank as a commit."""
-        return self.due(step) and self.snapshot(state, step, report)
+        return self.due(step) and self.snapshot(state, step, metrics)
 
     # -- the committed steps --------------------------------------------------------------------
     def read(self, step: int) -> AbstractContextManager[fmt.Shard]:

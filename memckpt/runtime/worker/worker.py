@@ -289,7 +289,7 @@ class Worker:
             self.ctx.finish()
             return {"rank": spec.rank, "digest": self.ctx.digest(), "result": result,
                     "restore": self.ctx.restore_seconds,
-                    "source": getattr(self.ctx, "restore_source", None),
+                    "source": self.ctx.restore_source,
                     "replication": {"sent_bytes": self.ctx.replicator.bytes_sent,
                                     "filled_bytes": self.ctx.replicator.bytes_filled}}
         finally:
