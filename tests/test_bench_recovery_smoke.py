@@ -10,7 +10,6 @@ import pytest
 from memckpt.bench.recovery import command as recovery
 from memckpt.bench.recovery import measure as recovery_measure
 from memckpt.bench.recovery import report as recovery_report
-from memckpt.runtime.tools.local_cluster import FAST_HEALTH_CHECKS
 
 EXPECTED = {
     ("recovery", "memckpt-worker"), ("recovery", "memckpt-node"),
@@ -71,13 +70,11 @@ def test_recovery_bench_rows(tmp_path, full_cluster):
         assert r["speedup_vs_restart"] == pytest.approx(base_s / r["median_s"])
         assert r["speedup_vs_worker_restart"] == pytest.approx(
             by[("recovery", "restart+torch.load")]["median_s"] / r["median_s"])
-    # a node is declared dead through Ray's health checks (~0.8 s): no sooner than its
-    # consecutive failed checks allow (not "slower than a killed process": on a loaded
-    # machine Ray can take as long to report a killed worker)
+    # the baseline's detection is measured (from the fault to Ray's actor error). Not bounded
+    # below by the health checks: Ray can report the killed node's actor from its broken
+    # connection first (25 ms seen here once), and how soon is Ray's timing, not memckpt's
     lost = by[("recovery", "restart+torch.load-node-lost")]["phases_s"]["detect"]
-    checks = FAST_HEALTH_CHECKS
-    assert lost >= (checks["health_check_failure_threshold"] - 1) \
-        * checks["health_check_period_ms"] / 1000, lost
+    assert lost > 0, lost
     for method in ("memckpt-peer-fetch", "memckpt-replication", "memckpt-replication-path",
                    "memckpt-fetch-path"):
         r = by[("transfer", method)]
