@@ -42,6 +42,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "trainer": ("memckpt.bench.trainer.command",
                 "the Hugging Face Trainer: save_steps=1 vs memckpt every step; "
                 "resume_from_checkpoint vs memckpt's resume"),
+    "lora": ("memckpt.bench.lora.command",
+             "a PEFT LoRA job: blocking time, bytes copied and sent per step with skip_unchanged "
+             "verify / trust / off vs the trainable part alone"),
 }
 
 
