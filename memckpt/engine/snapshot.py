@@ -39,7 +39,7 @@ from memckpt.format import shard as fmt
 from memckpt.engine.buffers import RamRegion
 from memckpt.engine.landing import Landing, all_landed
 from memckpt.engine.slot import Slot, has_size, read_slot
-from memckpt.engine.unchanged import known_chunks, stamp, unchanged
+from memckpt.engine.unchanged import known_chunks, same_bytes_many, stamp, verdict
 from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError
 from memckpt.config import SKIP_UNCHANGED
 from memckpt.format.state import Captured
@@ -363,6 +363,7 @@ class SnapshotEngine:
         try:
             assert slot.layout is not None  # _prepare laid the slot out
             where = slot.layout.spans
+            kept = self._unchanged(slot, tensors)
             with torch.no_grad():
                 if self._stream is not None and any(t.is_cuda for _, t in tensors):
                     # Device-to-host into pinned memory on a side stream, after the compute
@@ -371,7 +372,7 @@ class SnapshotEngine:
                     self._stream.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(self._stream):
                         for name, t in tensors:
-                            if self._unchanged(slot, name, t):
+                            if name in kept:
                                 spans.append((*where[name], None))
                                 continue
                             slot.views[name].copy_(t, non_blocking=True)
@@ -385,7 +386,7 @@ class SnapshotEngine:
                             spans.append((*where[name], event))
                 else:
                     for name, t in tensors:
-                        if not self._unchanged(slot, name, t):
+                        if name not in kept:
                             slot.views[name].copy_(t)
                             self._copied(slot, name, t, where[name])
                         spans.append((*where[name], None))
@@ -393,16 +394,28 @@ class SnapshotEngine:
             landing.queued(spans)
         return landing
 
-    def _unchanged(self, slot: Slot, name: str, t: torch.Tensor) -> bool:
-        """Whether ``slot`` still holds ``t``'s bytes (:mod:`memckpt.engine.unchanged`): then
-        it is not copied, and its chunks are neither hashed nor sent again."""
-        if not unchanged(slot.kept.get(name), t, slot.views[name], self.skip_unchanged,
-                         name in self._frozen):
-            return False
-        nbytes = t.numel() * t.element_size()
+    def _unchanged(self, slot: Slot, tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
+        """The names of ``tensors`` whose bytes ``slot`` still holds
+        (:mod:`memckpt.engine.unchanged`): they are not copied, and their chunks are neither
+        hashed nor sent again. The byte compares run on the seal threads."""
+        if self.skip_unchanged == "off" or not slot.kept:
+            return set()
+        found, compare = set(), []
+        for name, t in tensors:
+            held = slot.views[name]
+            says = verdict(slot.kept.get(name), t, held, self.skip_unchanged,
+                           name in self._frozen)
+            if says:
+                found.add(name)
+            elif says is None:
+                compare.append((name, t, held))
+        if compare:
+            same = same_bytes_many([(t, held) for _, t, held in compare], self.map_fn)
+            found.update(name for (name, _, _), ok in zip(compare, same) if ok)
+        nbytes = sum(t.numel() * t.element_size() for name, t in tensors if name in found)
         self.stats.unchanged_bytes += nbytes
         self.stats.last_unchanged_bytes += nbytes
-        return True
+        return found
 
     def _copied(self, slot: Slot, name: str, t: torch.Tensor, span: tuple[int, int]) -> None:
         slot.kept[name] = stamp(t)

@@ -14,7 +14,7 @@ stale.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -33,20 +33,43 @@ def stamp(t: torch.Tensor) -> tuple:
             t.dtype, t.device)
 
 
-def unchanged(old: Optional[tuple], t: torch.Tensor, held: torch.Tensor, mode: str,
-              frozen: bool = False) -> bool:
+def verdict(old: Optional[tuple], t: torch.Tensor, held: torch.Tensor, mode: str,
+            frozen: bool = False) -> Optional[bool]:
     """Whether ``held`` (the slot's copy of ``t``, stamped ``old`` when it was taken) still
-    is ``t``'s bytes. ``mode`` "verify": the stamp, and the bytes compared (a GPU tensor
-    cannot be compared cheaply: never unchanged); "trust": the stamp alone for a ``frozen``
-    parameter (no optimizer writes it, through ``p.data`` or a fused kernel, as they may a
-    trained one's), "verify" for the rest; "off": never."""
+    is ``t``'s bytes: False (changed, or cannot tell cheaply), True (on the stamp alone) or
+    None (the bytes must be compared: :func:`same_bytes_many`). ``mode`` "verify": the
+    stamp, then the bytes (a GPU tensor cannot be compared cheaply: False); "trust": the
+    stamp alone for a ``frozen`` parameter (no optimizer writes it, through ``p.data`` or a
+    fused kernel, as they may a trained one's), "verify" for the rest; "off": False."""
     if mode == "off" or old is None or old[1:] != stamp(t)[1:]:
         return False
     if mode == "trust" and frozen:
         return True
     if t.is_cuda or not t.is_contiguous() or not held.is_contiguous():
         return False
-    return same_bytes(t.data_ptr(), held.data_ptr(), t.numel() * t.element_size())
+    return None
+
+
+COMPARE_PIECE = 8 << 20  # bytes a compare task takes: a big tensor spreads over the threads
+
+
+def same_bytes_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                    map_fn: Callable[[Callable[[Any], Any], Iterable[Any]], Iterator[Any]]
+                    ) -> list[bool]:
+    """For each (tensor, the slot's copy) whether their bytes are equal: memcmp (which
+    releases the GIL) in pieces of COMPARE_PIECE, through ``map_fn`` (the seal threads'
+    ``map``, idle while a snapshot copies: the comparison of a frozen base then takes the
+    cores the copy would have)."""
+    pieces, owner = [], []
+    for i, (t, held) in enumerate(pairs):
+        n, a, b = t.numel() * t.element_size(), t.data_ptr(), held.data_ptr()
+        for off in range(0, max(n, 1), COMPARE_PIECE):
+            pieces.append((a + off, b + off, min(COMPARE_PIECE, n - off)))
+            owner.append(i)
+    same = [True] * len(pairs)
+    for i, ok in zip(owner, map_fn(lambda p: same_bytes(*p), pieces)):
+        same[i] = same[i] and ok
+    return same
 
 
 def known_chunks(digests: Optional[Sequence[str]], data_len: int,
