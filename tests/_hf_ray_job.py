@@ -8,16 +8,13 @@ examples/hf_trainer.py with Ray's pickle-by-value."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from pathlib import Path
 from typing import Any
 
+from _trainer_result import trainer_result
 from hf_trainer import build
 
 from memckpt.integrations.hf import attach
 
-VOLATILE = ("_runtime", "_per_second")  # wall-clock figures in the Trainer's log entries
 
 
 class HFRankJob:
@@ -35,16 +32,8 @@ class HFRankJob:
             trainer = prepare_trainer(trainer)
         hooks = attach(trainer, ctx)
         trainer.train()
-        weights = hashlib.sha256()
-        for name, tensor in trainer.model.state_dict().items():
-            weights.update(name.encode())
-            weights.update(tensor.detach().contiguous().numpy().tobytes())
-        result = {"log_history": [{k: v for k, v in entry.items() if not k.endswith(VOLATILE)}
-                                  for entry in trainer.state.log_history],
-                  "weights": weights.hexdigest(), "resumed_from": hooks.restored_step,
-                  "world_size": trainer.args.world_size}
-        Path(self.out, f"rank{ctx.rank}.json").write_text(json.dumps(result))
-        return result
+        return trainer_result(trainer, hooks, self.out, ctx.rank,
+                              world_size=trainer.args.world_size)
 
 
 def ray_train_loop(cfg: dict[str, Any]) -> None:

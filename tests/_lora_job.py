@@ -5,13 +5,11 @@ memckpt's own loop (:class:`LoraRankJob`) and the Hugging Face ``Trainer`` front
 
 from __future__ import annotations
 
-import hashlib
-import json
-from pathlib import Path
 from typing import Any
 
+from _trainer_result import trainer_result
+
 VOCAB, SEQ = 256, 16
-VOLATILE = ("_runtime", "_per_second")  # wall-clock figures in the Trainer's log entries
 
 
 def build_model(seed: int = 0) -> Any:
@@ -114,12 +112,4 @@ class LoraTrainerJob:
         trainer = Trainer(model=build_model(), args=args, train_dataset=Tokens(self.samples, 1))
         hooks = attach(trainer, ctx)
         trainer.train()
-        weights = hashlib.sha256()
-        for name, tensor in trainer.model.state_dict().items():
-            weights.update(name.encode())
-            weights.update(tensor.detach().contiguous().numpy().tobytes())
-        result = {"log_history": [{k: v for k, v in entry.items() if not k.endswith(VOLATILE)}
-                                  for entry in trainer.state.log_history],
-                  "weights": weights.hexdigest(), "resumed_from": hooks.restored_step}
-        Path(self.out, f"rank{ctx.rank}.json").write_text(json.dumps(result))
-        return result
+        return trainer_result(trainer, hooks, self.out, ctx.rank)

@@ -95,8 +95,9 @@ def ddp_job(cluster):
     sys.path.insert(0, str(ROOT / "examples"))
 
     import _hf_ray_job
+    import _trainer_result
     import hf_trainer
-    for module in (_hf_ray_job, hf_trainer):
+    for module in (_hf_ray_job, _trainer_result, hf_trainer):
         ray.cloudpickle.register_pickle_by_value(module)
     return _hf_ray_job
 

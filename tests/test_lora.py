@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 import memckpt  # noqa: E402
 from memckpt.engine.buffers import PeakFootprint, default_ram_root  # noqa: E402
 from memckpt.runtime.tools.faults import FaultInjector  # noqa: E402
+from test_runtime import config  # noqa: E402 (3 one-rank nodes, a ring, fast detection)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -31,18 +32,10 @@ def lora(cluster):
     import ray
     sys.path.insert(0, str(Path(__file__).parent))
     import _lora_job
-    ray.cloudpickle.register_pickle_by_value(_lora_job)
+    import _trainer_result
+    for module in (_lora_job, _trainer_result):
+        ray.cloudpickle.register_pickle_by_value(module)
     return _lora_job
-
-
-def config(name: str) -> memckpt.Config:
-    return memckpt.Config(
-        job_name=name,
-        workers=memckpt.WorkersConfig(num_workers=3, workers_per_node=1, cpus_per_worker=1),
-        placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
-        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
-                                      max_restarts=2, collective_timeout_s=30.0,
-                                      warm_spares=False))
 
 
 @pytest.fixture(scope="module")
