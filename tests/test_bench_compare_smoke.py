@@ -159,7 +159,8 @@ def test_arguments():
     parser = argparse.ArgumentParser()
     compare.add_arguments(parser)
     args = parser.parse_args([])
-    assert args.parts == compare.PARTS and args.steps == 5
+    # no --parts: every part, or only the peers' side by side with --peers
+    assert args.parts is None and args.steps == 5 and args.peers == ()
     assert args.recovery_methods == compare_rows.RECOVERY_METHODS
     assert parser.parse_args(["--recovery-methods", "memckpt-worker,ray-train-restore"]
                              ).recovery_methods == ("memckpt-worker", "ray-train-restore")

@@ -44,6 +44,7 @@ PIP_ALLOWED = {
     ("pip", "install", "-e", "."),
     ("pip", "install", "-q", "-e", ".[test]"),
     ("pip", "install", "-e", ".[bench]"),
+    ("pip", "install", "-e", ".[bench,peers]"),
     ("pip", "install", "-e", ".[hf]"),
     ("pip", "install", "-e", ".[lightning]"),
 }

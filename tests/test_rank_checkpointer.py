@@ -100,7 +100,7 @@ def test_a_steps_report_travels_with_its_shard_and_comes_back_on_restore(ckpt, r
     from a copy fetched off a peer gives them back; a step snapshotted without them gives
     none (and a later restore never shows an earlier one's)."""
     source = _state(1)
-    ckpt.step(source, 4, {"loss": 2.5})
+    ckpt.step(source, 4, loss=2.5)
     ckpt.wait()
     ckpt.commit(4)  # a slot is reused only once the newest step is committed
     ckpt.step(source, 6)

@@ -32,6 +32,14 @@ Four parts (``--parts``, default all), each measured in this run, medians over r
              ``--scaling-size`` per rank), k = 1 and k = 2 replicas: stall, and the bytes each
              node's store holds (measured from the stores)
 
+  peers      ``--peers torchft,dlrover`` (not part of ``--parts``; alone unless ``--parts`` is
+             given too): memckpt beside torchft and DLRover flash checkpoint on one MLP, AdamW,
+             the same seeds and data order, 2 ranks: the per-step blocking part, when the copy
+             is usable, host RAM held per GiB of state, a rank SIGKILLed (time to the
+             survivors' next step and to a step with every rank, steps lost, the final state
+             bit for bit against an uninterrupted run), the whole job SIGKILLed
+             (memckpt.bench.compare.peers). A peer that is not installed is named with why.
+
 Sizes are binary (100M = 100 MiB). The simulated nodes are raylets on this one machine, so
 every figure includes the CPU that replication and background writes take from training.
 ``--from-json A.json B.json`` merges rows of earlier (per-part) runs into one table and plot.
@@ -56,6 +64,7 @@ from memckpt.bench.common import (disk_dir, machine_info, parse_sizes, positive_
                                   standalone, usable_dir, write_rows)
 from memckpt.bench.compare.measure import (SELECTABLE, measure_recovery, measure_scaling,
                                            measure_stall)
+from memckpt.bench.compare.peers import PEERS, PeerSettings, run_peers
 from memckpt.bench.compare.report import report
 from memckpt.bench.compare.rows import PARTS, RECOVERY_METHODS, derive
 from memckpt.bench.foreign_load import Quiet
@@ -95,12 +104,15 @@ class CompareSettings:
     methods: tuple[str, ...] = SELECTABLE  # stall: the methods (baselines come along)
     recovery_methods: tuple[str, ...] = RECOVERY_METHODS
     raytrain_poll_s: Optional[float] = None  # None: Ray Train's own health-check interval
+    peers: tuple[str, ...] = ()  # torchft, dlrover: the peers part (parts may then be empty)
+    peer_settings: PeerSettings = PeerSettings()
 
     def __post_init__(self) -> None:
         for name, allowed in (("parts", PARTS), ("methods", SELECTABLE),
-                              ("recovery_methods", RECOVERY_METHODS)):
+                              ("recovery_methods", RECOVERY_METHODS), ("peers", PEERS)):
             bad = [p for p in getattr(self, name) if p not in allowed]
-            if bad or not getattr(self, name):
+            empty_ok = name == "peers" or (name == "parts" and self.peers)
+            if bad or not (getattr(self, name) or empty_ok):
                 raise ConfigError(f"CompareSettings.{name}={getattr(self, name)!r}: choose from "
                                   f"{','.join(allowed)}")
         for name, least in (("steps", 1), ("warmup", 0), ("recovery_repeats", 1),
@@ -147,6 +159,8 @@ def run_compare(s: CompareSettings = CompareSettings(), log: Callable[[str], Non
             rows += measure_scaling(s.scaling_size[1], s.scaling_size[0], list(s.nodes),
                                     s.scaling_steps or s.steps, s.warmup, compute_n, str(ram), log,
                                     cluster)
+        if s.peers:
+            rows += run_peers(s.peers, s.peer_settings, log, s.directory)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
         if not s.ram_root:
@@ -194,8 +208,9 @@ def _seconds(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parts", type=_choice_list(PARTS, "parts"), default=PARTS, metavar="LIST",
-                        help=f"what to measure, comma-separated (default {','.join(PARTS)})")
+    parser.add_argument("--parts", type=_choice_list(PARTS, "parts"), default=None, metavar="LIST",
+                        help=f"what to measure, comma-separated (default {','.join(PARTS)}; "
+                             "with --peers: none but the peers)")
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES),
                         metavar="LIST", help=f"stall: state sizes (default {DEFAULT_SIZES})")
     parser.add_argument("--methods", type=_choice_list(SELECTABLE, "methods"), default=SELECTABLE,
@@ -219,6 +234,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raytrain-poll-s", type=_seconds, default=None, metavar="S",
                         help="Ray Train controller poll interval (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S; "
                              "default: Ray's, 2 s)")
+    parser.add_argument("--peers", type=_choice_list(PEERS, "peers"), default=(), metavar="LIST",
+                        help=f"also measure these peers ({','.join(PEERS)}; pip install "
+                             "'memckpt[peers]'); without --parts only them")
+    parser.add_argument("--peer-size", type=parse_sizes, default=None, metavar="SIZE",
+                        help="peers: params + AdamW state per rank (default 64M)")
+    parser.add_argument("--peer-steps", type=positive_int, default=PeerSettings.steps,
+                        metavar="N", help=f"peers: steps per run (default {PeerSettings.steps})")
+    parser.add_argument("--peer-kill-step", type=positive_int, default=PeerSettings.kill_step,
+                        metavar="N", help="peers: the step at which rank 1, and in another run "
+                                          f"the whole job, is SIGKILLed (default "
+                                          f"{PeerSettings.kill_step})")
+    parser.add_argument("--peer-step-s", type=_seconds, default=PeerSettings.step_s, metavar="S",
+                        help="peers: each step's forward+backward lasts S, padded by a sleep "
+                             f"(default {PeerSettings.step_s}); torchft's restarted group must "
+                             "rejoin before the last step")
     parser.add_argument("--dir", default=None, metavar="DIR",
                         help="local-disk directory for the files (default: a temp dir on disk)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the rows to PATH")
@@ -250,6 +280,13 @@ def _read_rows(paths: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def _peer_settings(args: argparse.Namespace) -> PeerSettings:
+    size = (args.peer_size or [("64M", 64 * 2**20)])[0]
+    return PeerSettings(state_bytes=size[1], size_label=size[0], steps=args.peer_steps,
+                        kill_step=args.peer_kill_step, job_kill_step=args.peer_kill_step,
+                        step_s=args.peer_step_s)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.from_json:
         rows = derive(_read_rows(args.from_json))
@@ -257,13 +294,15 @@ def main(args: argparse.Namespace) -> int:
         if args.dir:
             usable_dir(args.dir)
         try:
+            parts = args.parts if args.parts is not None else (() if args.peers else PARTS)
             rows = run_compare(CompareSettings(
-                args.parts, tuple(args.sizes), args.steps, 2, args.step_s, args.dir,
+                parts, tuple(args.sizes), args.steps, 2, args.step_s, args.dir,
                 recovery_sizes=tuple(args.recovery_sizes or ()),
                 recovery_repeats=args.recovery_repeats, nodes=args.nodes,
                 scaling_size=args.scaling_size[0] if args.scaling_size else None,
                 raytrain_poll_s=args.raytrain_poll_s, methods=args.methods,
-                recovery_methods=args.recovery_methods))
+                recovery_methods=args.recovery_methods, peers=args.peers,
+                peer_settings=_peer_settings(args)))
         except Exception as e:  # noqa: BLE001 (a failed measurement is reported, exit 1)
             print(f"memckpt bench compare: measurement failed: {type(e).__name__}: {e}",
                   file=sys.stderr)
@@ -271,7 +310,7 @@ def main(args: argparse.Namespace) -> int:
     write_rows(args.json, rows, indent=1)
     if args.plot:
         from memckpt.bench.compare.plot import plot_compare
-        plot_compare(rows, args.plot)
+        plot_compare([r for r in rows if r["benchmark"] != "peers"], args.plot)
     print(report(rows))
     return 0
 

@@ -135,6 +135,18 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[bool, str]]:
 
 
 def report(rows: list[dict[str, Any]]) -> str:
+    peers = [r for r in rows if r["benchmark"] == "peers"]
+    rows = [r for r in rows if r["benchmark"] != "peers"]
+    if peers:
+        from memckpt.bench.compare.peer_rows import format_peers
+        side = format_peers(peers)
+        if not rows:
+            return machine_line(peers[0]["machine"]) + "\n\n" + side
+        return _report(rows) + "\n\n" + side
+    return _report(rows)
+
+
+def _report(rows: list[dict[str, Any]]) -> str:
     step = max(rows, key=lambda r: r.get("compute_alone_s") or 0, default=None)
     if step is None:
         return "no rows"
