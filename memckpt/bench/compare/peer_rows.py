@@ -7,8 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
-
 from memckpt.bench.common import human_bytes, human_s, med
 from memckpt.bench.compare.peer_jobs import RANKS
 
@@ -31,6 +29,7 @@ MODES = {
 # -- comparing final states -------------------------------------------------------------------
 def _equal(a: Any, b: Any) -> bool:
     """Bit for bit: tensors by their bytes (NaN-safe), containers element by element."""
+    import torch  # here, not at the command line's start-up (tests/test_imports.py)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and
                 a.dtype == b.dtype and a.shape == b.shape and
@@ -47,6 +46,7 @@ def same_final(ref_dir: Path, run_dir: Path, method: str,
                ranks: Optional[list[int]] = None) -> Optional[bool]:
     """Whether the final parameters and optimizer state of every rank in ``ranks`` (default:
     all) equal the reference's, bit for bit; None if a rank wrote none."""
+    import torch
     try:
         return all(_equal(torch.load(ref_dir / f"{method}-r{r}.pt", weights_only=True),
                           torch.load(run_dir / f"{method}-r{r}.pt", weights_only=True))

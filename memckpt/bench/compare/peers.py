@@ -38,7 +38,6 @@ from typing import Any, Callable, Optional
 
 from memckpt.bench.compare.peer_jobs import RANKS, Lighthouse, run_job
 from memckpt.bench.compare.peer_rows import method_rows, missing_row, per_step
-from memckpt.bench.compare.peer_worker import LAYERS, width_for
 from memckpt.errors import ConfigError
 
 PEERS = ("torchft", "dlrover")
@@ -189,6 +188,7 @@ def run_peers(peers: tuple[str, ...], s: PeerSettings = PeerSettings(),
     """Measure memckpt and each available peer in ``peers``; the rows (see :mod:`.peer_rows`).
     A peer that does not import or does not start gets a row that says why. ``keep``: leave
     the runs' logs (in a temp folder under ``directory``) for a look."""
+    from memckpt.bench.compare.peer_worker import LAYERS, width_for  # torch: not at start-up
     status = peer_status(peers)
     width = width_for(s.state_bytes)
     state_bytes = 3 * 4 * LAYERS * (width * width + width)
