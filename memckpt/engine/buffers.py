@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Container, Optional
 import numpy as np
 import psutil
 
+from memckpt.format.shard import SLOT_NAMES
 from memckpt.errors import ConfigError, MemckptError
 from memckpt.util.fsutil import fs_type
 
@@ -107,7 +108,7 @@ class PeakFootprint:
                 except FileNotFoundError:
                     continue
                 parts[key] = parts.get(key, 0) + st.st_blocks * 512
-                if own and name.startswith("slot") and name.endswith(".shard"):
+                if own and name in SLOT_NAMES:
                     self._shards[rank] = max(self._shards.get(rank, 0), st.st_size)
         total = sum(parts.values())
         if total > self.peak:
@@ -190,9 +191,8 @@ class RamRegion:
         # A tmpfs that runs out of room kills the writer with SIGBUS instead of raising:
         # check the room first and say what to change.
         path.parent.mkdir(parents=True, exist_ok=True)
-        st = os.statvfs(path.parent)
         old = path.stat().st_size if path.exists() else 0
-        room = st.f_bavail * st.f_frsize + old
+        room = free_bytes(path.parent) + old
         avail = psutil.virtual_memory().available + old
         if size > room or size > avail:
             raise MemckptError(

@@ -350,7 +350,7 @@ class ReplicaStore:
     def _other_slot(self, path: Path) -> Optional[fmt.Shard]:
         """The complete shard in the other slot of the replica ``path`` is a slot of
         (unverified: each chunk copied from it is checked)."""
-        for other in path.parent.glob("slot*.shard"):
+        for other in (path.parent / name for name in fmt.SLOT_NAMES):
             if other == path or peek_step(other) is None:
                 continue
             try:
