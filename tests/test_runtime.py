@@ -450,7 +450,7 @@ def test_error_raised_by_every_rank_at_once_reaches_the_caller(cluster, tmp_path
     assert book is not None and len(book) == 0  # a failed job's workers are not kept
 
 
-def test_a_job_over_its_ram_budget_stops_before_its_first_snapshot(cluster, tmp_path):
+def test_a_job_over_its_ram_budget_stops_before_its_first_snapshot(full_cluster, tmp_path):
     """Slots that would not fit Config.ram_budget: the job stops with the numbers and the
     settings that lower them, before any slot file or replica is made, and is not retried
     as a failure (never a SIGBUS or the OOM killer halfway)."""
