@@ -16,7 +16,7 @@ if _typing.TYPE_CHECKING:  # what the lazily loaded names are, for type checkers
     from memckpt.format.data import ResumableSampler
     from memckpt.format.dcp_reader import MemckptReader
     from memckpt.format.state import TrainState
-    from memckpt.runtime.tools.faults import FaultInjector
+    from memckpt.runtime.chaos.faults import FaultInjector
     from memckpt.runtime.worker.context import WorkerContext
 
 # Imported on first use: they need torch, which the replica stores and the coordinator

@@ -17,7 +17,7 @@ import runpy
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from memckpt.policy import placement
 from memckpt.policy.footprint import RamBudget, check_ram_budget
@@ -326,6 +326,8 @@ class ChaosEvent:
     steady: bool = False
     ranks: tuple[int, ...] = ()  # worker, node: these ranks at once (instead of rank)
     during: Optional[str] = None  # plan | start | restore: in that phase of a recovery
+    # the targets that name the rank (or ranks) they hit; "random" picks one itself
+    NEEDS_RANK: ClassVar[tuple[str, ...]] = ("worker", "node", "store")
 
     def __post_init__(self) -> None:
         _positive_int("chaos.step", self.step)
@@ -350,7 +352,7 @@ class ChaosEvent:
                       "'worker' or 'node'")
         if self.rank is not None:
             _positive_int("chaos.rank", self.rank, minimum=0)
-        elif self.target in ("worker", "node", "store") and not self.ranks:
+        elif self.target in self.NEEDS_RANK and not self.ranks:
             _fail("chaos.rank", None, f"target={self.target!r} needs the rank it aims at")
 
 

@@ -140,7 +140,7 @@ def write_job(rank: int, world: int, port: int, layout: str, root: str, ram: str
         ckpt.wait()
         with ckpt.engine.reading(steps) as shard:
             if stores:
-                from memckpt.runtime.node.transport import StoreConnection
+                from memckpt.runtime.wire.data_plane import StoreConnection
                 for address in stores[rank]:
                     conn = StoreConnection(tuple(address))
                     conn.send(rank, steps, shard.raw, shard.header["data_xxh3"], gen=-1,

@@ -137,8 +137,8 @@ def store(ram_root):
 
 @pytest.fixture
 def sender(store):
-    """A worker's TCP connection into ``store`` (memckpt.runtime.node.transport)."""
-    from memckpt.runtime.node.transport import StoreConnection
+    """A worker's TCP connection into ``store`` (memckpt.runtime.wire.data_plane)."""
+    from memckpt.runtime.wire.data_plane import StoreConnection
     snd = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
     yield snd
     snd.close()
@@ -148,7 +148,7 @@ def held_replica(store, rank: int, step: int):
     """The bytes of ``rank``'s replica of ``step`` as ``store`` holds it on disk."""
     import numpy as np
 
-    from memckpt.runtime.node.replica_store import scan
+    from memckpt.runtime.wire.ram_files import scan
     return np.fromfile(scan(store.replicas)[rank][step], dtype=np.uint8)
 
 
@@ -230,7 +230,7 @@ def status_at(name: str, step: int) -> dict | None:
     import ray
     try:
         coord = coordinator(name)
-        if ray.get(coord.progress.remote())["max_step"] >= step:
+        if ray.get(coord.progress.remote()).max_step >= step:
             return ray.get(coord.status.remote())
     except (ValueError, ray.exceptions.RayError):
         pass  # not started yet

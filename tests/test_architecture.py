@@ -38,19 +38,37 @@ TOP_LEVEL = {"memckpt", "memckpt.config", "memckpt.errors", "memckpt.version",
 FACADE = "memckpt"
 FACADE_LAYER = "runtime"
 MAX_LINES = 600
-PURE_ROOMS = ("memckpt.policy",)  # every module in them imports neither Ray nor torch
-# Inside runtime, one room per process that runs it (and the operator tools). A room never
-# imports the rooms named here: a node's actors and the coordinator run beside the driver and
-# the workers, never as them, and hold neither their code nor torch; a worker is told what to
-# do by the driver and never reaches back. ray_nodes.py, shared by all, imports no room.
+# every module in them imports neither Ray nor torch: the pure decisions, and what a worker
+# and its node's store both speak (a store never imports torch)
+PURE_ROOMS = ("memckpt.policy", "memckpt.runtime.wire")
+# Inside runtime, one room per process that runs it, and three they share. A room never
+# imports the rooms named here:
+# - a node's actors and the coordinator run beside the driver and the workers, never as
+#   them, and hold neither their code nor torch;
+# - a worker is told what to do by the driver and never reaches back, and it reaches its
+#   node's store only through Ray calls, the store's files and its TCP data plane: never
+#   the store's code (nor the store a worker's);
+# - wire/ is what a worker and a store both speak (the shared-memory layout, the data
+#   plane's protocol and client, the store's call names): it imports no other room;
+# - chaos/ is fault injection, run by the processes it hits (the driver fires a schedule,
+#   a worker its own step's fault): it imports no process's room;
+# - tools/ are the operator's (a local cluster, the job client): no process imports them.
+# ray_nodes.py, shared by all, imports no room.
 RUNTIME = "memckpt.runtime"
+ROOMS = {"driver", "worker", "node", "coordinator", "wire", "chaos", "tools"}
 ROOMS_NOT_IMPORTED: dict[str, tuple[str, ...]] = {
-    "memckpt.runtime.node": ("driver", "worker", "tools"),
-    "memckpt.runtime.coordinator": ("driver", "worker", "tools", "node"),
-    "memckpt.runtime.worker": ("driver",),
-    "memckpt.runtime.tools": ("driver", "worker"),
-    "memckpt.runtime.ray_nodes": ("driver", "worker", "tools", "node", "coordinator"),
+    "memckpt.runtime.node": ("driver", "worker", "chaos", "tools"),
+    "memckpt.runtime.coordinator": ("driver", "worker", "node", "wire", "chaos", "tools"),
+    "memckpt.runtime.worker": ("driver", "node", "coordinator", "tools"),
+    "memckpt.runtime.wire": ("driver", "worker", "node", "coordinator", "chaos", "tools"),
+    "memckpt.runtime.chaos": ("driver", "worker", "node", "coordinator", "wire", "tools"),
+    "memckpt.runtime.tools": ("driver", "worker", "node"),
+    "memckpt.runtime.ray_nodes": ("driver", "worker", "node", "coordinator", "wire", "chaos",
+                                  "tools"),
 }
+# Old import paths kept one version as aliases that warn (a user's script imported them):
+# each imports only what it names, and shares its file name with the module it points to.
+DEPRECATED_ALIASES = {"memckpt.runtime.local_cluster": "memckpt.runtime.tools.local_cluster"}
 
 
 def _module_name(path: Path) -> str:
@@ -129,7 +147,7 @@ def _in(module: str, prefix: str) -> bool:
 
 def test_runtime_rooms_follow_their_processes():
     rooms = {m.split(".")[2] for m in MODULES if m.startswith(RUNTIME + ".") and m.count(".") >= 3}
-    assert rooms == {"driver", "worker", "node", "coordinator", "tools"}, rooms
+    assert rooms == ROOMS, rooms
     wrong = []
     for module in MODULES:
         for room, forbidden in ROOMS_NOT_IMPORTED.items():
@@ -228,7 +246,7 @@ def test_no_two_rooms_share_a_file_name():
     parallel = {"context", "local", "s3", "command", "measure", "rows", "report"}
     names: dict[str, list[str]] = {}
     for module, path in MODULES.items():
-        if path.name != "__init__.py":
+        if path.name != "__init__.py" and module not in DEPRECATED_ALIASES:
             names.setdefault(path.stem, []).append(module)
     shared = {n: ms for n, ms in names.items() if len(ms) > 1 and n not in parallel}
     assert not shared, f"one file name in several rooms: {shared}"
@@ -255,4 +273,7 @@ def test_the_checker_sees_what_it_checks():
         < _layer("memckpt.checkpointer") < _layer("memckpt.persist.uploader") < _layer("memckpt.format.state")
     assert _layer("memckpt.ray_train.anything") == _layer("memckpt.bench.common")
     assert _layer("memckpt.config") < _layer("memckpt.policy.placement") == _layer("memckpt.errors")
-    assert "memckpt.runtime.node.replica_store" in graph["memckpt.runtime.worker.context"]
+    assert "memckpt.runtime.wire.ram_files" in graph["memckpt.runtime.worker.context"]
+    assert "memckpt.runtime.wire.data_plane" in graph["memckpt.runtime.node.shard_server"]
+    assert "memckpt.runtime.chaos.faults" in graph["memckpt.runtime.worker.context"]
+    assert "memckpt.runtime.coordinator.state_store" in graph["memckpt.runtime.node.janitor"]

@@ -236,7 +236,7 @@ def test_fingerprint_tracks_layout_not_drills():
 
 
 def test_a_steady_chaos_event_schedules_a_steady_fault():
-    from memckpt.runtime.tools.faults import Fault
+    from memckpt.runtime.chaos.faults import Fault
     assert Fault.from_chaos(ChaosEvent(step=4, rank=1, steady=True)).steady is True
     assert Fault.from_chaos(ChaosEvent(step=4, rank=1)).steady is False
 

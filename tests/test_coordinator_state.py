@@ -5,8 +5,10 @@ real Coordinator in-process, an in-memory state store, a plain inventory functio
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Optional
 
+from memckpt.runtime.coordinator.job_state import JobState, StopRequest
 from memckpt.runtime.coordinator.coordinator import (REBUILD_RETRY_S, REGISTER_DEBOUNCE_S,
                                                      Coordinator, Inventory, proven_ready)
 from memckpt.runtime.coordinator.coordinator import MemoryStateStore as MemoryState
@@ -87,7 +89,7 @@ def test_no_write_per_step_and_at_most_one_per_generation_start(tmp_path):
             assert view[0] == s
             clock.now += 0.5
         assert state.puts == 2  # the registrations, once, from the first call found it due
-        assert len(c.s["workers"]) == ranks
+        assert len(c.s.workers) == ranks
         before = state.puts
         for s in range(20, 40):
             await step(c, ranks, 0, s)
@@ -149,7 +151,7 @@ def test_restart_rebuilds_the_committed_step_from_the_stores(tmp_path):
         assert view[0] == 6
 
     asyncio.run(after_restart())
-    assert c2.s["restarts_of_coordinator"] == 1
+    assert c2.s.restarts_of_coordinator == 1
 
 
 def test_rebuild_never_lowers_and_silent_stores_prove_less(tmp_path):
@@ -188,7 +190,17 @@ def test_chaos_claim_and_stop_step_survive_a_restart(tmp_path):
     asyncio.run(run())
     c2 = start(tmp_path, state, ranks, clock, inventory=lambda names, t: {})
     assert asyncio.run(c2.claim("fault-6")) is False  # fire-once across the restart
-    assert asyncio.run(c2.stop_state()) == {"at": 3, "action": "stop", "step": 3}
+    assert asyncio.run(c2.stop_state()) == StopRequest(at=3, action="stop", step=3)
+
+
+def test_a_state_an_older_version_wrote_loads_and_unknown_keys_are_dropped():
+    old = json.dumps({"gen": 2, "assignment": {"0": "n"}, "holders": {"0": []},
+                      "committed": 7, "ready": {"7": [0]}, "stop": {"at": 5, "action": "stop",
+                                                                   "step": None}}).encode()
+    s = JobState.load(old)
+    assert (s.gen, s.committed, s.stop) == (2, 7, StopRequest(5, "stop"))
+    assert s.fired == [] and s.fault_requests == {} and not s.standby
+    assert JobState.load(s.dump()) == s
 
 
 def test_proven_ready_needs_own_node_and_every_holder():

@@ -15,7 +15,7 @@ import torch
 
 import memckpt
 from memckpt.errors import RecoveryError
-from memckpt.runtime.tools.faults import FaultInjector
+from memckpt.runtime.chaos.faults import FaultInjector
 from conftest import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]

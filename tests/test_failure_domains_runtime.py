@@ -25,7 +25,7 @@ import pytest
 
 import memckpt
 from memckpt.demo.job import GPTJob
-from memckpt.runtime.tools.faults import FaultInjector
+from memckpt.runtime.chaos.faults import FaultInjector
 
 pytestmark = [pytest.mark.ray, pytest.mark.chaos, pytest.mark.timeout(600)]
 

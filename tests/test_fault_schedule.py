@@ -10,7 +10,7 @@ import memckpt
 from memckpt.cli.kill import ranks_arg
 from memckpt.config import ChaosEvent
 from memckpt.errors import ConfigError
-from memckpt.runtime.tools.faults import Fault, FaultInjector, aim
+from memckpt.runtime.chaos.faults import Fault, FaultInjector, aim
 
 
 def test_a_fault_on_several_ranks_is_carried_out_by_the_driver_for_all_of_them():
@@ -18,6 +18,23 @@ def test_a_fault_on_several_ranks_is_carried_out_by_the_driver_for_all_of_them()
     assert f.victims == (2, 0) and f.claimer == 2  # rank 2 reaching step 6 asks the driver
     assert not f.self_inflicted  # one rank killing itself could not kill the others too
     assert f.key == "worker:2,0:6:KILL"
+
+
+def test_a_fault_is_a_chaos_event_that_may_leave_a_workers_rank_to_the_runtime():
+    """One definition of a fault's fields and checks (the config's ChaosEvent); the runtime's
+    Fault only adds that ``kill_worker(rank=None)`` lets it pick a running rank."""
+    ev = ChaosEvent(step=6, target="node", rank=1, signal="STOP", steady=True)
+    f = Fault.from_chaos(ev)
+    assert isinstance(f, ChaosEvent) and f.at_step == f.step == 6
+    assert (f.target, f.rank, f.signal, f.steady, f.ranks, f.during) == \
+        (ev.target, ev.rank, ev.signal, ev.steady, ev.ranks, ev.during)
+    assert Fault(3, "worker", None, during="plan").victims == (None,)
+    with pytest.raises(ConfigError, match="chaos.rank"):
+        ChaosEvent(step=3, target="worker")  # a config names its rank, or says random
+    with pytest.raises(ConfigError, match="chaos.signal"):
+        FaultInjector().kill_worker(1, at_step=2, signal="HUP")  # the config's checks hold
+    with pytest.raises(ConfigError, match="chaos.rank"):
+        Fault(3, "store")
 
 
 def test_a_single_rank_worker_fault_is_the_ranks_own_and_others_the_drivers():

@@ -1,7 +1,7 @@
 """A whole node frozen, found by memckpt's own liveness, recovered, then thawed mid-run.
 
 When training reaches ``FREEZE_AT``, every process of rank 1's node is SIGSTOPped (a chaos
-fault "node" with signal "STOP", :func:`memckpt.runtime.tools.faults.freeze_node`): its
+fault "node" with signal "STOP", :func:`memckpt.runtime.chaos.faults.freeze_node`): its
 raylet, the job's replica store, the rank's worker and the node's agents. Nothing is
 reset: no connection closes, so neither Ray nor the other ranks see an error. The node's
 store stops reporting; the coordinator names the node "frozen or cut off" after
@@ -38,7 +38,7 @@ import pytest
 import memckpt
 from memckpt.demo.job import GPTJob
 from memckpt.runtime.ray_nodes import alive_node_ids
-from memckpt.runtime.tools.faults import FaultInjector
+from memckpt.runtime.chaos.faults import FaultInjector
 
 from conftest import wait_for
 

@@ -14,7 +14,7 @@ import pytest
 
 import memckpt
 from memckpt.demo.job import FSDPJob
-from memckpt.runtime.tools.faults import FaultInjector
+from memckpt.runtime.chaos.faults import FaultInjector
 
 KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
 

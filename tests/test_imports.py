@@ -13,7 +13,7 @@ def test_store_coordinator_and_persistence_run_without_torch():
     # CPU at every job start and ~0.25 GiB of RAM for as long as the job runs.
     code = ("import sys, memckpt, memckpt.runtime.node.replica_store, "
             "memckpt.runtime.coordinator.coordinator, "
-            "memckpt.persist, memckpt.runtime.node.transport, memckpt.config; "
+            "memckpt.persist, memckpt.runtime.node.shard_server, memckpt.config; "
             "cfg = memckpt.Config(job_name='x'); "
             "sys.exit('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -133,7 +133,7 @@ def test_ddp_trainer_under_memckpt_run_survives_a_killed_worker(ddp_job, ddp_ref
                                                                tmp_path):
     """DDP under the Trainer (gloo), memckpt attached to ``memckpt.run``'s context; rank 1's
     worker SIGKILLed at step 5 of 12 (mid-epoch: an epoch is 6 steps)."""
-    from memckpt.runtime.tools.faults import FaultInjector
+    from memckpt.runtime.chaos.faults import FaultInjector
     inj = FaultInjector().kill_worker(rank=1, at_step=5)
     got = memckpt.run(ddp_job.HFRankJob(str(tmp_path / "out"), SAMPLES), ddp_config("hf-ddp"),
                       run_dir=tmp_path / "run", injector=inj, quiet=True)

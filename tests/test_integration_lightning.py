@@ -192,7 +192,7 @@ def test_ddp_fit_under_memckpt_run_survives_a_killed_worker(ddp_job, ddp_referen
     """Three ranks, DDP in the process group memckpt made (gloo), the callback on
     ``memckpt.run``'s context; rank 1's worker SIGKILLed at step 5 of 12 (mid-epoch: an epoch
     is 6 steps of 4 samples per rank)."""
-    from memckpt.runtime.tools.faults import FaultInjector
+    from memckpt.runtime.chaos.faults import FaultInjector
     inj = FaultInjector().kill_worker(rank=1, at_step=5)
     got = memckpt.run(ddp_job.LightningRankJob(samples=SAMPLES), ddp_config("pl-ddp"),
                       run_dir=tmp_path / "run", injector=inj, quiet=True)

@@ -54,8 +54,8 @@ def _kept_pids() -> dict[int, tuple[str, str]]:
     for (node, shape), workers in book.idle.items():
         for w in workers:
             info = ray.get(w.info.remote(), timeout=30)
-            assert info["node_id"] == node and info["rank"] is None  # parked: no rank
-            out[info["pid"]] = (node, "spare" if shape == (0.0, 0.0) else "rank")
+            assert info.node_id == node and info.rank is None  # parked: no rank
+            out[info.pid] = (node, "spare" if shape == (0.0, 0.0) else "rank")
     return out
 
 

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 import memckpt  # noqa: E402
 from memckpt.engine.buffers import PeakFootprint, default_ram_root  # noqa: E402
-from memckpt.runtime.tools.faults import FaultInjector  # noqa: E402
+from memckpt.runtime.chaos.faults import FaultInjector  # noqa: E402
 from test_runtime import config  # noqa: E402 (3 one-rank nodes, a ring, fast detection)
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]

@@ -11,6 +11,7 @@ import pytest
 import memckpt
 from memckpt.demo.job import GPTJob
 from memckpt.runtime.coordinator.metrics import failure_target
+from memckpt.runtime.coordinator.messages import Progress
 from memckpt.runtime.driver.driver import progress_line
 from conftest import wait_for
 
@@ -33,12 +34,10 @@ def test_failure_target(what, target):
 
 
 def test_progress_line():
-    prog = {"max_step": 7, "last_loss": 3.14159, "committed": 6, "steps_per_s": 4.04,
-            "stall_ms": 1.26, "lag": 1}
+    prog = Progress(2, 6, max_step=7, last_loss=3.14159, steps_per_s=4.04, stall_ms=1.26, lag=1)
     assert progress_line(2, prog) == ("gen 2 step 7 loss 3.1416 4.0 steps/s committed 6 "
                                       "stall 1.3 ms lag 1")
-    empty = {"max_step": 0, "last_loss": None, "committed": None, "steps_per_s": None,
-             "stall_ms": None, "lag": None}
+    empty = Progress(0, None, max_step=0)
     assert "loss - - steps/s committed - stall - ms lag -" in progress_line(0, empty)
 
 

@@ -15,7 +15,7 @@ import pytest
 
 import memckpt
 from memckpt.errors import RecoveryError
-from memckpt.runtime.tools.faults import FaultInjector, send_signals
+from memckpt.runtime.chaos.faults import FaultInjector, send_signals
 import test_runtime
 from conftest import fired
 from test_runtime import JOB, KILL_AT, assert_same_run, config, events, run_with

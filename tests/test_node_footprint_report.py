@@ -16,7 +16,9 @@ from memckpt.cli.status import format_status, ram_line, ram_lines
 from memckpt.engine.buffers import RamRegion
 from memckpt.policy.footprint import budget_bytes
 from memckpt.runtime.coordinator.coordinator import Coordinator, MemoryStateStore
-from memckpt.runtime.node.replica_store import ReplicaStore, own_dir
+from memckpt.runtime.coordinator.messages import Heartbeat
+from memckpt.runtime.node.replica_store import ReplicaStore
+from memckpt.runtime.wire.ram_files import own_dir
 from memckpt.runtime.node.uplink import FOOTPRINT_EVERY_S, Uplink
 
 GIB = 1 << 30
@@ -36,7 +38,7 @@ def test_ram_line_and_one_line_per_live_node():
 def test_status_shows_each_live_nodes_footprint_after_the_ranks():
     status = {"gen": 1, "committed": 7, "restarts_of_coordinator": 0,
               "assignment": {"0": "nodeA"}, "holders": {"0": ["nodeB"]},
-              "metrics": {"0": {"step": 8, "stall_s": 0.01, "time": 99.0}},
+              "units": {"nodeA": {"step": 8, "ranks": 1, "stall_max_s": 0.01, "age_s": 1.0}},
               "node_beats": {"nodeA": {"age_s": 0.1, "step": 8},
                              "nodeB": {"age_s": 0.2, "step": 8}},
               "node_ram": {"nodeA": {"held": 2 * GIB, "budget": 8 * GIB, "peak": 2 * GIB},
@@ -65,11 +67,11 @@ def _events(tmp_path, kind: str) -> list[dict[str, Any]]:
 
 def test_coordinator_keeps_the_latest_per_node_and_logs_each_new_peak(tmp_path):
     c = _coordinator(tmp_path)
-    beat = {0: (0.1, 3)}
     for held in (100, 300, 300, 200, 300, 400):
-        assert asyncio.run(c.node_heartbeat("a", 0, beat, [], (held, 1000)))
-    assert asyncio.run(c.node_heartbeat("a", 0, beat, []))  # a beat without the footprint
-    assert asyncio.run(c.node_heartbeat("b", 1, beat, [], (999, 1000))) is True  # newer gen
+        assert asyncio.run(c.node_heartbeat("a", Heartbeat(0, 3, 0.1, ram=(held, 1000))))
+    assert asyncio.run(c.node_heartbeat("a", Heartbeat(0, 3, 0.1)))  # without the footprint
+    newer = Heartbeat(1, 3, 0.1, ram=(999, 1000))
+    assert asyncio.run(c.node_heartbeat("b", newer)) is True  # a newer generation
     status = asyncio.run(c.status())
     assert status["node_ram"] == {"a": {"held": 400, "budget": 1000, "peak": 400}}
     assert [e["held_bytes"] for e in _events(tmp_path, "node_ram")] == [100, 300, 400]
@@ -101,8 +103,8 @@ class _Sent:
 
         class NodeHeartbeat:
             @staticmethod
-            def remote(node: str, gen: int, beats: Any, metrics: Any, ram: Any) -> str:
-                sent.rams.append(ram)
+            def remote(node: str, hb: Heartbeat) -> str:
+                sent.rams.append(hb.ram)
                 return "ref"
         self.node_heartbeat = NodeHeartbeat
 

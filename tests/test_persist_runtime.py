@@ -9,7 +9,7 @@ import pytest
 
 import memckpt
 from memckpt.demo.job import GPTJob
-from memckpt.runtime.tools.faults import FaultInjector
+from memckpt.runtime.chaos.faults import FaultInjector
 from memckpt.persist import CheckpointStore
 from s3_server import aws_test_env, s3_endpoint, s3_uri  # noqa: F401 (fixtures)
 

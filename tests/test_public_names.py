@@ -1,8 +1,12 @@
 """Every ``memckpt.X`` the README and the docs/ pages name exists: the package's public names
 (``memckpt.WorkerContext``, ``memckpt.run``, ...) and the modules and names behind dotted paths
 (``memckpt.bench.recovery``, ``memckpt.ray_train.X``). Every bare name a Python block uses
-(``LocalCluster(...)``) is bound on the page, a builtin or a public ``memckpt`` name. The pages
-are read when the test runs, so a page added later is checked too."""
+(``LocalCluster(...)``) is bound on the page, a builtin or a public ``memckpt`` name, and every
+memckpt import in a block exists and comes from a public module (``memckpt.testing``, not
+the room the layout put the class in). The examples/ scripts follow the same two rules. The
+pages are read when the test runs, so a page added later is checked too. A path that moved
+keeps a warning alias for a version (``memckpt.FailurePolicy``,
+``memckpt.runtime.local_cluster``)."""
 
 from __future__ import annotations
 
@@ -102,10 +106,14 @@ def _public_attributes() -> set[str]:
             if not n.startswith("_") and not isinstance(v, ModuleType)} | lazy
 
 
+def _python_blocks_of(text: str) -> list[tuple[int, str]]:
+    return [(text[:m.start()].count("\n") + 1, m.group(2)) for m in re.finditer(
+        r"^([ \t]*)```python[^\n]*\n(.*?)^\1```", text, flags=re.S | re.M)]
+
+
 def _python_blocks(page: Path) -> list[tuple[int, str]]:
     """(line of the opening fence, code) for each fenced ``python`` block of a page."""
-    return [(page.read_text()[:m.start()].count("\n") + 1, m.group(2)) for m in re.finditer(
-        r"^([ \t]*)```python[^\n]*\n(.*?)^\1```", page.read_text(), flags=re.S | re.M)]
+    return _python_blocks_of(page.read_text())
 
 
 def _bound(tree: ast.AST) -> set[str]:
@@ -164,6 +172,86 @@ def test_every_bare_name_in_a_python_block_resolves():
                           "(import them, or bind the reader's own as `x = ...`):\n" + "\n".join(problems))
 
 
+# The modules a page or an example may import from: the public face at the top level, the
+# front doors, and the demo's jobs the examples run (demo code to copy, at a path that stays).
+# A room inside the layout (memckpt.runtime.tools, ...) is not one: it moves when the layout
+# changes, and a reader's script importing from it breaks with it (LocalCluster once did).
+PUBLIC_MODULES = ("memckpt", "memckpt.config", "memckpt.errors", "memckpt.version",
+                  "memckpt.checkpointer", "memckpt.testing", "memckpt.ray_train",
+                  "memckpt.integrations.hf", "memckpt.integrations.lightning", "memckpt.demo.job")
+
+
+def _examples() -> list[Path]:
+    return sorted((ROOT / "examples").glob("*.py"))
+
+
+def _import_problems(code: str) -> list[str]:
+    """What is wrong with the memckpt imports of ``code``: a module that is not public (not
+    in PUBLIC_MODULES) or does not exist, a name it does not offer. A module that needs an
+    extra not installed here is not judged."""
+    problems = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            wanted = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            wanted = [(node.module, a.name) for a in node.names]
+        else:
+            continue
+        for module, name in wanted:
+            if module.split(".")[0] != "memckpt":
+                continue
+            shown = f"{module}.{name}" if name else module
+            if module not in PUBLIC_MODULES and f"{module}.{name}" not in PUBLIC_MODULES:
+                problems.append(f"{shown}: {module} is not a public module "
+                                f"(import it from one of {', '.join(PUBLIC_MODULES)})")
+                continue
+            try:
+                found = importlib.import_module(module)
+                if name and name != "*" and not hasattr(found, name):
+                    importlib.import_module(f"{module}.{name}")
+            except ModuleNotFoundError as e:
+                if (e.name or "").split(".")[0] == "memckpt":
+                    problems.append(f"{shown}: no such module ({e})")
+            except ImportError as e:
+                problems.append(f"{shown}: {e}")
+    return problems
+
+
+def test_import_check_sees_what_it_checks():
+    """A block that imports a drill tool from where the layout put it, or a name that its
+    public home does not offer, is caught; the public homes pass."""
+    assert _import_problems("from memckpt.testing import LocalCluster, FaultInjector\n"
+                            "import memckpt, memckpt.ray_train\nimport torch") == []
+    [moved] = _import_problems("from memckpt.runtime.tools.local_cluster import LocalCluster")
+    assert "not a public module" in moved
+    [missing] = _import_problems("from memckpt.testing import LocalClusterr")
+    assert "LocalClusterr" in missing
+    [gone] = _import_problems("import memckpt.no_such_thing")
+    assert "memckpt.no_such_thing" in gone and "not a public module" in gone
+    page = ("Label the nodes:\n\n```python\nc = LocalCluster(nodes=2)\n```\n")
+    [(line, code)] = _python_blocks_of(page)
+    assert line == 3 and _unresolved(code) == {"LocalCluster"}
+
+
+def test_every_import_in_a_python_block_is_from_a_public_module():
+    """What a page tells a reader to import exists, at a path the layout can move under."""
+    problems = [f"{page.relative_to(ROOT)}:{line}: {p}" for page in _pages()
+                for line, code in _python_blocks(page) for p in _import_problems(code)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_example_imports_public_names_and_binds_what_it_uses():
+    """examples/ are scripts a reader copies: the same two rules as the pages' blocks."""
+    assert len(_examples()) >= 5
+    problems = []
+    for path in _examples():
+        code = path.read_text()
+        problems += [f"{path.relative_to(ROOT)}: {p}" for p in _import_problems(code)]
+        problems += [f"{path.relative_to(ROOT)}: {n} is used but never bound or imported"
+                     for n in sorted(_unresolved(code))]
+    assert not problems, "\n".join(problems)
+
+
 def test_every_exported_name_is_documented_and_nothing_else_is_exported():
     documented = {d.split(".")[1] for _, d in _uses()}
     assert sorted(set(memckpt.__all__) - documented) == [], \
@@ -176,7 +264,7 @@ def test_every_exported_name_is_documented_and_nothing_else_is_exported():
 
 
 def test_fault_injector_lives_with_the_drills_only():
-    from memckpt.runtime.tools.faults import FaultInjector
+    from memckpt.runtime.chaos.faults import FaultInjector
     assert "FaultInjector" not in memckpt.__all__
     assert not hasattr(memckpt, "FaultInjector")
     assert FaultInjector().kill_worker(rank=1, at_step=3).faults[0].target == "worker"
@@ -186,7 +274,7 @@ def test_drill_tools_have_a_public_home_that_import_memckpt_does_not_load():
     """``memckpt.testing`` (the path the docs give) offers the drill tools where they live now;
     ``import memckpt`` neither loads it nor offers them at the top level."""
     import memckpt.testing
-    from memckpt.runtime.tools.faults import FaultInjector
+    from memckpt.runtime.chaos.faults import FaultInjector
     from memckpt.runtime.tools.local_cluster import LocalCluster, local_cluster
     assert (memckpt.testing.LocalCluster, memckpt.testing.local_cluster,
             memckpt.testing.FaultInjector) == (LocalCluster, local_cluster, FaultInjector)
@@ -196,6 +284,24 @@ def test_drill_tools_have_a_public_home_that_import_memckpt_does_not_load():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout.strip()
     assert out == "False"
+
+
+def test_the_old_local_cluster_path_is_a_deprecated_alias():
+    """``memckpt.runtime.local_cluster`` (0.1.0's path) still gives the drill tools for one
+    version, warning each time with the import to use instead, and still starts a held
+    cluster with ``python -m``."""
+    from memckpt.testing import LocalCluster, local_cluster
+    with pytest.warns(FutureWarning, match="import LocalCluster from memckpt.testing"):
+        from memckpt.runtime.local_cluster import LocalCluster as old
+    with pytest.warns(FutureWarning, match="import local_cluster from memckpt.testing"):
+        from memckpt.runtime.local_cluster import local_cluster as old_helper
+    assert (old, old_helper) == (LocalCluster, local_cluster)
+    with pytest.raises(ImportError):
+        from memckpt.runtime.local_cluster import NoSuchName  # noqa: F401
+    done = subprocess.run([sys.executable, "-m", "memckpt.runtime.local_cluster", "--help"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0 and "--nodes" in done.stdout, done.stderr
+    assert "python -m memckpt.runtime.tools.local_cluster" in done.stderr  # the warning
 
 
 def test_failure_policy_is_a_deprecated_alias_of_failure_config():

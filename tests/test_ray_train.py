@@ -287,7 +287,7 @@ def test_a_killed_driver_leaves_no_actor_and_no_ram_behind(full_cluster, tmp_pat
 
 def kill_ranks(ranks: tuple[int, ...]):
     """An action for the watchers: SIGKILL ``ranks``' processes in the same instant."""
-    from memckpt.runtime.tools.faults import send_signals
+    from memckpt.runtime.chaos.faults import send_signals
 
     def act(status: dict) -> None:
         send_signals([(status["workers"][str(r)]["node_id"], status["workers"][str(r)]["pid"])

@@ -21,8 +21,8 @@ import torch
 
 import memckpt
 from memckpt.format import shard as fmt
-from memckpt.runtime.node.replica_store import scan
-from memckpt.runtime.node.transport import StoreConnection, _spans
+from memckpt.runtime.wire.data_plane import StoreConnection, spans
+from memckpt.runtime.wire.ram_files import scan
 from conftest import STORE_JOB, held_replica, shm_base
 
 MIB = 1 << 20
@@ -189,13 +189,13 @@ def test_a_sender_without_a_chunk_table_sends_everything(store, sender, local_ra
 def test_spans_cover_every_byte_but_the_filled_chunks():
     chunks = fmt.Chunks(data_offset=4096, chunk_bytes=100, digests=("a",) * 5)  # data: 450 B
     nbytes = 4096 + 450
-    assert _spans(nbytes, chunks, []) == [(0, nbytes)]
-    assert _spans(nbytes, chunks, [0, 1]) == [(0, 4096), (4296, 250)]
-    assert _spans(nbytes, chunks, [1, 3]) == [(0, 4196), (4296, 100), (4496, 50)]
-    assert _spans(nbytes, chunks, [4]) == [(0, 4496)]  # the short last chunk
-    assert _spans(nbytes, chunks, [0, 1, 2, 3, 4]) == [(0, 4096)]
-    assert _spans(nbytes, chunks, [7, -1]) == [(0, nbytes)]  # out of range: ignored
-    assert _spans(nbytes, None, [0]) == [(0, nbytes)]
+    assert spans(nbytes, chunks, []) == [(0, nbytes)]
+    assert spans(nbytes, chunks, [0, 1]) == [(0, 4096), (4296, 250)]
+    assert spans(nbytes, chunks, [1, 3]) == [(0, 4196), (4296, 100), (4496, 50)]
+    assert spans(nbytes, chunks, [4]) == [(0, 4496)]  # the short last chunk
+    assert spans(nbytes, chunks, [0, 1, 2, 3, 4]) == [(0, 4096)]
+    assert spans(nbytes, chunks, [7, -1]) == [(0, nbytes)]  # out of range: ignored
+    assert spans(nbytes, None, [0]) == [(0, nbytes)]
 
 
 def test_sealed_shards_carry_a_checksum_per_chunk():

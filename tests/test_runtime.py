@@ -18,7 +18,7 @@ from memckpt.demo.job import GPTJob
 from memckpt.engine.buffers import PeakFootprint, default_ram_root
 from memckpt.errors import MemoryBudgetError, PlacementError, RecoveryError
 from memckpt.runtime.driver import kept
-from memckpt.runtime.tools.faults import FaultInjector
+from memckpt.runtime.chaos.faults import FaultInjector
 
 KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
 

@@ -287,7 +287,7 @@ def _two_snapshots(ram_root, policy):
 
 def test_a_discarded_step_is_never_read_again_and_its_slot_is_taken_next(ram_root):
     """What a restore does with its own snapshot that failed the checksum: discard it."""
-    from memckpt.runtime.node.replica_store import scan
+    from memckpt.runtime.wire.ram_files import scan
     model, opt, state, ckpt = _two_snapshots(ram_root, "wait")
     newest = next(sl for sl in ckpt.engine.slots if sl.step == 2)
     ckpt.engine.discard_step(2)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from memckpt.cli.status import format_status
+from memckpt.cli.status import format_ranks, format_status
 
 STATUS = {
     "gen": 1, "committed": 7, "restarts_of_coordinator": 0,
     "assignment": {"0": "nodeA" + "a" * 20, "1": "nodeB" + "b" * 20},
     "holders": {"0": ["standbyS" + "s" * 20], "1": ["standbyS" + "s" * 20]},
-    "metrics": {"0": {"step": 8, "stall_s": 0.0123, "time": 99.0},
-                "1": {"step": 8, "stall_s": 0.0101, "time": 100.0, "landed": 6.0,
-                      "requested": 8.0}},
+    "units": {"nodeA" + "a" * 20: {"step": 8, "ranks": 8, "stall_max_s": 0.0123, "age_s": 1.0,
+                                   "landed": 64.0, "requested": 64.0},
+              "nodeB" + "b" * 20: {"step": 8, "ranks": 8, "stall_max_s": 0.0101, "age_s": 0.0,
+                                   "landed": 60.0, "requested": 64.0},
+              "rank 16": {"step": 7, "ranks": 1, "stall_max_s": 0.002, "age_s": 0.5}},
 }
 
 
@@ -21,10 +23,22 @@ def test_status_shows_placement_progress_and_the_standby_holder():
     assert "  rank 0: nodeAaaaaaaa -> standbySssss" in lines
     assert ("holding replicas, running no rank (take over a dead node's ranks): standbySssss"
             in lines)
-    assert "  rank 0: step 8, snapshot stall 12.3 ms, last report 1.0s ago" in lines
-    # a rank that did not land every due snapshot says so
-    assert "  rank 1: step 8, snapshot stall 10.1 ms, snapshots landed 6 of 8, last report " \
-        "0.0s ago" in lines
+    assert "  node nodeAaaaaaaa (8 ranks): step 8, snapshot stall max 12.3 ms, last report " \
+        "1.0s ago" in lines
+    # a node whose ranks did not land every due snapshot says so
+    assert "  node nodeBbbbbbbb (8 ranks): step 8, snapshot stall max 10.1 ms, snapshots " \
+        "landed 60 of 64, last report 0.0s ago" in lines
+    # a rank with no store on its node reports alone
+    assert "  rank 16 (1 rank): step 7, snapshot stall max 2.0 ms, last report 0.5s ago" in lines
+
+
+def test_late_ranks_and_every_ranks_detail_from_the_stores():
+    late = dict(STATUS, heartbeats={"1": {"age_s": 2.5, "step": 8}})
+    assert "ranks late to beat: 1 (2.5s, step 8)" in format_status("gpt", late, 100.0)
+    text = format_ranks(STATUS["assignment"], {"nodeA" + "a" * 20: {0: (0.2, 8)},
+                                               "nodeB" + "b" * 20: "its store did not answer"})
+    assert "  rank 0 on nodeAaaaaaaa: step 8, last sign of life 0.2s ago" in text.splitlines()
+    assert "  node nodeBbbbbbbb: its store did not answer" in text.splitlines()
 
 
 def test_snapshots_that_did_not_land_are_told_over_the_ranks():

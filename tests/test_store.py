@@ -14,7 +14,8 @@ import pytest
 import memckpt
 from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, NoSnapshotError, PlacementError, SupersededPutError
-from memckpt.runtime.node.replica_store import ReplicaStore, StaleGenerationError, node_dir, own_dir
+from memckpt.runtime.node.replica_store import ReplicaStore, StaleGenerationError
+from memckpt.runtime.wire.ram_files import node_dir, own_dir
 from conftest import STORE_JOB as JOB, STORE_NODE as NODE
 
 from _shards import _snapshot, _train_state, shards  # noqa: F401 (fixture)

@@ -18,8 +18,8 @@ from memckpt.format import shard as fmt
 from memckpt.errors import (ChecksumError, NoSnapshotError, PlacementError, StaleGenerationError,
                             SupersededPutError)
 from memckpt.engine.snapshot import SnapshotEngine
-from memckpt.runtime.node.replica_store import scan
-from memckpt.runtime.node.transport import StoreConnection, send_msg
+from memckpt.runtime.wire.data_plane import StoreConnection, send_msg
+from memckpt.runtime.wire.ram_files import scan
 from _shards import _train_state, shards  # noqa: F401 (fixture)
 from conftest import held_replica, wait_for
 
@@ -63,7 +63,7 @@ def test_stale_generation_is_refused_by_type(store, sender, shards):
 def test_generation_change_mid_stream_drops_the_shard(store, shards, monkeypatch):
     """Recovery fences a new generation while an old one is still streaming: the rest of
     the bytes are drained, the shard is refused, and the slot is never listed."""
-    import memckpt.runtime.node.transport as tr
+    import memckpt.runtime.wire.data_plane as tr
     monkeypatch.setattr(tr, "RECV_CHUNK", 4096)
     raw, digest = shards[2]
     assert len(raw) > 3 * 4096

@@ -68,11 +68,14 @@ def _close_uplinks() -> Iterator[None]:
         OPEN.pop().close()
 
 
-def links(handle: LoopHandle, gen: int = 0) -> dict[str, Uplink]:
+def links(handle: LoopHandle, gen: int = 0, vouch: bool = True) -> dict[str, Uplink]:
+    """Every node's uplink, its ranks joined (``vouch``: each with its spec's holders, so
+    the store judges them and its batch names none; else the coordinator judges each)."""
     out = {n: Uplink(n, get=get) for n in NODES}
     for n, up in out.items():
         for r in NODES[n]:
-            assert up.join(r, gen, NODES[n], handle, interval_s=60.0)
+            assert up.join(r, gen, NODES[n], handle, interval_s=60.0,
+                           holders=HOLDERS[r] if vouch else None)
     OPEN.extend(out.values())
     return out
 
@@ -99,6 +102,26 @@ def test_every_rank_gets_the_commit_through_its_store_one_batch_per_node(coordin
         views = run_ranks(ups, 0, step)
         assert all(v[0] == step for v in views.values()), views
     assert coordinator.c.received["node_ready"] == 4  # 2 nodes x 2 steps
+
+
+def test_ranks_joined_without_their_holders_are_judged_by_the_coordinator(coordinator):
+    ups = links(coordinator, vouch=False)
+    views = run_ranks(ups, 0, 1)
+    assert all(v[0] == 1 for v in views.values()), views
+
+
+def test_a_rank_placed_short_of_its_holders_holds_the_step_back(coordinator, monkeypatch):
+    """Node a's rank 0 says it placed step 1 nowhere: its store names it, the coordinator
+    judges it short, and the step does not commit."""
+    monkeypatch.setattr(uplink_module, "COMMIT_WAIT_S", 0.2)
+    ups = links(coordinator)
+    ups["a"].rank_ready(0, 0, 1, [])
+    for r in (1, 2):
+        ups["a"].rank_ready(r, 0, 1, HOLDERS[r])
+    for r in NODES["b"]:
+        ups["b"].rank_ready(r, 0, 1, HOLDERS[r])
+    assert ups["b"].wait_commit(0, 1, 1.0) == (None, None, None)
+    assert coordinator.c.s.committed is None
 
 
 def test_a_coordinator_wait_that_runs_out_is_asked_again_once_for_the_step(coordinator,
@@ -141,17 +164,34 @@ def test_a_thawed_nodes_batch_is_answered_stale_and_commits_nothing(coordinator)
     for r in (0, 1, 2):  # ... and thawed in 1
         assert ups["a"].rank_ready(r, 0, 1, HOLDERS[r])
     assert ups["a"].wait_commit(0, 1, 5.0) == (None, None, "stale")
-    assert coordinator.c.s["committed"] is None and coordinator.c.received["node_ready"] == 0
+    assert coordinator.c.s.committed is None and coordinator.c.received["node_ready"] == 0
 
 
-def test_the_heartbeat_carries_every_local_ranks_age_and_step(coordinator):
-    ups = links(coordinator)
-    ups["a"].beat(1, 0, 7)
-    assert ups["a"].heartbeat_once()
+def test_the_heartbeat_names_only_late_ranks_and_the_store_keeps_every_age(coordinator):
+    now = [100.0]
+    up = Uplink("a", clock=lambda: now[0], get=get, sample=lambda pid: None)
+    OPEN.append(up)
+    for r in NODES["a"]:
+        assert up.join(r, 0, NODES["a"], coordinator, interval_s=60.0, timeout_s=4.0,
+                       holders=HOLDERS[r])
+    for r in NODES["a"]:
+        up.beat(r, 0, 7)
+    assert up.heartbeat_once()
+    status = coordinator.call("status")
+    assert status["node_beats"]["a"]["step"] == 7 and status["heartbeats"] == {}
+    now[0] += 3.0  # rank 1 goes quiet past late_s (timeout / 2 here); the others beat
+    for r in (0, 2):
+        up.beat(r, 0, 8)
+    assert up.heartbeat_once()
     beats = coordinator.call("status")["heartbeats"]
-    assert {r: beats[str(r)]["step"] for r in (0, 1, 2)} == {0: -1, 1: 7, 2: -1}
-    assert coordinator.call("liveness", 5.0, 5.0) == ([], [])
-    assert "a" in coordinator.c.node_beats
+    assert beats.keys() == {"1"} and beats["1"]["step"] == 7
+    assert coordinator.call("liveness", 4.0, 4.0) == ([], [])  # late, not yet hung
+    assert up.detail() == {0: (0.0, 8), 1: (3.0, 7), 2: (0.0, 8)}  # every rank, on the node
+    now[0] += 2.0
+    for r in (0, 2):
+        up.beat(r, 0, 9)
+    assert up.heartbeat_once()
+    assert coordinator.call("liveness", 4.0, 4.0) == ([1], [])
 
 
 def test_a_flush_delivers_what_the_store_holds_before_a_rank_returns(coordinator):
@@ -218,3 +258,36 @@ def test_a_stores_held_losses_of_an_ended_generation_reach_the_coordinator_for_t
     assert "2" not in coordinator.call("all_losses")
     assert coordinator.call("restored_loss", 1, 3, 5.5)  # the recovery resumed from step 3
     assert coordinator.call("all_losses") == {"1": 3.5, "2": 4.5, "3": 5.5}
+
+
+def test_a_batch_stands_in_for_the_heartbeat_that_would_say_nothing_more(coordinator):
+    """A node that sent its step's batch within the interval skips the heartbeat (one
+    message a step, not three), and the coordinator counts the batch as its sign of life;
+    a late rank, or an interval with nothing sent, brings the heartbeat back."""
+    now = [100.0]
+    up = Uplink("a", clock=lambda: now[0], get=get, sample=lambda pid: None)
+    OPEN.append(up)
+    for r in NODES["a"]:
+        assert up.join(r, 0, NODES["a"], coordinator, interval_s=0.5, timeout_s=4.0,
+                       holders=HOLDERS[r])
+    assert up.heartbeat_once()  # nothing sent yet: it beats
+    coordinator.call("status")  # (taken: one loop, in order)
+    beat_at = coordinator.c.alive.node_beats["a"][0]
+    for step in range(1, 10):
+        now[0] += 0.4
+        for r in NODES["a"]:
+            up.beat(r, 0, step)
+            assert up.rank_ready(r, 0, step, HOLDERS[r])
+        assert not up.heartbeat_once()  # the batch just went: nothing more to say
+    coordinator.call("status")  # every call before it was taken (one loop, in order)
+    assert coordinator.c.received["node_heartbeat"] == 1
+    assert coordinator.c.received["node_ready"] == 9
+    assert coordinator.c.alive.node_beats["a"][0] > beat_at  # the batches kept it alive
+    now[0] += 0.5  # an interval with nothing sent
+    assert up.heartbeat_once()
+    now[0] += 2.1
+    for r in (0, 2):  # rank 1 went quiet: its store names it although a batch goes
+        up.beat(r, 0, 10)
+        up.rank_ready(r, 0, 10, HOLDERS[r])
+    assert up.heartbeat_once()
+    assert coordinator.call("status")["heartbeats"].keys() == {"1"}

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import random
 
+from memckpt.config import SIGNALS
 from memckpt.errors import MemckptError
-from memckpt.runtime.tools.faults import freeze_node, kill_node, send_signals
+from memckpt.runtime.chaos.faults import freeze_node, kill_node, send_signals
 from memckpt.runtime.tools.job_client import fetch_status
 
 
@@ -20,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "it with --signal STOP: a node id or a unique prefix of one, as "
                            "`memckpt status` shows")
     what.add_argument("--random", action="store_true", help="signal a random rank's worker")
-    parser.add_argument("--signal", choices=("KILL", "STOP", "TERM"), default="KILL")
+    parser.add_argument("--signal", choices=SIGNALS, default="KILL")
     parser.add_argument("--job", default="memckpt", help="the job_name of the config (default memckpt)")
     parser.add_argument("--address", default="auto", help="Ray cluster address (default auto)")
     parser.set_defaults(_kill_parser=parser)

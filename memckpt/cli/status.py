@@ -8,13 +8,16 @@ import time
 from typing import Iterable, Optional
 
 from memckpt.policy.footprint import human_bytes
-from memckpt.runtime.tools.job_client import fetch_status
+from memckpt.runtime.tools.job_client import fetch_rank_detail, fetch_status
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", default="memckpt", help="the job_name of the config (default memckpt)")
     parser.add_argument("--address", default="auto", help="Ray cluster address (default auto)")
     parser.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    parser.add_argument("--ranks", action="store_true",
+                        help="also ask every node's store for each of its ranks' step and last "
+                             "sign of life (the coordinator keeps only nodes' and late ranks')")
 
 
 def ram_line(held: int, budget: int) -> str:
@@ -64,14 +67,23 @@ def format_status(job: str, s: dict, now: float) -> str:
         # a user who asked for every step sees what they got (over the ranks, the whole job)
         lines.append(f"snapshots landed {int(snaps['landed'])} of {int(snaps['requested'])} "
                      f"due over the ranks ({int(snaps.get('skipped', 0))} skipped)")
-    for rank, m in sorted(s["metrics"].items(), key=lambda kv: int(kv[0])):
+    units = s.get("units") or {}
+    if units:
+        lines.append("progress per node (its ranks' latest step; a rank with no store alone):")
+    for unit, m in sorted(units.items()):
         landed = ""
-        if m.get("requested"):  # a user who asked for every step sees what they got
+        if m.get("requested") and m.get("landed", 0) < m["requested"]:
             landed = (f", snapshots landed {int(m.get('landed', 0))} of "
                       f"{int(m['requested'])}")
-        lines.append(f"  rank {rank}: step {m.get('step')}, snapshot stall "
-                     f"{1000 * m.get('stall_s', 0):.1f} ms{landed}, last report "
-                     f"{now - m.get('time', now):.1f}s ago")
+        name = unit if unit.startswith("rank ") else f"node {unit[:12]}"
+        lines.append(f"  {name} ({m['ranks']} rank{'s' if m['ranks'] != 1 else ''}): step "
+                     f"{m['step']}, snapshot stall max {1000 * m['stall_max_s']:.1f} ms"
+                     f"{landed}, last report {m.get('age_s', 0.0):.1f}s ago")
+    late = s.get("heartbeats") or {}
+    if late:
+        lines.append("ranks late to beat: " + ", ".join(
+            f"{r} ({v['age_s']:.1f}s, step {v['step']})"
+            for r, v in sorted(late.items(), key=lambda kv: int(kv[0]))))
     # nodes that beat in this generation (a dead node's last figure is left out), measured
     # by their stores every few seconds
     ram = ram_lines(s.get("node_ram") or {}, s.get("node_beats") or None)
@@ -80,10 +92,30 @@ def format_status(job: str, s: dict, now: float) -> str:
     return "\n".join(lines)
 
 
+def format_ranks(assignment: dict, detail: dict) -> str:
+    """Each rank's step and last sign of life, as its node's store has them
+    (``detail``: node -> {rank: (age, step)}, or the reason that store did not answer)."""
+    lines = ["ranks (from their nodes' stores):"]
+    for node, got in sorted(detail.items()):
+        if isinstance(got, str):
+            lines.append(f"  node {node[:12]}: {got}")
+    for rank, node in sorted(assignment.items(), key=lambda kv: int(kv[0])):
+        got = detail.get(node)
+        if isinstance(got, dict) and int(rank) in got:
+            age, step = got[int(rank)]
+            lines.append(f"  rank {rank} on {node[:12]}: step {step}, last sign of life "
+                         f"{age:.1f}s ago")
+    return "\n".join(lines)
+
+
 def main(args: argparse.Namespace) -> int:
     s = fetch_status(args.job, args.address)
+    if args.ranks:
+        s["ranks"] = fetch_rank_detail(s.get("stores") or {})
     if args.json:
         print(json.dumps(s, indent=1, default=str))
         return 0
     print(format_status(args.job, s, time.time()))
+    if args.ranks:
+        print(format_ranks(s["assignment"], s["ranks"]))
     return 0

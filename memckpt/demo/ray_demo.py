@@ -94,7 +94,7 @@ def _elastic_demo(steps: int, kill_at: int, size: str, seed: int) -> dict:
     import memckpt
     from memckpt.demo.job import GPTJob
     from memckpt.runtime.driver.driver import default_run_dir
-    from memckpt.runtime.tools.faults import FaultInjector
+    from memckpt.runtime.chaos.faults import FaultInjector
     from memckpt.runtime.tools.local_cluster import local_cluster
 
     job = GPTJob(steps=steps, size=size, seed=seed, batch_size=2,
@@ -185,7 +185,7 @@ def _resized(run_dir: Path) -> bool:
 
 
 def injector_for(fault: str, kill_at: int, cluster) -> "Any":
-    from memckpt.runtime.tools.faults import FaultInjector
+    from memckpt.runtime.chaos.faults import FaultInjector
     inj = FaultInjector(node_killer=cluster.remove_node)
     # steady: the fault waits until every node's warm spare is up, as it is in a job past
     # its first minute; the demo's job is seconds old at the fault, its spares still starting
@@ -233,7 +233,7 @@ def _lose_the_cluster(job, kill_at: int, run_root: Path, s3: Optional[str]) -> N
     """Persist to a folder (and S3) and lose every node mid-run; the caller resumes the job
     on a new cluster."""
     import memckpt
-    from memckpt.runtime.tools.faults import FaultInjector
+    from memckpt.runtime.chaos.faults import FaultInjector
     from memckpt.runtime.tools.local_cluster import local_cluster
 
     tiers = persisted_tiers(run_root, s3)

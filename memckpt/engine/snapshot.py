@@ -211,7 +211,7 @@ class SnapshotEngine:
                 source: str) -> fmt.Shard:
         """Hold ``step``'s shard received from elsewhere (a peer's replica of this rank) in a
         slot, as if this engine had taken it: ``receive(into)`` streams the bytes into the
-        array ``into(nbytes)`` returns (see :meth:`memckpt.runtime.node.transport.StoreConnection.fetch`).
+        array ``into(nbytes)`` returns (see :meth:`memckpt.runtime.wire.data_plane.StoreConnection.fetch`).
         They are verified before the slot counts; returns the verified shard. A restore
         then needs no second copy to re-snapshot, and the bytes land in populated pages."""
         # A previous install may still be mapping the other slot in the background: let it

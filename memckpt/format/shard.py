@@ -41,14 +41,16 @@ import numpy as np
 import xxhash
 
 from memckpt.errors import ChecksumError, StateError
+from memckpt.policy.footprint import SLOTS
 
 if TYPE_CHECKING:
     import torch
 
 MAGIC = b"MEMCKPT\x01"
-# A rank's two slots in its folder (the snapshot engine writes them; a node's store holds
-# a replica's two under the same names)
-SLOT_NAMES = ("slot0.shard", "slot1.shard")
+# A rank's slots in its folder, one per copy the footprint plans (SLOTS: a committed and an
+# in-flight one); the snapshot engine writes them, a node's store holds a replica's under
+# the same names
+SLOT_NAMES = tuple(f"slot{i}.shard" for i in range(SLOTS))
 FORMAT_VERSION = 2  # written; see the module docstring
 READ_VERSIONS = (1, 2)  # read
 PREFIX = struct.Struct("<8sIIQQQQQQ")  # 64 bytes

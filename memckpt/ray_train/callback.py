@@ -29,7 +29,7 @@ from memckpt.policy.failure import hung_what
 from memckpt.policy.recovery_plan import plan_in_place, source_label
 from memckpt.runtime.driver import actors
 from memckpt.runtime.driver.driver import STARTUP_TIMEOUT_S, default_run_dir
-from memckpt.runtime.tools.faults import Fault, aim, deliver, send_signals
+from memckpt.runtime.chaos.faults import Fault, aim, deliver, send_signals
 from memckpt.runtime.worker.spec import copies_by_node, ranks_by_node
 from memckpt.runtime.worker.worker import RestoreInstruction, WorkerSpec
 

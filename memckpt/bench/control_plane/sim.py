@@ -21,6 +21,7 @@ from memckpt.runtime.coordinator.coordinator import Coordinator
 from memckpt.runtime.node.aggregator import NodeAggregator
 
 View = tuple[Optional[int], Optional[int], Optional[str]]
+LATE_S = 1.0  # a rank silent this long is named in its node's heartbeat (the default's)
 T = TypeVar("T")
 
 
@@ -71,6 +72,8 @@ class SimNode:
 
     def join(self, gen: int) -> None:
         self.agg.join(gen, self.ranks, self.clock())
+        for r in self.ranks:
+            self.agg.expect(r, gen, self.holders[r])
 
     async def reports(self, gen: int, step: int, snapshotted: bool = True) -> None:
         """Every local rank's report of ``step``."""
@@ -78,8 +81,8 @@ class SimNode:
             out = self.agg.report(r, gen, step, rank_metrics(r, step), snapshotted,
                                   self.clock())
             if out:
-                self.tally.count("node_metrics", self.node, gen, out)
-                await self.tally.timed(self.c.node_metrics(self.node, gen, out))
+                self.tally.count("node_metrics", self.node, gen, tuple(out))
+                await self.tally.timed(self.c.node_metrics(self.node, gen, tuple(out)))
 
     def ready(self, gen: int, step: int, ranks: Optional[list[int]] = None) -> Any:
         """Local ranks' readiness of ``step``; the node's batch once all are in, else None."""
@@ -90,10 +93,8 @@ class SimNode:
 
     async def send_ready(self, batch: Any, wait_s: float) -> list[View]:
         """The batch to the coordinator; its answer handed to every local rank."""
-        self.tally.count("node_ready", self.node, batch.gen, batch.step, batch.ranks,
-                         batch.metrics, wait_s)
-        view = await self.tally.timed(self.c.node_ready(self.node, batch.gen, batch.step,
-                                                        batch.ranks, batch.metrics, wait_s))
+        self.tally.count("node_ready", self.node, batch, wait_s)
+        view = await self.tally.timed(self.c.node_ready(self.node, batch, wait_s))
         return [view for _ in self.ranks]
 
     async def heartbeat(self, gen: int, step: Optional[int] = None) -> None:
@@ -101,11 +102,10 @@ class SimNode:
         if step is not None:
             for r in self.ranks:
                 self.agg.beat(r, gen, step, self.clock())
-        hb = self.agg.heartbeat(self.clock())
+        hb = self.agg.heartbeat(self.clock(), LATE_S)
         if hb is not None:
-            self.tally.count("node_heartbeat", self.node, hb.gen, hb.beats, hb.metrics)
-            await self.tally.timed(self.c.node_heartbeat(self.node, hb.gen, hb.beats,
-                                                         hb.metrics))
+            self.tally.count("node_heartbeat", self.node, hb)
+            await self.tally.timed(self.c.node_heartbeat(self.node, hb))
 
 
 class SimJob:

@@ -74,7 +74,7 @@ def _restored_at(run_dir: Path, gen: int) -> float:
 
 def measure(state_mb: int, steps: int) -> list[Row]:
     import memckpt
-    from memckpt.runtime.tools.faults import FaultInjector
+    from memckpt.runtime.chaos.faults import FaultInjector
     from memckpt.runtime.tools.local_cluster import LocalCluster
     root = Path(tempfile.mkdtemp(prefix="memckpt-bench-elastic-"))
     cluster = LocalCluster(nodes=3, cpus_per_node=1)

@@ -26,7 +26,7 @@ from memckpt.config import Config, EngineConfig
 from memckpt.engine.buffers import allocated_bytes
 from memckpt.format.state import TrainState
 from memckpt.runtime.node.replica_store import ReplicaStore
-from memckpt.runtime.node.transport import StoreConnection
+from memckpt.runtime.wire.data_plane import StoreConnection
 
 # snapshots left out of the medians: the first two fill both slots (and both replica slots);
 # the third is the first to find its slot's tensors where it left them

@@ -194,7 +194,7 @@ class PathClient:
         """Seal ``step`` (untimed: the snapshot does that) and replicate it; seconds from the
         first byte to the store's verified ack, over a kept connection as the Replicator."""
         from memckpt.format import shard as fmt
-        from memckpt.runtime.node.transport import StoreConnection
+        from memckpt.runtime.wire.data_plane import StoreConnection
         # a byte of every page changes with the step, as training changes every tensor: a
         # holder leaves in place only the chunks its copy already has (#50), and the same
         # bytes again would cross as a header alone
@@ -211,7 +211,7 @@ class PathClient:
 
     def fetch(self, address: tuple[str, int], rank: int, step: int) -> float:
         """Fetch ``rank``'s shard of ``step`` from the store at ``address``; seconds."""
-        from memckpt.runtime.node.transport import StoreConnection
+        from memckpt.runtime.wire.data_plane import StoreConnection
         conn = StoreConnection(_as_address(address))
         try:
             t0 = time.perf_counter()

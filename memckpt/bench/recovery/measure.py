@@ -122,7 +122,7 @@ class RecoveryBench:
 
     def memckpt_recovery(self, kind: str, rep: int) -> dict[str, Any]:
         import memckpt
-        from memckpt.runtime.tools.faults import FaultInjector
+        from memckpt.runtime.chaos.faults import FaultInjector
 
         name = self._name(f"bench-recovery-{kind}-{rep}")
         job = RecoveryJob(steps=self.kill_at + self.steps_after, state_bytes=self.state_bytes_target,

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from memckpt.runtime.worker.result import RestoreReport
+
 DEFAULT_STATE_MB = 1024
 DEFAULT_LAYERS = 16
 DEFAULT_KILL_AT = 4  # the fault fires at this step: steps 1..3 run in steady state
@@ -98,7 +100,7 @@ def all_reduce_mean(loss, world_size: int):
 
 class _RestoreProbe:
     """Times the load into the model and optimizer inside ``ctx.restore`` (the worker times
-    its peer fetch itself, in ``ctx.restore_seconds``). Undone on exit."""
+    its peer fetch itself, in ``ctx.restore_report``). Undone on exit."""
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
@@ -171,6 +173,7 @@ class RecoveryJob:
                 first = {"t_compute": t0, "t_all_reduce": t1, "t_snapshot": t2}
             now = ctx.stats()
             repl.append((int(now["sent_bytes"]), float(now["replicate_s"])))
+        rep = ctx.restore_report or RestoreReport()  # None: a fresh start
         return {
             "first_step": first,
             "rank": ctx.rank, "generation": ctx.generation, "node_id": ctx.node_id,
@@ -178,13 +181,11 @@ class RecoveryJob:
             "holders": list(ctx.spec.holders), "t_enter": t_enter, "t_built": t_built,
             "t_restored": t_restored, "first_step_done_at": marks[0] if marks else None,
             "step_marks": marks, "compute_s": compute_s, "replication": repl,
-            "fetch_s": ctx.restore_seconds.get("fetch_s", 0.0),
-            "slot_alloc_s": ctx.restore_seconds.get("slot_alloc_s", 0.0),
-            "fetch_bytes": int(ctx.restore_seconds.get("fetch_bytes", 0)), "load_s": probe.load_s,
-            "connect_s": ctx.restore_seconds.get("connect_s", 0.0),
-            "install_s": ctx.restore_seconds.get("install_s"),
+            "fetch_s": rep.fetch_s, "slot_alloc_s": rep.slot_alloc_s,
+            "fetch_bytes": rep.fetch_bytes, "load_s": probe.load_s,
+            "connect_s": rep.connect_s or 0.0, "install_s": rep.install_s,
             "load_usage": probe.usage,
-            "fetch_and_load_s": ctx.restore_seconds.get("fetch_and_load_s"),
+            "fetch_and_load_s": rep.fetch_and_load_s if ctx.restore_report else None,
             # time the snapshots waited for a free slot (the gate: the newest step committed)
             "snapshot_waited_s": ctx.stats()["slot_waited_s"],
             "snapshot_allocations": ctx.stats()["slot_allocations"],

@@ -55,7 +55,7 @@ def _writer(rank: int, world: int, port: int, width: int, work: str, store: Any)
 
     import memckpt
     from memckpt.persist import CheckpointStore
-    from memckpt.runtime.node.transport import StoreConnection
+    from memckpt.runtime.wire.data_plane import StoreConnection
     try:
         _init(rank, world, port)
         torch.manual_seed(rank)

@@ -11,6 +11,14 @@ chaos claims, events (``events.jsonl``), rank 0's loss per step (``losses.jsonl`
 complete step's min / median / max stall (``steps.jsonl``, what ``memckpt report``
 draws), and the Ray metrics of ``memckpt.runtime.coordinator.metrics``.
 
+Its parts, one module each: what the stores send it (:mod:`.messages`), the commit rule
+counted per node (:mod:`.readiness`), who is alive (:mod:`.heartbeats`), the step log and
+progress (:mod:`.steps`), the small state that survives a restart (:mod:`.job_state`, kept by
+:mod:`.state_store`), and two sets of calls no training step makes: persisting to the
+slower tiers (:mod:`.persistence`) and the chaos bookkeeping of drills (:mod:`.drills`).
+Per step it does O(nodes) work: a node's batch and heartbeat are one record each whatever
+its ranks, and the driver's polls read counters, not ranks.
+
 It is no single point of failure: its small state ``s`` goes to a :class:`StateStore`
 (default: Ray's GCS key-value store), so when its process is killed Ray restarts it
 (``max_restarts=-1``), it reloads that state, rebuilds the committed step from what the
@@ -46,11 +54,17 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 from memckpt.persist.catalog import protect
-from memckpt.policy.step_metrics import Summary
+from memckpt.policy.step_metrics import StepSummary
+from memckpt.runtime.coordinator.drills import DrillCalls
+from memckpt.runtime.coordinator.heartbeats import Liveness
+from memckpt.runtime.coordinator.messages import Heartbeat, Progress, ReadyBatch
 from memckpt.runtime.coordinator.metrics import JobMetrics
+from memckpt.runtime.coordinator.persistence import PersistCalls
+from memckpt.runtime.coordinator.readiness import Membership, PlacementMismatch, Readiness
+from memckpt.runtime.coordinator.job_state import JobState
 from memckpt.runtime.coordinator.steps import StepLog
 from memckpt.runtime.coordinator.state_store import (
     COORDINATOR_NAMESPACE, GcsStateStore, Inventory, InventorySource, MemoryStateStore,
@@ -77,7 +91,7 @@ View = tuple[Optional[int], Optional[int], Optional[str]]  # see Coordinator._co
 STALE: View = (None, None, "stale")  # the answer to a call of an older generation
 
 
-class Coordinator:
+class Coordinator(PersistCalls, DrillCalls):
     """Run as an async Ray actor: ``ray.remote(Coordinator).options(name=..., ...)``.
 
     ``state``: where the small state survives a restart (default: Ray's GCS);
@@ -85,7 +99,7 @@ class Coordinator:
     :func:`ray_inventory`); ``clock``: wall time (tests)."""
 
     def __init__(self, job: str, run_dir: str, world_size: int,
-                 tiers: tuple = (), fingerprint: str = "", *,
+                 tiers: tuple[Any, ...] = (), fingerprint: str = "", *,
                  state: Optional[StateStore] = None,
                  inventory: Optional[InventorySource] = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -103,52 +117,43 @@ class Coordinator:
         self.clock = clock
         self._dirty = False  # registrations not yet written
         self._saved_at = float("-inf")
-        self._ready: dict[int, set[int]] = {}  # step -> ranks ready (not persisted)
+        self.ready = Readiness()  # the steps in flight: ranks ready, by node (not persisted)
         self._rebuild_due = False  # restarted: commits since the last write are unknown
-        self._rebuild_task: Optional[asyncio.Future] = None
+        self._rebuild_task: Optional[asyncio.Future[Optional[int]]] = None
         self._rebuilt_at = float("-inf")
         # restarted, and no step committed since: a rank's shard_ready may have been lost
         self._stale_ready = False
         self._cond = asyncio.Condition()
-        self._moved: Optional[asyncio.Future] = None  # see _wake_commit_waiters
-        self.heartbeats: dict[int, tuple[float, int]] = {}  # rank -> (last sign, its step)
-        self.node_beats: dict[str, tuple[float, int]] = {}  # node -> (last beat, newest step)
+        self._moved: Optional[asyncio.Future[None]] = None  # see _wake_commit_waiters
+        self.alive = Liveness(clock)  # nodes' heartbeats, ranks named late or heard alone
         self.node_ram: dict[str, dict[str, int]] = {}  # node -> its RAM held, budget, peak (B)
-        self._node_ranks: dict[str, list[int]] = {}  # this generation's ranks per node
-        self._rank_node: dict[int, str] = {}  # and each rank's node
         self.received: Counter[str] = Counter()  # node messages taken, by method (tests, bench)
         self._refused_from: set[tuple[str, int]] = set()  # (node, its generation) refused
         self.job_metrics = JobMetrics(job)
         self.steps = StepLog(self.run_dir, self.job_metrics)  # losses, stalls, progress
-        self.s: dict[str, Any] = {
-            "gen": -1, "assignment": {}, "holders": {}, "committed": None,
-            "workers": {}, "fired": [], "stores": {}, "stop": None, "persisted": {},
-            "started_at": time.time(), "restarts_of_coordinator": 0, "done": False,
-        }
+        self.s = JobState()
         saved = self.state.get()
         if saved:  # restarted after a crash: resume from the last saved view
-            self.s = json.loads(saved)
-            self.s["restarts_of_coordinator"] += 1
-            self.s.pop("ready", None)  # an older version's; readiness is rebuilt
-            if self.s["assignment"]:  # an elastic job's size is its last generation's
-                self.world_size = len(self.s["assignment"])
+            self.s = JobState.load(saved)
+            self.s.restarts_of_coordinator += 1
+            if self.s.assignment:  # an elastic job's size is its last generation's
+                self.world_size = len(self.s.assignment)
             self._rebuild_due = self._stale_ready = True
             self.steps.reload_losses()
             self._index_nodes()
-            protect(self.stores, self.s.get("protected", {}))
-            self.event("coordinator_restarted", committed=self.s["committed"], gen=self.s["gen"])
+            protect(self.stores, self.s.protected)
+            self.event("coordinator_restarted", committed=self.s.committed, gen=self.s.gen)
             self._save()
 
     def _index_nodes(self) -> None:
-        self._node_ranks, self._rank_node = {}, {}
-        for r, node in self.s["assignment"].items():
-            self._node_ranks.setdefault(node, []).append(int(r))
-            self._rank_node[int(r)] = node
+        """This generation's ranks by node and each node's placement digest (O(ranks),
+        once per generation)."""
+        self.ready.configure(Membership.of(self.s.assignment, self.s.holders))
 
     # -- persistence of the small state -------------------------------------------------------
     def _save(self) -> None:
         """The full write (see the module's docstring for when)."""
-        self.state.put(json.dumps(self.s).encode())
+        self.state.put(self.s.dump())
         self._dirty = False
         self._saved_at = self.clock()
 
@@ -169,13 +174,12 @@ class Coordinator:
         """Start generation ``gen`` of the worker group (driver, at start and after recovery)."""
         async with self._cond:
             self.world_size = len(assignment)  # an elastic job changes it between generations
-            self.s.update(gen=gen, assignment={str(r): n for r, n in assignment.items()},
-                          holders={str(r): list(h) for r, h in holders.items()},
-                          committed=committed, workers={}, stores=stores)
-            self._ready.clear()
+            s = self.s
+            s.gen, s.committed, s.workers, s.stores = gen, committed, {}, dict(stores)
+            s.assignment = {str(r): n for r, n in assignment.items()}
+            s.holders = {str(r): list(h) for r, h in holders.items()}
             self._rebuild_due = self._stale_ready = False  # the driver's step is this gen's
-            self.heartbeats.clear()
-            self.node_beats.clear()
+            self.alive.reset()
             self._index_nodes()
             self.steps.reset()
             self._save()
@@ -183,123 +187,39 @@ class Coordinator:
             self._wake_commit_waiters()
 
     async def register(self, rank: int, gen: int, info: dict[str, Any]) -> None:
-        if gen != self.s["gen"]:
+        if gen != self.s.gen:
             return
-        self.s["workers"][str(rank)] = info
-        self.heartbeats[rank] = (self.clock(), -1)
+        self.s.workers[str(rank)] = info
+        self.alive.rank_heard(rank, -1, self.ready.members.rank_node.get(rank))
         self._dirty = True
         self._save_if_due()
 
     async def heartbeat(self, rank: int, gen: int, step: int) -> None:
-        if gen == self.s["gen"]:
-            self.heartbeats[rank] = (self.clock(), step)
+        if gen == self.s.gen:
+            self.alive.rank_heard(rank, step, self.ready.members.rank_node.get(rank))
         self._save_if_due()
-
-    # -- persistence ----------------------------------------------------------------------------
-    async def request_stop(self, at_step: int, action: str) -> None:
-        """Persist the first step committed at or after ``at_step`` to every tier; then the
-        driver stops the job (action "stop") or goes on ("persist"). Decided at commit time,
-        so every rank persists the same step while its snapshot is still in RAM."""
-        self.s["stop"] = {"at": at_step, "action": action, "step": None}
-        self.event("stop_requested", at=at_step, action=action)
-        self._save()
-
-    async def stop_state(self) -> Optional[dict[str, Any]]:
-        return self.s.get("stop")
-
-    async def clear_stop(self) -> None:
-        self.s["stop"] = None
-        self._save()
-
-    async def persist_folder(self, tier: int, step: int) -> str:
-        """The folder ``step`` goes into on ``tier``: decided once, the same for every rank."""
-        key = (tier, step)
-        if key not in self._folders:
-            self._folders[key] = self.stores[tier].folder_for(step)
-        return self._folders[key]
-
-    async def persist_ready(self, tier: int, step: int, rank: int, entry: Any) -> bool:
-        """``rank``'s shard of ``step`` is stored on ``tier``; the last one writes the manifest."""
-        got = self._persist_shards.setdefault((tier, step), {})
-        got[rank] = entry
-        if len(got) < self.world_size:
-            return False
-        del self._persist_shards[(tier, step)]
-        self._folders.pop((tier, step), None)
-        store = self.stores[tier]
-        t0 = time.time()
-        store.commit(step, self.world_size, [got[r] for r in sorted(got)], self.fingerprint,
-                     placement={"holders": self.s["holders"]}, job=self.job)
-        self.s["persisted"][str(tier)] = step
-        self._save()
-        self.event("persisted", step=step, tier=store.describe(), manifest_s=time.time() - t0)
-        return True
-
-    async def started_over(self, gen: int, rank: int, step: int,
-                           folders: dict[int, list[str]]) -> None:
-        """``rank`` passed another model's persisted checkpoint over and starts at ``step``
-        (load.on_incompatible="start_fresh"): the old model's step is no longer this job's
-        committed one, and ``folders`` (per tier) are never written or removed.
-        Every rank says so before it snapshots its start, so before this run commits."""
-        async with self._cond:
-            if gen != self.s["gen"]:
-                return
-            protect(self.stores, folders)
-            saved = self.s.setdefault("protected", {})
-            for tier, names in folders.items():
-                saved[str(tier)] = sorted(set(saved.get(str(tier), [])) | set(names))
-            if self.s["committed"] is not None:
-                self.event("started_over", rank=rank, gen=gen, step=step,
-                           old_committed=self.s["committed"])
-                self.s["committed"] = None
-            self._save()
-
-    async def protected(self) -> dict[str, list[str]]:
-        """The folders per tier no rank may write (see :meth:`started_over`)."""
-        return dict(self.s.get("protected", {}))
-
-    async def persisted(self) -> dict[str, int]:
-        return dict(self.s["persisted"])
 
     async def liveness(self, timeout_s: float,
                        startup_timeout_s: float) -> tuple[list[int], list[str]]:
         """(hung ranks, silent nodes): a node whose store's heartbeat is older than the
-        timeout is frozen or cut off, with all its ranks; a hung rank on a live node is
-        found by the age its store reports for it (``startup_timeout_s`` instead while a
-        rank has not finished its first step: start-up imports, process-group rendezvous
-        and restore may legitimately take longer). One pass over ranks and nodes.
-
-        A rank's age is judged at its store's last heartbeat, not now: a store that went
-        silent says nothing of its ranks since, and its ranks' last signs precede its own,
-        so judged now they would go stale first and a frozen node be taken for a hung rank."""
-        now = self.clock()
-
-        def stale(t: float, step: int, at: float) -> bool:
-            return at - t > (timeout_s if step >= 0 else startup_timeout_s)
-
-        silent = sorted(n for n, (t, step) in self.node_beats.items() if stale(t, step, now))
-        ranks, beats = set(), self.node_beats
-        for r, (t, step) in self.heartbeats.items():
-            node = self._rank_node.get(r)
-            if stale(t, step, beats[node][0] if node in beats else now):
-                ranks.add(r)
-        for node in silent:
-            ranks.update(self._node_ranks.get(node, ()))
-        return sorted(ranks), silent
+        timeout is frozen or cut off, with all its ranks; a hung rank on a live node is one
+        its store names late past the timeout (``startup_timeout_s`` instead while a rank
+        has not finished its first step: start-up imports, process-group rendezvous and
+        restore may legitimately take longer). O(nodes + ranks named): see
+        :mod:`memckpt.runtime.coordinator.heartbeats`."""
+        return self.alive.judge(timeout_s, startup_timeout_s, self.ready.members.node_ranks)
 
     async def last_heard(self, ranks: list[int], nodes: list[str]) -> Optional[float]:
         """The last sign of life (wall time) of ``nodes``' stores and ``ranks``, the
         earliest among them: where a hang or a freeze began, as far as anyone can tell."""
-        times = [self.node_beats[n][0] for n in nodes if n in self.node_beats]
-        times += [self.heartbeats[r][0] for r in ranks if r in self.heartbeats]
-        return min(times, default=None)
+        return self.alive.last_heard(ranks, nodes)
 
     # -- commit -------------------------------------------------------------------------------
     def _commit_view(self) -> View:
         """(committed step, the committed step every rank must persist now or None, and
         what follows it: "stop" or "persist")."""
-        stop = self.s.get("stop") or {}
-        return self.s["committed"], stop.get("step"), stop.get("action")
+        stop = self.s.stop
+        return self.s.committed, stop.step if stop else None, stop.action if stop else None
 
     async def shard_ready(self, rank: int, gen: int, step: int, holders: list[str]) -> View:
         """``rank``'s shard of ``step`` is local and on ``holders`` (a worker with no store on
@@ -308,28 +228,25 @@ class Coordinator:
         ranks."""
         await self._rebuilt()
         async with self._cond:
-            if gen != self.s["gen"]:
+            if gen != self.s.gen:
                 return STALE
-            need = self.s["holders"].get(str(rank), [])
-            if not set(need) <= set(holders):
+            if not self.ready.rank(step, rank, holders):
                 return self._commit_view()
-            self._ready.setdefault(step, set()).add(rank)
             self._maybe_commit(step)
             self._save_if_due()
             return self._commit_view()
 
     def _maybe_commit(self, step: int) -> None:
         """Commit ``step`` if every rank is ready for it and it is newer (call under the lock)."""
-        if len(self._ready.get(step, ())) < self.world_size or _at_least(self.s["committed"], step):
+        if self.ready.count(step) < self.world_size or _at_least(self.s.committed, step):
             return
-        self.s["committed"] = step
+        self.s.committed = step
         self._stale_ready = False  # whatever readiness the restart lost, a newer step is in
-        stop = self.s.get("stop")
-        if stop and stop["step"] is None and step >= stop["at"]:
-            stop["step"] = step  # every rank must persist this step, even after a restart
+        stop = self.s.stop
+        if stop and stop.step is None and step >= stop.at:
+            stop.step = step  # every rank must persist this step, even after a restart
             self._save()
-        for old in [k for k in self._ready if k <= step]:  # the steps in flight: a few
-            del self._ready[old]
+        self.ready.committed(step)
         self._cond.notify_all()
         self._wake_commit_waiters()
 
@@ -345,7 +262,7 @@ class Coordinator:
         waiting, a commit answers them all in one pass of the event loop."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.s["gen"] == gen and not _at_least(self.s["committed"], step):
+        while self.s.gen == gen and not _at_least(self.s.committed, step):
             left = deadline - loop.time()
             if left <= 0:
                 return False
@@ -360,77 +277,77 @@ class Coordinator:
         await self._rebuilt()
         if not await self._until_committed(gen, step, timeout_s):
             self._rearm_rebuild()
-        return STALE if gen != self.s["gen"] else self._commit_view()
+        return STALE if gen != self.s.gen else self._commit_view()
 
     # -- node batches: one message per node per step (memckpt.runtime.node.aggregator) --------
-    async def node_ready(self, node: str, gen: int, step: int, ranks: Mapping[int, list[str]],
-                         metrics: list[Summary], wait_s: float) -> View:
-        """Every rank of ``node`` in ``ranks`` placed its shard of ``step`` on the holders
-        given (each checked against placement), with the node's step summaries. Then waits
-        up to ``wait_s`` for the commit: the answer the node's store hands its ranks. STALE
-        for an older generation (nothing changes). O(ranks in the batch)."""
+    async def node_ready(self, node: str, batch: ReadyBatch, wait_s: float) -> View:
+        """``node``'s ranks placed their shards of ``batch.step`` (checked against placement:
+        see :mod:`memckpt.runtime.coordinator.readiness`), with the node's step summaries.
+        Then waits up to ``wait_s`` for the commit: the answer the node's store hands its
+        ranks. STALE for an older generation (nothing changes). O(1) unless the batch names
+        ranks placed short."""
+        gen, step = batch.gen, batch.step
         await self._rebuilt()
         async with self._cond:
-            if gen != self.s["gen"]:
-                self._refused(node, gen, metrics)
+            if gen != self.s.gen:
+                self._refused(node, gen, batch.metrics)
                 return STALE
             self.received["node_ready"] += 1
-            self.steps.take(gen, metrics, self.world_size, self.s["committed"])
-            need = self.s["holders"]
-            got = self._ready.setdefault(step, set())
-            for r, placed in ranks.items():
-                if set(need.get(str(r), ())) <= set(placed):
-                    got.add(int(r))
+            self.alive.node_spoke(node, step)
+            self.steps.take(gen, node, batch.metrics, self.world_size, self.s.committed)
+            try:
+                self.ready.node(node, batch)
+            except PlacementMismatch as e:
+                self.event("placement_mismatch", node=node, gen=gen, step=step, error=str(e))
+                raise
             self._maybe_commit(step)
             self._save_if_due()
         return await self.wait_commit(gen, step, wait_s)
 
-    async def node_metrics(self, node: str, gen: int, metrics: list[Summary]) -> None:
-        if gen != self.s["gen"]:
+    async def node_metrics(self, node: str, gen: int, metrics: tuple[StepSummary, ...]) -> None:
+        if gen != self.s.gen:
             self._refused(node, gen, metrics)
             return
         self.received["node_metrics"] += 1
-        self.steps.take(gen, metrics, self.world_size, self.s["committed"])
+        self.alive.node_spoke(node, max((m.step for m in metrics), default=-1))
+        self.steps.take(gen, node, metrics, self.world_size, self.s.committed)
 
-    async def ended_metrics(self, node: str, gen: int, metrics: list[Summary]) -> None:
+    async def ended_metrics(self, node: str, gen: int, metrics: tuple[StepSummary, ...]) -> None:
         """What a store held of ``gen`` as its ranks joined a newer one: losses kept."""
-        if gen < self.s["gen"]:
+        if gen < self.s.gen:
             self.steps.orphaned(gen, metrics)
 
-    async def node_heartbeat(self, node: str, gen: int, beats: Mapping[int, tuple[float, int]],
-                             metrics: list[Summary], ram: Optional[tuple[int, int]] = None) -> bool:
-        """``beats``: each of its ranks' (age of its last sign of life, on the node's clock;
-        its step), placed on this clock. O(ranks of the node). False: refused, ``gen`` is
+    async def node_heartbeat(self, node: str, hb: Heartbeat) -> bool:
+        """``node``'s sign of life (its ranks' newest step, the late ones by name; every
+        few seconds its RAM). O(1) plus the ranks it names. False: refused, ``hb.gen`` is
         over (the store fences it off and stops beating for it)."""
-        if gen != self.s["gen"]:
-            self._refused(node, gen, metrics)
-            return gen > self.s["gen"]  # only an older generation is over
+        gen = hb.gen
+        if gen != self.s.gen:
+            self._refused(node, gen, hb.metrics)
+            return gen > self.s.gen  # only an older generation is over
         self.received["node_heartbeat"] += 1
-        if ram is not None:  # every few seconds: (bytes its memckpt files hold, its budget)
+        if hb.ram is not None:  # every few seconds: (bytes its memckpt files hold, its budget)
+            held, budget = hb.ram
             peak = self.node_ram.get(node, {}).get("peak", 0)
-            if ram[0] > peak:  # a new peak (rare: slots are reused once made)
-                self.event("node_ram", node=node, held_bytes=ram[0], budget_bytes=ram[1])
-            self.node_ram[node] = {"held": ram[0], "budget": ram[1], "peak": max(peak, ram[0])}
-        now, top = self.clock(), -1
-        for r, (age, step) in beats.items():
-            self.heartbeats[int(r)] = (now - age, step)
-            top = max(top, step)
-        self.node_beats[node] = (now, top)
-        self.steps.newest = max(self.steps.newest, top)  # where the job was, between batches
-        self.steps.take(gen, metrics, self.world_size, self.s["committed"])
+            if held > peak:  # a new peak (rare: slots are reused once made)
+                self.event("node_ram", node=node, held_bytes=held, budget_bytes=budget)
+            self.node_ram[node] = {"held": held, "budget": budget, "peak": max(peak, held)}
+        self.alive.node_beat(node, hb, self.ready.members.node_ranks.get(node, ()))
+        self.steps.newest = max(self.steps.newest, hb.top)  # where the job was, between batches
+        self.steps.take(gen, node, hb.metrics, self.world_size, self.s.committed)
         self._save_if_due()
         return True
 
-    def _refused(self, node: str, gen: int, metrics: list[Summary]) -> None:
+    def _refused(self, node: str, gen: int, metrics: tuple[StepSummary, ...]) -> None:
         """A store of an older generation spoke (frozen, cut off, or fenced late): only its
         losses kept (orphaned); counted, the first per generation logged."""
-        if gen < self.s["gen"]:
+        if gen < self.s.gen:
             self.steps.orphaned(gen, metrics)
         self.received["stale"] += 1
         key = (node, gen)
         if key not in self._refused_from:
             self._refused_from.add(key)
-            self.event("stale_node_refused", node=node, its_gen=gen, gen=self.s["gen"])
+            self.event("stale_node_refused", node=node, its_gen=gen, gen=self.s.gen)
 
     def _rearm_rebuild(self) -> None:
         """A waiter timed out after a restart and nothing committed since: the first rebuild
@@ -442,18 +359,9 @@ class Coordinator:
             self._rebuild_task = None
             self._rebuild_due = True
 
-    async def _until(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
-        """Wait until ``predicate()`` holds (checked at every notify); False on timeout."""
-        async with self._cond:
-            try:
-                await asyncio.wait_for(self._cond.wait_for(predicate), timeout_s)
-                return True
-            except asyncio.TimeoutError:
-                return False
-
     async def committed(self) -> Optional[int]:
         await self._rebuilt()
-        return self.s["committed"]
+        return self.s.committed
 
     async def _rebuilt(self) -> None:
         """After a restart, the first caller starts the rebuild and every caller waits for
@@ -467,22 +375,22 @@ class Coordinator:
     async def rebuild(self) -> Optional[int]:
         """Ask every store what it holds (REBUILD_TIMEOUT_S; silent ones are skipped, which
         proves less, never more) and raise the committed step to what that proves."""
-        gen = self.s["gen"]
+        gen = self.s.gen
         t0 = time.time()
         try:
-            got = self.inventory_source(dict(self.s.get("stores", {})), REBUILD_TIMEOUT_S)
+            got = self.inventory_source(dict(self.s.stores), REBUILD_TIMEOUT_S)
             inventory = await got if inspect.isawaitable(got) else got
-            if gen != self.s["gen"]:  # a new generation began meanwhile: the driver's step
-                return self.s["committed"]
+            if gen != self.s.gen:  # a new generation began meanwhile: the driver's step
+                return self.s.committed
             best = await self.verify_committed(inventory)
         except Exception as e:  # noqa: BLE001 - proves nothing; the saved step stands
             self.event("committed_rebuild_failed", error=repr(e))
-            return self.s["committed"]
+            return self.s.committed
         finally:
             self._rebuild_due = False
             self._rebuilt_at = self.clock()
         self.event("committed_rebuild_done", committed=best, stores=len(inventory),
-                   of_stores=len(self.s.get("stores", {})), seconds=time.time() - t0)
+                   of_stores=len(self.s.stores), seconds=time.time() - t0)
         return best
 
     async def verify_committed(self, inventory: Inventory) -> Optional[int]:
@@ -491,90 +399,50 @@ class Coordinator:
         which some ranks' shards reached count those ranks as ready (their ``shard_ready``
         may have been lost with the old process). Never lowers the committed step."""
         async with self._cond:
-            before = self.s["committed"]
-            proven = proven_ready(inventory, self.s["assignment"], self.s["holders"])
-            full = len(self.s["assignment"]) == self.world_size
+            before = self.s.committed
+            proven = proven_ready(inventory, self.s.assignment, self.s.holders)
+            full = len(self.s.assignment) == self.world_size
             for step in sorted(proven):
-                if _at_least(self.s["committed"], step):
+                if _at_least(self.s.committed, step):
                     continue
                 if full:
-                    self._ready.setdefault(step, set()).update(proven[step])
+                    self.ready.proven(step, proven[step])
                     self._maybe_commit(step)
-            best = self.s["committed"]
+            best = self.s.committed
             if best != before:
                 self.event("committed_rebuilt", committed=best, was=before)
                 self._save()
                 self._cond.notify_all()
             return best
 
-    # -- progress, chaos, status --------------------------------------------------------------
+    # -- progress, status ----------------------------------------------------------------------
     async def report(self, rank: int, gen: int, step: int, metrics: dict[str, float]) -> None:
-        if gen != self.s["gen"]:
+        if gen != self.s.gen:
             return
-        self.heartbeats[rank] = (self.clock(), step)
-        self.steps.take(gen, [self.steps.summarize(rank, step, metrics)], self.world_size,
-                        self.s["committed"])
+        self.alive.rank_heard(rank, step, None)  # a rank with no store: heard alone
+        self.steps.take(gen, f"rank {rank}", [self.steps.summarize(rank, step, metrics)],
+                        self.world_size, self.s.committed)
         self._save_if_due()
-
-    async def claim(self, key: str, standby_timeout_s: float = 0.0) -> bool:
-        """Fire-once: True the first time ``key`` is claimed in this job. With a timeout, a
-        steady fault: first wait (up to it) until the job is in standby (set_standby)."""
-        if standby_timeout_s > 0 and key not in self.s["fired"]:
-            # on timeout, fire anyway: a drill must not hang on a spare that never came
-            await self._until(lambda: self.s.get("standby", False) or key in self.s["fired"],
-                              standby_timeout_s)
-        if key in self.s["fired"]:
-            return False
-        self.s["fired"].append(key)
-        self.s.setdefault("fired_at", {})[key] = time.time()
-        self._save()
-        return True
 
     async def set_elastic(self, info: dict[str, Any]) -> None:
         """The driver: an elastic job's size, last resize and pending growth (for status)."""
-        self.s["elastic"] = dict(self.s.get("elastic") or {}, **info)
+        self.s.elastic = dict(self.s.elastic or {}, **info)
         self._save()
-
-    async def set_standby(self, ready: bool) -> None:
-        """The driver: every node's warm spare is (or is no longer) ready to take over."""
-        async with self._cond:
-            self.s["standby"] = ready
-            self._save()
-            self._cond.notify_all()
-
-    async def request_fault(self, key: str) -> None:
-        """A rank reached a scheduled fault the driver must carry out (node, store, ...)."""
-        async with self._cond:
-            self.s.setdefault("fault_requests", {})[key] = "requested"
-            self._save()
-
-    async def pending_faults(self) -> list[str]:
-        return [k for k, v in self.s.get("fault_requests", {}).items() if v == "requested"]
-
-    async def fault_done(self, key: str) -> None:
-        async with self._cond:
-            self.s.setdefault("fault_requests", {})[key] = "done"
-            self._save()
-            self._cond.notify_all()
-
-    async def wait_fault(self, key: str, timeout_s: float) -> None:
-        await self._until(lambda: self.s.get("fault_requests", {}).get(key) == "done", timeout_s)
 
     async def log_event(self, kind: str, fields: dict[str, Any]) -> None:
         if kind == "failure_detected":  # where the job was: the start of what a resume redoes
-            fields = dict(fields, reached_step=self.steps.newest, committed=self.s["committed"])
+            fields = dict(fields, reached_step=self.steps.newest, committed=self.s.committed)
         self.event(kind, **fields)
 
-    async def progress(self) -> dict[str, Any]:
+    async def progress(self) -> Progress:
         await self._rebuilt()
-        return dict(self.steps.progress(self.world_size, self.s["committed"]),
-                    gen=self.s["gen"], committed=self.s["committed"])
+        return self.steps.progress(self.s.gen, self.world_size, self.s.committed)
 
     async def restored_loss(self, gen: int, step: int, loss: float) -> bool:
         """Rank 0 of recovery generation ``gen`` resumed from ``step``, whose loss its
         snapshot kept (:meth:`StepLog.restored`). False: another generation, or not this
         run's step."""
-        if gen != self.s["gen"] or gen == 0:
+        if gen != self.s.gen or gen == 0:
             return False
         return self.steps.restored(gen, step, loss)
 
@@ -582,13 +450,10 @@ class Coordinator:
         return self.steps.losses
 
     async def status(self) -> dict[str, Any]:
-        now = self.clock()
-        return dict(self.s, metrics=self.steps.metrics, snapshots=self.steps.snapshots,
-                    heartbeats={str(r): {"age_s": now - t, "step": s}
-                                for r, (t, s) in self.heartbeats.items()},
-                    node_beats={n: {"age_s": now - t, "step": s}
-                                for n, (t, s) in self.node_beats.items()},
-                    node_ram=self.node_ram,
+        now = time.time()
+        units = {u: dict(vars(p), age_s=now - p.time) for u, p in self.steps.units.items()}
+        return dict(self.s.as_dict(), units=units, snapshots=self.steps.snapshots,
+                    **self.alive.status(), node_ram=self.node_ram,
                     refused_stale=self.received["stale"])
 
     async def whereabouts(self) -> dict[str, Any]:
@@ -596,5 +461,5 @@ class Coordinator:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
     async def finish(self) -> None:
-        self.s["done"] = True
+        self.s.done = True
         self.state.delete()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from memckpt.policy.step_metrics import StepSummary
+
 STALL_BUCKETS_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 
 # name -> (kind, description, tag keys besides "job")
@@ -75,12 +77,12 @@ class JobMetrics:
             self._m[name] = m
         self._pending_failure: Optional[str] = None
 
-    def counted(self, summary: Mapping[str, Any]) -> None:
+    def counted(self, summary: StepSummary) -> None:
         """A step summary's counter increases (:mod:`memckpt.policy.step_metrics`)."""
         for key, name in (("replicated_bytes", "memckpt_replicated_bytes"),
                           ("landed", "memckpt_snapshots_landed"),
                           ("skipped", "memckpt_snapshots_skipped")):
-            delta = summary.get(key)
+            delta = summary.counter(key)
             if delta:
                 self._m[name].inc(float(delta))
 

@@ -3,18 +3,37 @@
 complete step's min / median / max snapshot stall over the ranks (``steps.jsonl``), the
 counters and stalls of the Ray metrics, and what ``progress`` shows. Not persisted beyond
 those files: a restarted coordinator reloads the losses and starts the rest afresh.
+
+Everything here is O(1) per summary (a node's, whatever its ranks) and ``progress`` reads
+counters kept up to date, never a walk over ranks or nodes: the driver polls it ten times a
+second. Progress is kept per *unit*, a node that sends its ranks' summaries (or a rank with
+no store on its node, which reports alone).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import deque
+from collections import Counter, deque
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
-from memckpt.policy.step_metrics import Summary, stall_stats, summarize
+from memckpt.policy.step_metrics import StallTally, StepSummary, summarize
+from memckpt.runtime.coordinator.messages import Progress
 from memckpt.runtime.coordinator.metrics import JobMetrics
+
+
+@dataclass
+class UnitProgress:
+    """A node's (or a lone rank's) latest step summary, as ``memckpt status`` shows it."""
+
+    step: int
+    ranks: int
+    stall_max_s: float
+    time: float
+    landed: float = 0.0
+    requested: float = 0.0
 
 
 class StepLog:
@@ -28,19 +47,25 @@ class StepLog:
         # step the current generation resumed from: see adopt()
         self._orphans: dict[int, tuple[int, float]] = {}  # step -> (gen, loss)
         self._resumed: Optional[tuple[int, int]] = None  # (gen, step)
-        self.metrics: dict[str, dict[str, float]] = {}  # rank -> its latest step and stall
+        self.units: dict[str, UnitProgress] = {}  # node (or lone rank) -> its latest step
+        self._at: Counter[int] = Counter()  # step -> units whose latest step it is
+        self._covered = 0  # ranks the units' latest summaries cover (min_step needs them all)
         self.newest = -1  # the newest step any rank of this generation finished
-        self._stalls: dict[int, dict[int, float]] = {}  # step -> rank -> stall_s, until complete
+        self._stalls: dict[int, StallTally] = {}  # step -> its stalls so far, until complete
+        self._stall_max = (-1, -1.0)  # (the newest step with a stall, its max so far)
         self._pace: deque[tuple[float, int]] = deque(maxlen=64)  # rank 0's (time, step)
         # snapshots due ("requested"), landed and skipped over every rank, the whole job
         self.snapshots: dict[str, float] = {"requested": 0.0, "landed": 0.0, "skipped": 0.0}
 
     def reset(self) -> None:
         """A generation starts (its losses stay: the file's last line per step wins)."""
-        self.metrics.clear()
+        self.units.clear()
+        self._at.clear()
+        self._covered = 0
         self.newest = -1
         self._resumed = None  # the step this generation resumed from: not known yet
         self._stalls.clear()
+        self._stall_max = (-1, -1.0)
         self._pace.clear()
 
     def reload_losses(self) -> None:
@@ -66,15 +91,15 @@ class StepLog:
         self._adopt()
         return True
 
-    def orphaned(self, gen: int, summaries: list[Summary]) -> None:
+    def orphaned(self, gen: int, summaries: Iterable[StepSummary]) -> None:
         """Summaries of generation ``gen``, refused because it had ended. A step's summary
         rides the next step's batch, so the failure can take the loss of the step before
         the resumed one as well (#38): kept aside, and a loss of the generation just before
         the current one is taken for a step up to the one the current generation resumed
         from (those steps are the run's history; the later ones are redone)."""
         for m in summaries:
-            if "loss" in m:
-                self._orphans[int(m["step"])] = (gen, m["loss"])
+            if m.loss is not None:
+                self._orphans[m.step] = (gen, m.loss)
         self._adopt()
 
     def _adopt(self) -> None:
@@ -93,64 +118,79 @@ class StepLog:
             f.write(json.dumps({"step": step, "loss": loss, "gen": gen,
                                 "restored": True}) + "\n")
 
-    def summarize(self, rank: int, step: int, report: Mapping[str, float]) -> Summary:
+    def summarize(self, rank: int, step: int, report: Mapping[str, float]) -> StepSummary:
         """One rank's own report as a summary (a worker with no store on its node)."""
         return summarize(step, {rank: report})
 
-    def take(self, gen: int, summaries: list[Summary], world_size: int,
+    def take(self, gen: int, unit: str, summaries: Iterable[StepSummary], world_size: int,
              committed: Optional[int]) -> None:
-        """Step summaries of some ranks: rank 0's loss to losses.jsonl, each rank's step
-        and stall (status, progress), the counters to the Ray metrics; a step's line in
-        steps.jsonl once every rank's stall is in."""
+        """Step summaries of ``unit`` (a node, or ``rank <r>``): rank 0's loss to
+        losses.jsonl, the unit's progress (status, progress), the counters to the Ray
+        metrics; a step's line in steps.jsonl once every rank's stall is in."""
         now = time.time()
         for m in summaries:
-            step = int(m["step"])
-            if "loss" in m:
+            step = m.step
+            if m.loss is not None:
                 # A file, not the GCS: one small append per step, and it outlives the
                 # process. After a rollback the redone steps are appended again; the last
                 # line wins.
-                self.losses[str(step)] = m["loss"]
+                self.losses[str(step)] = m.loss
                 with open(self.run_dir / "losses.jsonl", "a") as f:
-                    f.write(json.dumps({"step": step, "loss": m["loss"], "gen": gen}) + "\n")
-            stalls = {int(r): v for r, v in m.get("stall_s", {}).items()}
-            for r, v in stalls.items():
-                self.metrics[str(r)] = {"step": step, "stall_s": v, "time": now}
-            if 0 in stalls:
+                    f.write(json.dumps({"step": step, "loss": m.loss, "gen": gen}) + "\n")
+            self._advance(unit, m, now)
+            if m.has_rank0:
                 self._pace.append((now, step))
             self.newest = max(self.newest, step)
             for key in self.snapshots:
-                self.snapshots[key] += m.get(key, 0.0)
+                self.snapshots[key] += m.counter(key)
             self.job_metrics.counted(m)
-            if stalls:
-                self._record_stalls(gen, step, stalls, world_size, now)
+            if m.stalls.n:
+                self._record_stalls(gen, m, world_size, now)
         self.job_metrics.progress(self.newest, committed)
 
-    def _record_stalls(self, gen: int, step: int, stalls: dict[int, float], world_size: int,
-                       now: float) -> None:
+    def _advance(self, unit: str, m: StepSummary, now: float) -> None:
+        """``unit`` reached ``m.step``: the counters min_step is read from, in O(1)."""
+        old = self.units.get(unit)
+        if old is not None:
+            self._at[old.step] -= 1
+            if not self._at[old.step]:
+                del self._at[old.step]
+            self._covered -= old.ranks
+        landed = (old.landed if old else 0.0) + m.counter("landed")
+        requested = (old.requested if old else 0.0) + m.counter("requested")
+        step = max(m.step, old.step) if old else m.step
+        self.units[unit] = UnitProgress(step, m.ranks, m.stalls.hi if m.stalls.n else 0.0, now,
+                                        landed, requested)
+        self._at[step] += 1
+        self._covered += m.ranks
+
+    def _record_stalls(self, gen: int, m: StepSummary, world_size: int, now: float) -> None:
         """One line per step in steps.jsonl, once every rank's stall is in (ranks report in
         order, so an older step still incomplete then never will be: dropped)."""
-        got = self._stalls.setdefault(step, {})
-        got.update(stalls)
-        if len(got) < world_size:
+        got = self._stalls.setdefault(m.step, StallTally())
+        got.add(m.stalls)
+        if m.step >= self._stall_max[0]:
+            self._stall_max = (m.step, got.hi)
+        if got.n < world_size:
             return
-        for old in [s for s in self._stalls if s <= step]:
+        for old in [s for s in self._stalls if s <= m.step]:
             del self._stalls[old]
-        stats = stall_stats(list(got.values()))
+        stats = got.stats()
         self.job_metrics.stalls(stats)
         with open(self.run_dir / "steps.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "gen": gen, "time": now, "ranks": len(got),
+            f.write(json.dumps({"step": m.step, "gen": gen, "time": now, "ranks": got.n,
                                 "stall_s": stats}) + "\n")
 
-    def progress(self, world_size: int, committed: Optional[int]) -> dict[str, Any]:
-        """The fields of ``Coordinator.progress`` from the steps heard of."""
-        steps = [m.get("step", -1) for m in self.metrics.values()]
-        newest = max(steps, default=-1)
-        stalls = [m["stall_s"] for m in self.metrics.values() if "stall_s" in m]
+    def progress(self, gen: int, world_size: int, committed: Optional[int]) -> Progress:
+        """``Coordinator.progress``'s answer, from counters kept as summaries arrive."""
+        newest = max(self._at, default=-1)
         recent = [(t, s) for t, s in self._pace if t > time.time() - 5.0]  # the last 5 s
         rate = None
         if len(recent) > 1 and recent[-1][0] > recent[0][0]:
             rate = (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
-        return {"min_step": min(steps) if len(steps) == world_size else -1,
-                "max_step": newest, "last_loss": self.losses.get(str(newest)),
-                "steps_per_s": rate, "stall_ms": max(stalls) * 1000 if stalls else None,
-                "lag": newest - (committed or 0) if newest >= 0 else None}
+        stall = self._stall_max[1]
+        return Progress(gen, committed,
+                        min_step=min(self._at) if self._at and self._covered >= world_size else -1,
+                        max_step=newest, last_loss=self.losses.get(str(newest)),
+                        steps_per_s=rate, stall_ms=stall * 1000 if stall >= 0 else None,
+                        lag=newest - (committed or 0) if newest >= 0 else None)

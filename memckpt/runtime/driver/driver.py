@@ -29,11 +29,14 @@ from memckpt.policy.recovery_plan import growth_size
 from memckpt.runtime.driver import actors
 from memckpt.runtime.driver.control_plane import ControlPlane, alive_node_ids, eligible_nodes
 from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE
+from memckpt.runtime.coordinator.messages import Progress
 from memckpt.policy.failure import Action, Decision, Observation, State, decide, next_state
 from memckpt.policy.progress import ProgressKey, progress_due
-from memckpt.runtime.tools.faults import Fault, FaultInjector, aim, deliver
+from memckpt.runtime.chaos.faults import Fault, FaultInjector, aim, deliver
 from memckpt.runtime.driver.pool import PING_S, Generation, WorkerPool
-from memckpt.runtime.driver.recovery import GRACE_S, DiedDuringRecovery, Recovery, Restore
+from memckpt.runtime.driver.recovery import (GRACE_S, DiedDuringRecovery, Failure, Recovery,
+                                             Restore)
+from memckpt.runtime.worker.result import WorkerInfo, WorkerResult
 from memckpt.runtime.worker.spec import WorkerSpec, copies_by_node, ranks_by_node
 
 if TYPE_CHECKING:
@@ -64,7 +67,7 @@ class Runtime:
         self._printed: Optional[ProgressKey] = None  # what the last progress line showed
         self.control = Control(config.stop_file)
         self._stop: Optional[tuple[int, str, float]] = None  # (step, action, requested at)
-        self._failure: dict[str, Any] = {}  # the failure being recovered from (Recovery.detected)
+        self._failure: Optional[Failure] = None  # the one being recovered from (Recovery.detected)
         self._grow_to: Optional[int] = None  # elastic: growing to this size at a step boundary
         self._grow_checked = 0.0
         self._growths = 0  # resizes to more ranks (not failures: max_restarts ignores them)
@@ -160,12 +163,13 @@ class Runtime:
                         assert g is not None  # STARTING made it
                         decision = self._monitor(g, restarts=gen - self._growths)
                     else:  # RECOVERING
-                        assert g is not None  # a failure of a running generation
+                        # a failure of a running generation, recorded as it was decided
+                        assert g is not None and self._failure is not None
                         plan, restore = self.recovery.recover(
                             g, self._failure, assignment, holders)
                         assignment, holders, committed = plan.assignment, plan.holders, plan.step
                         self._prune_after = plan.step
-                        if self._failure.get("grow_to"):
+                        if self._failure.grow_to:
                             self._grow_to, self._growths = None, self._growths + 1
                             self.ray.get(self.coordinator.clear_stop.remote())
                         gen += 1
@@ -220,13 +224,15 @@ class Runtime:
 
     def _reach_workers(self, gen: int, workers: dict[int, Any],
                        holders: dict[int, tuple[str, ...]]
-                       ) -> tuple[dict[int, dict[str, Any]], tuple[str, int]]:
+                       ) -> tuple[dict[int, WorkerInfo], tuple[str, int]]:
         """Each worker's pid and node, and rank 0's rendezvous address; a worker that died
         since the plan (a reused survivor, a spare) stops the start: the recovery plans
         again without it."""
         ray = self.ray
         refs = {r: w.info.remote() for r, w in workers.items()}
-        info, dead, master = {}, set(), ("", 0)
+        info: dict[int, WorkerInfo] = {}
+        dead: set[int] = set()
+        master = ("", 0)
         for rank, ref in refs.items():
             try:
                 info[rank] = ray.get(ref)
@@ -247,11 +253,12 @@ class Runtime:
         known so far: those of the recovery under way while it still ends ``g`` (stop,
         plan), only the new ones once ``g`` is the next generation (start)."""
         known = set(lost.ranks)
-        if lost.phase != "start":
-            known |= set(self._failure.get("died", ()))
+        ending = self._failure if lost.phase != "start" else None  # the recovery under way's
+        if ending is not None:
+            known |= set(ending.died)
         obs = Observation(pending=(), died=tuple(sorted(known)), during=lost.phase,
-                          hung=tuple(self._failure.get("hung", ())) if lost.phase != "start"
-                          else (), restarts=restarts, max_restarts=self.config.failure.max_restarts)
+                          hung=ending.hung if ending is not None else (), restarts=restarts,
+                          max_restarts=self.config.failure.max_restarts)
         return self._decided(g, decide(obs))
 
     # -- watching a generation ------------------------------------------------------------------
@@ -323,7 +330,7 @@ class Runtime:
 
     @staticmethod
     def _stopped_step(g: Generation) -> Optional[int]:
-        steps = [r["stopped"] for r in g.results.values() if r.get("stopped") is not None]
+        steps = [r.stopped for r in g.results.values() if r.stopped is not None]
         return max(steps) if steps else None
 
     def _lost_holders(self, g: Generation) -> list[str]:
@@ -345,7 +352,7 @@ class Runtime:
         gone, or their worker does not answer), so that deaths in the same instant are
         planned for together and no plan reuses a dead worker."""
         alive = alive_node_ids()
-        gone = {r for r in ranks if g.info[r]["node_id"] not in alive}
+        gone = {r for r in ranks if g.info[r].node_id not in alive}
         return gone | self._unresponsive(g, [r for r in ranks if r not in gone])
 
     def _check_stop(self, committed: Optional[int]) -> Optional[int]:
@@ -365,7 +372,7 @@ class Runtime:
             self.ray.get(self.coordinator.request_stop.remote(at, action))
         at, action, since = self._stop
         state = self.ray.get(self.coordinator.stop_state.remote())
-        step = state["step"] if state else None
+        step = state.step if state else None
         if step is None:
             return None
         persisted = self.ray.get(self.coordinator.persisted.remote())
@@ -396,16 +403,16 @@ class Runtime:
         """Once per poll: the stop file, spares, the progress line and scheduled faults.
         Returns the step a requested stop persisted (see _check_stop)."""
         prog = self.ray.get(self.coordinator.progress.remote())
-        self._newest = max(self._newest, prog["max_step"])
-        stop_step = self._check_stop(prog["committed"])
+        self._newest = max(self._newest, prog.max_step)
+        stop_step = self._check_stop(prog.committed)
         if stop_step is not None:
             return stop_step
-        self._check_growth(g, prog["committed"])
-        self._prune_old_layout(g, prog["committed"])
-        self.pool.prefault_spares(prog["committed"])
-        if self.recovery.check_resumed(prog["min_step"], g.gen):
+        self._check_growth(g, prog.committed)
+        self._prune_old_layout(g, prog.committed)
+        self.pool.prefault_spares(prog.committed)
+        if self.recovery.check_resumed(prog.min_step, g.gen):
             self.pool.top_up_spares(skip=self.recovery.left_out)
-        now, key = time.time(), ProgressKey(g.gen, prog["max_step"], prog["committed"])
+        now, key = time.time(), ProgressKey(g.gen, prog.max_step, prog.committed)
         if not self.quiet and progress_due(self._printed, key, now - self._last_print):
             self._last_print, self._printed = now, key
             self._say(progress_line(g.gen, prog))
@@ -440,7 +447,7 @@ class Runtime:
 
     def _fire(self, fault: Fault, g: Generation) -> None:
         # not at a worker this recovery killed already (a survivor stuck past the grace)
-        strike = aim(fault, {r: (i["node_id"], i["pid"]) for r, i in g.info.items()
+        strike = aim(fault, {r: (i.node_id, i.pid) for r, i in g.info.items()
                              if r not in g.killed})
         if strike is None:
             return
@@ -471,31 +478,31 @@ class Runtime:
     def _finish(self, g: Generation, t_start: float,
                 stopped_at: Optional[int] = None) -> dict[str, Any]:
         prog = self.ray.get(self.coordinator.progress.remote())
-        results = [g.results[r] for r in sorted(g.results)]
+        results: list[WorkerResult] = [g.results[r] for r in sorted(g.results)]
         digest = None
         if stopped_at is None and len(results) == len(g.workers):
-            digest = hashlib.sha256("".join(r["digest"] or "" for r in results).encode()).hexdigest()
+            digest = hashlib.sha256("".join(r.digest or "" for r in results).encode()).hexdigest()
         all_losses = self.ray.get(self.coordinator.all_losses.remote())
         by_step = sorted((int(k), v) for k, v in all_losses.items())
         losses = [v for _, v in by_step]
         recoveries = self.recovery.records
         for rec in recoveries:
-            fetch = [r["restore"].get("fetch_and_load_s", 0.0) for r in results if r.get("restore")]
+            fetch = [r.restore.fetch_and_load_s for r in results if r.restore is not None]
             rec["phases_s"]["fetch_and_load_max"] = max(fetch, default=0.0)
         if recoveries:  # which of the last generation's ranks sent their shard out again
             recoveries[-1]["recopied_ranks"] = [
-                r["rank"] for r in results if "recopied" in (r.get("restore") or {})]
+                r.rank for r in results if r.restore is not None and r.restore.recopied]
         summary = {
             "job": self.config.job_name, "world_size": len(g.workers),
             "steps": len(losses), "first_step": by_step[0][0] if by_step else None,
             "losses": losses, "final_digest": digest,
-            "rank_digests": [r["digest"] for r in results], "recoveries": recoveries,
-            "faults": self.injector.fired, "results": [r["result"] for r in results],
+            "rank_digests": [r.digest for r in results], "recoveries": recoveries,
+            "faults": self.injector.fired, "results": [r.result for r in results],
             # the last generation's replica traffic: bytes sent, and bytes holders filled
             # from copies on their own node instead (DDP's identical parameters)
-            "replication": {str(r["rank"]): r["replication"] for r in results
-                            if "replication" in r},
-            "committed": prog["committed"], "seconds": time.time() - t_start,
+            "replication": {str(r.rank): dataclasses.asdict(r.replication) for r in results
+                            if r.replication is not None},
+            "committed": prog.committed, "seconds": time.time() - t_start,
             "stopped_at": stopped_at,
             "persisted": self.ray.get(self.coordinator.persisted.remote()),
         }
@@ -509,15 +516,15 @@ class Runtime:
         return summary
 
 
-def progress_line(gen: int, prog: dict[str, Any]) -> str:
+def progress_line(gen: int, prog: Progress) -> str:
     """The driver's progress line, from ``Coordinator.progress()`` (printed when the step,
     the committed step or the generation changes, at most once a second)."""
     def num(v: Optional[float], fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
-    return (f"gen {gen} step {prog['max_step']} loss {num(prog['last_loss'], '.4f')} "
-            f"{num(prog.get('steps_per_s'), '.1f')} steps/s "
-            f"committed {num(prog['committed'], 'd')} "
-            f"stall {num(prog.get('stall_ms'), '.1f')} ms lag {num(prog.get('lag'), 'd')}")
+    return (f"gen {gen} step {prog.max_step} loss {num(prog.last_loss, '.4f')} "
+            f"{num(prog.steps_per_s, '.1f')} steps/s "
+            f"committed {num(prog.committed, 'd')} "
+            f"stall {num(prog.stall_ms, '.1f')} ms lag {num(prog.lag, 'd')}")
 
 
 def default_run_dir(job: str) -> Path:

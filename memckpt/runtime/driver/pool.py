@@ -9,6 +9,7 @@ from typing import Any, Collection, Optional
 
 from memckpt.runtime.driver import kept
 from memckpt.runtime.driver.control_plane import ControlPlane, affinity, alive_node_ids
+from memckpt.runtime.worker.result import WorkerInfo, WorkerResult
 from memckpt.runtime.worker.worker import Worker
 
 LARGEST_SHARD_WAIT_S = 2.0  # stores answering what spares prepare for (see _largest_shard)
@@ -25,8 +26,8 @@ class Generation:
     gen: int
     workers: dict[int, Any]
     refs: dict[Any, int]  # run ObjectRef -> rank
-    info: dict[int, dict[str, Any]]
-    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    info: dict[int, WorkerInfo]  # rank -> its worker's process
+    results: dict[int, WorkerResult] = field(default_factory=dict)  # the ranks that returned
     holders: dict[int, tuple[str, ...]] = field(default_factory=dict)  # rank -> replica holders
     killed: set[int] = field(default_factory=set)  # ranks whose worker the recovery killed
 
@@ -225,7 +226,7 @@ class WorkerPool:
                 held = self._held(asked)
                 self.plane.event("standby", held_bytes={n[:12]: b for n, b in held})
 
-    def _largest_shard(self) -> Optional[tuple[int, list, int]]:
+    def _largest_shard(self) -> Optional[tuple[int, list[list[Any]], int]]:
         """The largest shard any live node's store holds (see ReplicaStore.largest_shard):
         what a spare prepares for, wherever it is, as any rank may move to its node."""
         stores = self.plane.stores

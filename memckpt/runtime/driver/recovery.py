@@ -6,6 +6,7 @@ the record of each recovery and its phases."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from memckpt.errors import RecoveryError
@@ -15,7 +16,7 @@ from memckpt.runtime.driver import actors
 from memckpt.runtime.driver.actors import failure_domains
 from memckpt.runtime.driver.control_plane import ControlPlane, eligible_nodes
 from memckpt.policy.failure import Decision
-from memckpt.runtime.tools.faults import send_signal, send_signals
+from memckpt.runtime.chaos.faults import send_signal, send_signals
 from memckpt.runtime.driver.pool import Generation, WorkerPool
 from memckpt.runtime.worker.spec import RestoreInstruction
 
@@ -23,6 +24,40 @@ GRACE_S = 3.0  # how long survivors get to notice a failure and return before be
 ROOM_POLL_S = 0.5  # how often a shrinking job looks for a node with room
 
 Restore = dict[int, RestoreInstruction]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failure the driver's monitor decided on (or a planned resize: ``grow_to``), as
+    :meth:`Recovery.detected` records it for :meth:`Recovery.recover`. Times are the
+    driver's wall clock (``time.time()``)."""
+
+    what: str  # the decision's words, in events and the recovery's record
+    died: tuple[int, ...] = ()  # ranks whose worker died, sorted
+    hung: tuple[int, ...] = ()  # ranks that stopped heart-beating, sorted
+    silent_nodes: tuple[str, ...] = ()  # nodes whose store stopped reporting (frozen), sorted
+    grow_to: Optional[int] = None  # elastic: every rank stopped to resize to this many
+    detected_at: float = 0.0
+    fault_at: Optional[float] = None  # when it began: the injected fault, or the last sign of life
+    fault_from: Optional[str] = None  # which of the two ``fault_at`` is ("injected", ...)
+    last_sign_of_life_at: Optional[float] = None  # a hang's ranks' and nodes' last heartbeat
+
+    def __post_init__(self) -> None:
+        if not self.what:
+            raise ValueError("a Failure says what failed")
+        for name in ("died", "hung", "silent_nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or list(value) != sorted(value):
+                raise ValueError(f"Failure.{name} must be a sorted tuple, got {value!r}")
+        if self.grow_to is not None and self.grow_to < 1:
+            raise ValueError(f"Failure.grow_to must be >= 1, got {self.grow_to}")
+        if (self.fault_at is None) != (self.fault_from is None):
+            raise ValueError("Failure.fault_at and fault_from come together")
+
+    @property
+    def detect_s(self) -> Optional[float]:
+        """From the failure's start to its detection, when its start is known."""
+        return self.detected_at - self.fault_at if self.fault_at else None
 
 
 class DiedDuringRecovery(Exception):
@@ -87,7 +122,7 @@ class Recovery:
         return manifest.step, self.persisted_instructions(found, assignment)
 
     # -- a failure --------------------------------------------------------------------------------
-    def detected(self, g: Generation, decision: Decision) -> dict[str, Any]:
+    def detected(self, g: Generation, decision: Decision) -> Failure:
         """Record a failure the monitor decided on; returns its description for :meth:`recover`."""
         t = time.time()
         since = self.records[-1]["detected_at"] if self.records else 0.0
@@ -111,12 +146,11 @@ class Recovery:
                              ranks=sorted(decision.died), gen=g.gen,
                              **({"frozen_nodes": list(decision.silent_nodes)}
                                 if decision.silent_nodes else {}))
-        return {"what": decision.what, "died": sorted(decision.died), "grow_to": decision.grow_to,
-                "hung": sorted(decision.hung), "silent_nodes": sorted(decision.silent_nodes),
-                "detected_at": t, "fault_at": fault_time, "fault_from": fault_from,
-                "last_sign_of_life_at": heard}
+        return Failure(decision.what, tuple(sorted(decision.died)), tuple(sorted(decision.hung)),
+                       tuple(sorted(decision.silent_nodes)), decision.grow_to, detected_at=t,
+                       fault_at=fault_time, fault_from=fault_from, last_sign_of_life_at=heard)
 
-    def recover(self, g: Generation, failure: dict[str, Any], assignment: dict[int, str],
+    def recover(self, g: Generation, failure: Failure, assignment: dict[int, str],
                 holders: dict[int, tuple[str, ...]]
                 ) -> tuple[RecoveryPlan | ResizePlan, Restore]:
         """End generation ``g``, plan the next; returns the plan and each rank's restore."""
@@ -137,14 +171,14 @@ class Recovery:
                 self.pool.forget(rank)
             raise DiedDuringRecovery(dead, "plan")
         cap = {n: c for n, c in eligible_nodes(self.config).items() if n in alive}
-        if failure.get("grow_to"):
-            plan = self.resize(g, assignment, cap, failure["what"])
+        if failure.grow_to:
+            plan = self.resize(g, assignment, cap, failure.what)
             self._record_resize(g, failure, plan, t0, t_killed, cap)
             return plan, self.resize_instructions(plan)
         if self.config.workers.elastic and self._room(cap) < len(assignment):
             cap = self._wait_for_room(cap, len(assignment))
             if self._room(cap) < len(assignment):
-                plan = self.resize(g, assignment, cap, failure["what"])
+                plan = self.resize(g, assignment, cap, failure.what)
                 self._record_resize(g, failure, plan, t0, t_killed, cap)
                 return plan, self.resize_instructions(plan)
         planned, persisted = self._plan(assignment, holders, cap)
@@ -201,21 +235,20 @@ class Recovery:
         return {r: RestoreInstruction(plan.step, (), reshard=dict(plan.sources),
                                       from_size=plan.from_size) for r in plan.assignment}
 
-    def _record_resize(self, g: Generation, failure: dict[str, Any], plan: ResizePlan,
+    def _record_resize(self, g: Generation, failure: Failure, plan: ResizePlan,
                        t0: float, t_killed: float, cap: dict[str, int]) -> None:
         self._roll_back(g, list(cap), plan.step)
         self.left_out = set(self._silent)
         lost = sorted(set(self.pool.worker_nodes.values()) - set(cap))
         record = {
-            "what": failure["what"], "died_ranks": failure["died"], "dead_nodes": lost,
+            "what": failure.what, "died_ranks": list(failure.died), "dead_nodes": lost,
             "resumed_step": plan.step, "resized": {"from": plan.from_size, "to": plan.to_size},
             "why": plan.why, "moved_ranks": [], "in_place_ranks": [],
             # old rank -> the nodes its chunks are read from (RAM, no storage read)
             "sources": {str(r): [f"ram:{n[:12]}" for n in ns] for r, ns in plan.sources.items()},
-            "notes": list(plan.notes), "gen": g.gen + 1, "fault_at": failure["fault_at"],
-            "detected_at": failure["detected_at"],
-            "phases_s": {"detect": (failure["detected_at"] - failure["fault_at"])
-                         if failure["fault_at"] else None,
+            "notes": list(plan.notes), "gen": g.gen + 1, "fault_at": failure.fault_at,
+            "detected_at": failure.detected_at,
+            "phases_s": {"detect": failure.detect_s,
                          "stop": t_killed - t0, "plan": time.time() - t_killed},
         }
         self.records.append(record)
@@ -241,32 +274,32 @@ class Recovery:
             self._silent |= failed
             self.plane.say(f"node(s) {[n[:12] for n in sorted(failed)]} did not answer the "
                            "roll-back: planning again without them")
-            raise DiedDuringRecovery({r for r, i in g.info.items() if i["node_id"] in failed}
+            raise DiedDuringRecovery({r for r, i in g.info.items() if i.node_id in failed}
                                      - g.killed, "plan")
 
-    def _end_generation(self, g: Generation, failure: dict[str, Any]) -> None:
+    def _end_generation(self, g: Generation, failure: Failure) -> None:
         ray = self.ray
-        silent = set(failure.get("silent_nodes", ())) | self._silent  # also a replan's
+        silent = set(failure.silent_nodes) | self._silent  # also a replan's
         # a stopped process ignores polite kills; on a silent node the kill is sent but not
         # awaited (its raylet runs it if the node wakes: the stale worker dies then)
-        frozen = [(g.info[r]["node_id"], g.info[r]["pid"]) for r in failure["hung"]
-                  if g.info[r]["node_id"] in silent]
+        frozen = [(g.info[r].node_id, g.info[r].pid) for r in failure.hung
+                  if g.info[r].node_id in silent]
         if frozen:
             send_signals(frozen, "KILL", wait=False)
-        for rank in failure["hung"]:
-            if g.info[rank]["node_id"] in silent:
+        for rank in failure.hung:
+            if g.info[rank].node_id in silent:
                 continue
             try:
-                send_signal(g.info[rank]["node_id"], g.info[rank]["pid"], "KILL", timeout_s=5)
+                send_signal(g.info[rank].node_id, g.info[rank].pid, "KILL", timeout_s=5)
             except ray.exceptions.RayError:
                 pass
-        for rank in failure["died"]:
+        for rank in failure.died:
             ray.kill(g.workers[rank], no_restart=True)
         # Survivors end this generation at once: a rank waiting for a commit that can no
         # longer come is woken (abort); one in a collective sees it fail. One still stuck
         # after the grace period is killed.
         for rank, w in g.workers.items():
-            if rank not in failure["died"]:
+            if rank not in failure.died:
                 w.abort.remote(g.gen)
         ready, stuck = ray.wait(list(g.refs), num_returns=len(g.refs), timeout=GRACE_S) \
             if g.refs else ([], [])
@@ -278,8 +311,8 @@ class Recovery:
                 also_died.add(g.refs[ref])
             except Exception:  # noqa: BLE001 (every other outcome of a failed generation is moot)
                 pass
-        also_died -= set(failure["died"]) | g.killed  # not those killed here before
-        dead = set(failure["died"]) | also_died | {g.refs[ref] for ref in stuck}
+        also_died -= set(failure.died) | g.killed  # not those killed here before
+        dead = set(failure.died) | also_died | {g.refs[ref] for ref in stuck}
         for rank in dead:
             ray.kill(g.workers[rank], no_restart=True)
             self.pool.forget(rank)
@@ -314,25 +347,24 @@ class Recovery:
                              tier=cfg.persistence[persisted[0]].uri)
             return plan, persisted
 
-    def _record_plan(self, g: Generation, failure: dict[str, Any], plan: RecoveryPlan, t0: float,
+    def _record_plan(self, g: Generation, failure: Failure, plan: RecoveryPlan, t0: float,
                      t_killed: float, cap: dict[str, int]) -> None:
         self._roll_back(g, list(cap), plan.step)
         self.left_out = set(self._silent)
         t_plan = time.time()
         record = {
-            "what": failure["what"], "died_ranks": failure["died"],
+            "what": failure.what, "died_ranks": list(failure.died),
             "dead_nodes": sorted((set(self.pool.worker_nodes.values()) | g.holder_nodes)
                                  - set(cap) - self._silent),
             "resumed_step": plan.step, "moved_ranks": list(plan.moved),
             "in_place_ranks": sorted(plan.placed),  # copies already placed: no re-copy
             "sources": {str(r): source_label(s, plan.assignment[r])
                         for r, s in plan.sources.items()},
-            "notes": list(plan.notes), "gen": g.gen + 1, "fault_at": failure["fault_at"],
-            "fault_from": failure.get("fault_from"), "detected_at": failure["detected_at"],
-            "last_sign_of_life_at": failure.get("last_sign_of_life_at"),
+            "notes": list(plan.notes), "gen": g.gen + 1, "fault_at": failure.fault_at,
+            "fault_from": failure.fault_from, "detected_at": failure.detected_at,
+            "last_sign_of_life_at": failure.last_sign_of_life_at,
             "frozen_nodes": sorted(self._silent),
-            "phases_s": {"detect": (failure["detected_at"] - failure["fault_at"])
-                         if failure["fault_at"] else None,
+            "phases_s": {"detect": failure.detect_s,
                          "stop": t_killed - t0, "plan": t_plan - t_killed},
         }
         self.records.append(record)

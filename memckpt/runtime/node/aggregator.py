@@ -12,40 +12,31 @@ exactly one message:
 (A generation's first step also sends its metrics at once, before its batch: the driver
 times a recovery's resume by them. One more message per node per generation.)
 
-Once per interval, :meth:`NodeAggregator.heartbeat` gives each local rank's last sign of
-life as an *age* (seconds on this node's clock, so the coordinator's own clock places it
-whatever the skew) and its step, plus any metrics still held (a step some ranks
-snapshotted and others skipped: its readiness never completes on this node).
+Each batch is O(1) in the node's ranks when all is well: the store judges each rank's
+placement against the holders its spec names (given at its join) and sends how many were
+placed on all of theirs, with a digest of those holders that the coordinator compares with
+its own placement's; only a rank placed short is named, with where it did place.
 
-A step's metrics go as a summary of its ranks (:mod:`memckpt.policy.step_metrics`).
+Once per interval, :meth:`NodeAggregator.heartbeat` gives the node's newest step and its
+oldest sign of life, naming only the ranks silent for longer than ``late_s`` (their *age*:
+seconds on this node's clock, so the coordinator's own clock places it whatever the skew),
+plus any metrics still held (a step some ranks snapshotted and others skipped: its readiness
+never completes on this node). Every rank's age stays here (:meth:`NodeAggregator.detail`,
+for ``memckpt status --ranks``).
+
+A step's metrics go as a :class:`~memckpt.policy.step_metrics.StepSummary` of the node's
+ranks: the same size however many ranks the node runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
-from memckpt.policy.step_metrics import Summary, summarize
+from memckpt.policy.placement import holders_digest
+from memckpt.policy.step_metrics import StepSummary, summarize
+from memckpt.runtime.coordinator.messages import Heartbeat, ReadyBatch
 
-
-@dataclass(frozen=True)
-class ReadyBatch:
-    """Every local rank's shard of ``step`` is placed: ``ranks`` -> the holders each one
-    placed it on (the coordinator checks them against placement)."""
-
-    gen: int
-    step: int
-    ranks: dict[int, list[str]]
-    metrics: list[Summary] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    """Each local rank's (age in seconds, last step), and the metrics still held."""
-
-    gen: int
-    beats: dict[int, tuple[float, int]]
-    metrics: list[Summary] = field(default_factory=list)
+__all__ = ["Heartbeat", "NodeAggregator", "ReadyBatch"]
 
 
 class NodeAggregator:
@@ -57,12 +48,14 @@ class NodeAggregator:
         self.node = node
         self.gen = -1
         self.ranks: frozenset[int] = frozenset()
-        self._ready: dict[int, dict[int, list[str]]] = {}  # step -> rank -> holders
+        self._ready: dict[int, dict[int, tuple[str, ...]]] = {}  # step -> rank -> holders
         self._sent: set[int] = set()  # steps whose ReadyBatch went out (this generation)
         self._reports: dict[int, dict[int, Mapping[str, float]]] = {}  # step -> rank -> report
         self._snapshotted: dict[int, int] = {}  # step -> local ranks that snapshotted it
-        self._held: list[Summary] = []  # complete summaries waiting for the step's readiness
+        self._held: list[StepSummary] = []  # complete summaries waiting for their step's batch
         self._last: dict[int, tuple[float, int]] = {}  # rank -> (time of last sign, step)
+        self._expect: dict[int, tuple[str, ...]] = {}  # rank -> the holders its spec names
+        self._digest: Optional[str] = None  # holders_digest of _expect, once every rank's in
         self._summarized = False  # a step of this generation was summarised
 
     # -- membership -------------------------------------------------------------------------
@@ -78,9 +71,17 @@ class NodeAggregator:
             self._reports.clear()
             self._snapshotted.clear()
             self._held.clear()
+            self._expect.clear()
+            self._digest = None
             self._summarized = False
             self._last = {r: (now, -1) for r in self.ranks}
         return True
+
+    def expect(self, rank: int, gen: int, holders: Iterable[str]) -> None:
+        """``rank``'s spec names ``holders`` for its shards (said at its join)."""
+        if self.knows(gen, rank):
+            self._expect[rank] = tuple(sorted(holders))
+            self._digest = None
 
     def knows(self, gen: int, rank: int) -> bool:
         return gen == self.gen and rank in self.ranks
@@ -94,19 +95,32 @@ class NodeAggregator:
             return None
         self._touch(rank, now)
         got = self._ready.setdefault(step, {})
-        got[rank] = list(holders)
+        got[rank] = tuple(holders)
         if len(got) < len(self.ranks):
             return None
         del self._ready[step]
         for old in [s for s in self._ready if s < step]:  # a rank that never will: dropped
             del self._ready[old]
         self._sent = {s for s in self._sent if s > step - 8} | {step}
-        held = [m for m in self._held if m["step"] <= step]
-        self._held = [m for m in self._held if m["step"] > step]
-        return ReadyBatch(gen, step, got, held)
+        held = tuple(m for m in self._held if m.step <= step)
+        self._held = [m for m in self._held if m.step > step]
+        return self._batch(gen, step, got, held)
+
+    def _batch(self, gen: int, step: int, got: Mapping[int, tuple[str, ...]],
+               held: tuple[StepSummary, ...]) -> ReadyBatch:
+        """Each rank judged against its spec's holders: the usual case, every one placed on
+        all of them, costs the coordinator O(1)."""
+        short = {r: h for r, h in got.items()
+                 if r not in self._expect or not set(self._expect[r]) <= set(h)}
+        if not short:
+            if self._digest is None:
+                self._digest = holders_digest(self._expect)
+            return ReadyBatch(gen, step, len(got), self._digest, {}, held)
+        judged = {r: self._expect[r] for r in got if r not in short}
+        return ReadyBatch(gen, step, len(judged), holders_digest(judged), short, held)
 
     def report(self, rank: int, gen: int, step: int, metrics: Mapping[str, float],
-               snapshotted: bool, now: float) -> list[Summary]:
+               snapshotted: bool, now: float) -> list[StepSummary]:
         """``rank`` finished ``step`` (its report; ``snapshotted``: it took a snapshot of the
         step, whose readiness will follow). Returns the summaries to send now: the step's,
         once every local rank reported it, unless every one snapshotted it (then it rides on
@@ -141,17 +155,24 @@ class NodeAggregator:
     def _touch(self, rank: int, now: float) -> None:
         self._last[rank] = (now, self._last.get(rank, (now, -1))[1])
 
-    def take_held(self) -> list[Summary]:
+    def take_held(self) -> list[StepSummary]:
         """The summaries still held (their step's readiness has not gone): a rank's run ended."""
         held, self._held = self._held, []
         return held
 
-    def heartbeat(self, now: float) -> Optional[Heartbeat]:
-        """The node's heartbeat for this interval (None before any generation joined);
-        takes the metrics still held."""
+    def detail(self, now: float) -> dict[int, tuple[float, int]]:
+        """Every local rank's (age of its last sign of life, its step)."""
+        return {r: (max(0.0, now - t), s) for r, (t, s) in self._last.items()}
+
+    def heartbeat(self, now: float, late_s: float) -> Optional[Heartbeat]:
+        """The node's heartbeat for this interval (None before any generation joined),
+        naming the ranks silent longer than ``late_s``; takes the metrics still held."""
         if self.gen < 0:
             return None
-        held = self.take_held()
-        return Heartbeat(self.gen, {r: (max(0.0, now - t), s) for r, (t, s) in self._last.items()},
-                         held)
-
+        top, oldest, late = -1, 0.0, {}
+        for r, (t, s) in self._last.items():
+            age = max(0.0, now - t)
+            top, oldest = max(top, s), max(oldest, age)
+            if age > late_s:
+                late[r] = (age, s)
+        return Heartbeat(self.gen, top, oldest, late, tuple(self.take_held()))

@@ -19,7 +19,7 @@ from typing import Any
 from memckpt.engine.buffers import remove_path, resolve_ram_root
 from memckpt.config import Config
 from memckpt.runtime.ray_nodes import on_node
-from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE
+from memckpt.runtime.coordinator.state_store import COORDINATOR_NAMESPACE
 
 POLL_S = 1.0
 

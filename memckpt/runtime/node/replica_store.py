@@ -1,12 +1,12 @@
 """The replica store: one per node, holding snapshot shards in that node's RAM.
 
 It keeps two kinds of shards, all in shared-memory files under
-``<ram_root>/<job>/<node_id>/``:
+``<ram_root>/<job>/<node_id>/`` (the layout: :mod:`memckpt.runtime.wire.ram_files`):
 
 * ``own/rank<r>/slot{0,1}.shard``: written by the node's own workers (their
   snapshot slots). They outlive a killed worker; the store only reads them.
 * ``replicas/rank<r>/slot{0,1}.shard``: copies of peer ranks' shards, streamed
-  by the owning worker over TCP straight into the file (:mod:`memckpt.runtime.node.transport`),
+  by the owning worker over TCP straight into the file (:mod:`memckpt.runtime.wire.data_plane`),
   verified against their checksum before they are acknowledged. Bytes land in
   the store's own memory: an object put by a worker dies with the worker.
 
@@ -25,12 +25,11 @@ from __future__ import annotations
 import logging
 import itertools
 import os
-import struct
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import psutil
@@ -39,8 +38,10 @@ import xxhash
 from memckpt.format import shard as fmt
 from memckpt.engine.buffers import RamRegion, allocated_bytes, remove_path, resolve_ram_root
 from memckpt.policy.footprint import RamBudget, budget_bytes
-from memckpt.runtime.node.transport import ShardServer
+from memckpt.runtime.node.shard_server import ShardServer
 from memckpt.runtime.node.uplink import Uplink, View
+from memckpt.runtime.wire.ram_files import (OWN, REPLICAS, find, held, invalidate, node_dir,
+                                            peek_step, scan)
 from memckpt.errors import (MemckptError, NoSnapshotError, PlacementError,
                             StaleGenerationError, SupersededPutError)
 
@@ -71,74 +72,6 @@ class _Put:
     prior_len: int = 0  # that shard's data length
 
 
-def node_dir(ram_root: Path, job: str, node_id: str) -> Path:
-    return Path(ram_root) / job / node_id
-
-
-def own_dir(ram_root: Path, job: str, node_id: str) -> Path:
-    """Directory whose ``rank<r>`` subfolders hold the node's own workers' slots."""
-    return node_dir(ram_root, job, node_id) / "own"
-
-
-def scan(directory: Path) -> dict[int, dict[int, Path]]:
-    """rank -> step -> slot file, for every complete shard under ``directory/rank*``."""
-    out: dict[int, dict[int, Path]] = {}
-    if not directory.is_dir():
-        return out
-    for rank_dir in directory.glob("rank*"):
-        try:
-            rank = int(rank_dir.name[4:])
-        except ValueError:
-            continue
-        for name in fmt.SLOT_NAMES:
-            step = peek_step(rank_dir / name)
-            if step is not None:
-                out.setdefault(rank, {})[step] = rank_dir / name
-    return out
-
-
-def held(node_root: Path) -> Iterator[tuple[int, int, Path]]:
-    """(rank, step, file) of every complete shard a node holds: its own ranks' slots
-    (``own/``) and the replicas placement gave it (``replicas/``)."""
-    for sub in ("own", "replicas"):
-        for rank, steps in scan(node_root / sub).items():
-            for step, path in steps.items():
-                yield rank, step, path
-
-
-def find(node_root: Path, rank: int, step: int) -> Optional[Path]:
-    """The file holding ``rank``'s shard of ``step`` on this node, if any."""
-    return next((p for r, s, p in held(node_root) if (r, s) == (rank, step)), None)
-
-
-def peek_step(path: Path) -> Optional[int]:
-    """Step of a complete shard file (prefix and header checksum checked; data not, and the
-    header's JSON not parsed: stores call this for every file on every put)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(fmt.PREFIX.size)
-            if len(head) < fmt.PREFIX.size:
-                return None
-            magic, version, state, cap, hlen, hsum, off, _, step = fmt.PREFIX.unpack(head)
-            if (magic != fmt.MAGIC or version not in fmt.READ_VERSIONS or state != fmt.STATE_COMPLETE
-                    or hlen > cap or off != fmt.PREFIX.size + cap):
-                return None
-            blob = f.read(hlen)
-        return step if len(blob) == hlen and xxhash.xxh3_64_intdigest(blob) == hsum else None
-    except OSError:
-        return None
-
-
-def invalidate(path: Path) -> None:
-    """Flag a slot file incomplete in place (the bytes stay, no reader trusts them)."""
-    try:
-        with open(path, "r+b") as f:
-            f.seek(fmt.STATE_OFFSET)
-            f.write(struct.pack("<I", fmt.STATE_WRITING))
-    except FileNotFoundError:
-        pass
-
-
 class ReplicaStore:
     """Per-node holder of shards. Thread-safe; run as a threaded Ray actor."""
 
@@ -149,8 +82,8 @@ class ReplicaStore:
         self.node_id = node_id
         self.ram_budget = ram_budget
         self.root = node_dir(resolve_ram_root(ram_root or None), job, node_id)
-        self.own = self.root / "own"
-        self.replicas = self.root / "replicas"
+        self.own = self.root / OWN
+        self.replicas = self.root / REPLICAS
         self.replicas.mkdir(parents=True, exist_ok=True)
         self.own.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -188,12 +121,17 @@ class ReplicaStore:
     # -- the node's agent toward the coordinator (memckpt.runtime.node.uplink) --------------
     def join(self, rank: int, gen: int, ranks: list[int], coordinator: Any,
              interval_s: float, pid: Optional[int] = None,
-             timeout_s: Optional[float] = None) -> bool:
+             timeout_s: Optional[float] = None, holders: Optional[list[str]] = None) -> bool:
         """``rank`` (process ``pid``) of generation ``gen`` reports through this store;
         ``ranks``: every rank placement put on this node; the job's heartbeat interval and
-        timeout. False: ``gen`` is fenced off."""
+        timeout; ``holders``: where its spec places its shards. False: ``gen`` is fenced off."""
         return gen >= self.generation and self.uplink.join(rank, gen, ranks, coordinator,
-                                                            interval_s, pid, timeout_s)
+                                                            interval_s, pid, timeout_s, holders)
+
+    def rank_detail(self) -> dict[int, tuple[float, int]]:
+        """Each local rank's (seconds since its last sign of life, its step): the per-rank
+        view the coordinator does not keep (``memckpt status --ranks``)."""
+        return self.uplink.detail()
 
     def rank_ready(self, rank: int, gen: int, step: int, holders: list[str]) -> bool:
         """``rank``'s shard of ``step`` is placed (False: join first)."""
@@ -447,7 +385,7 @@ class ReplicaStore:
         return nbytes
 
     def address(self, host: Optional[str] = None) -> tuple[str, int]:
-        """Where workers stream shards to (:mod:`memckpt.runtime.node.transport`); started on first use."""
+        """Where workers stream shards to (:mod:`memckpt.runtime.node.shard_server`); started on first use."""
         with self._lock:
             if self._server is None:
                 if host is None:
@@ -483,7 +421,7 @@ class ReplicaStore:
             out.setdefault(rank, set()).add(step)
         return {r: sorted(s) for r, s in out.items()}
 
-    def largest_shard(self) -> Optional[tuple[int, list, int]]:
+    def largest_shard(self) -> Optional[tuple[int, list[list[Any]], int]]:
         """(file bytes, tensor table, data bytes) of the largest complete shard this node
         holds, own or replica: what a spare prepares a restore for (``Worker.prefault``)."""
         sized = []
@@ -513,7 +451,7 @@ class ReplicaStore:
 
     def read(self, rank: int, step: int) -> np.ndarray:
         """The verified bytes of ``rank``'s shard at ``step`` (a Ray call; restores stream
-        them over :mod:`memckpt.runtime.node.transport` instead, see :meth:`serve_bytes`)."""
+        them over :mod:`memckpt.runtime.node.shard_server` instead, see :meth:`serve_bytes`)."""
         path = self.locate(rank, step)
         return fmt.open_shard(self.serve_bytes(rank, step), str(path)).raw
 
@@ -538,7 +476,7 @@ class ReplicaStore:
         or resized the job; called once the new layout has committed a step, so no
         recovery reads the old layout again). Returns the folders removed (``own/rank2``,
         ...) and the bytes freed."""
-        keep = {"own": {int(r) for r in own}, "replicas": {int(r) for r in replicas}}
+        keep = {OWN: {int(r) for r in own}, REPLICAS: {int(r) for r in replicas}}
         removed, freed = [], 0
         with self._lock:
             for sub, ranks in keep.items():

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Optional
+from dataclasses import replace
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from memckpt.policy.liveness import LATE_BEATS, ProcSample, StarvationCredit, net_silence
 from memckpt.runtime.node import procstat
 from memckpt.runtime.node.aggregator import Heartbeat, NodeAggregator
 
-COMMIT_GROUP = "commit"  # the store's concurrency group for ranks waiting on a commit
 COMMIT_WAITERS = 64  # its threads: a node's ranks waiting at once (more just queue)
 COMMIT_WAIT_S = 5.0  # the coordinator holds a node_ready / wait_commit this long at most
 KEEP_ANSWERS = 4  # commit answers kept per generation (a few steps in flight)
@@ -83,13 +83,17 @@ class Uplink:
         self._thread: Optional[threading.Thread] = None
         self._closed = threading.Event()
         self._beat: Optional[tuple[int, Any]] = None  # (gen, ref of the answer) of the last beat
+        self._spoke_at = float("-inf")  # when a batch or metrics last went (a sign of life)
 
     # -- called by the node's ranks -------------------------------------------------------
     def join(self, rank: int, gen: int, ranks: Iterable[int], coordinator: Any,
              interval_s: float, pid: Optional[int] = None,
-             timeout_s: Optional[float] = None) -> bool:
+             timeout_s: Optional[float] = None,
+             holders: Optional[Sequence[str]] = None) -> bool:
         """``rank`` (process ``pid``) starts generation ``gen`` with ``ranks`` on this node;
-        ``interval_s``, ``timeout_s``: the job's heartbeat settings. False: fenced."""
+        ``interval_s``, ``timeout_s``: the job's heartbeat settings; ``holders``: the nodes
+        its spec places its shards on (its readiness is judged against them here; without
+        them, where it placed goes to the coordinator to judge). False: fenced."""
         with self._cond:
             if gen < self.floor:
                 return False
@@ -99,7 +103,7 @@ class Uplink:
             if held and self.coordinator is not None:
                 # the ended generation's summaries still held: the coordinator keeps their
                 # losses for the steps the new one resumed from
-                self.coordinator.ended_metrics.remote(self.node, old, held)
+                self.coordinator.ended_metrics.remote(self.node, old, tuple(held))
             if gen > old:
                 self._pids.clear()
                 self._credits.clear()
@@ -109,6 +113,8 @@ class Uplink:
                 self.timeout_s = timeout_s or self.timeout_s
                 if pid is not None:
                     self._pids[rank] = pid
+                if holders is not None:
+                    self.agg.expect(rank, gen, holders)
                 self.agg.beat(rank, gen, -1, self.clock())  # alive from its own join
             if self._thread is None:
                 self._thread = threading.Thread(target=self._beat_loop, daemon=True,
@@ -129,8 +135,8 @@ class Uplink:
                 return False
             batch = self.agg.ready(rank, gen, step, holders, self.clock())
             if batch is not None:
-                ref = self.coordinator.node_ready.remote(self.node, gen, step, batch.ranks,
-                                                         batch.metrics, COMMIT_WAIT_S)
+                ref = self.coordinator.node_ready.remote(self.node, batch, COMMIT_WAIT_S)
+                self._spoke_at = self.clock()
                 self._answers[(gen, step)] = ref
                 for key in sorted(self._answers)[:-KEEP_ANSWERS]:
                     del self._answers[key]
@@ -144,7 +150,8 @@ class Uplink:
                 return False
             out = self.agg.report(rank, gen, step, metrics, snapshotted, self.clock())
             if out:
-                self.coordinator.node_metrics.remote(self.node, gen, out)
+                self.coordinator.node_metrics.remote(self.node, gen, tuple(out))
+                self._spoke_at = self.clock()
         return True
 
     def beat(self, rank: int, gen: int, step: int) -> bool:
@@ -188,7 +195,8 @@ class Uplink:
         with self._cond:
             if gen != self.agg.gen or gen < self.floor or self.coordinator is None:
                 return False
-            ref = self.coordinator.node_metrics.remote(self.node, gen, self.agg.take_held())
+            ref = self.coordinator.node_metrics.remote(self.node, gen,
+                                                       tuple(self.agg.take_held()))
         try:
             self.get(ref, timeout_s)
         except TimeoutError:
@@ -217,15 +225,32 @@ class Uplink:
         with self._cond:
             self._fence_if_refused()
             now = self.clock()
-            hb = self.agg.heartbeat(now)
+            hb = self.agg.heartbeat(now, self.late_s)
             coordinator = self.coordinator
             if (hb is None or coordinator is None or hb.gen < self.floor
-                    or self._closed.is_set()):
+                    or self._closed.is_set() or self._said_enough(hb, now, ram)):
                 return False
-            beats = self._net_of_starvation(hb, now)
-            self._beat = (hb.gen, coordinator.node_heartbeat.remote(self.node, hb.gen, beats,
-                                                                    hb.metrics, ram))
+            hb = replace(hb, late=self._net_of_starvation(hb, now), ram=ram)
+            self._beat = (hb.gen, coordinator.node_heartbeat.remote(self.node, hb))
         return True
+
+    def _said_enough(self, hb: Heartbeat, now: float, ram: Optional[tuple[int, int]]) -> bool:
+        """A batch or metrics went within the interval and the heartbeat would add nothing
+        (no late rank, no metrics held, no footprint due): it is skipped, so a node stepping
+        once a second sends one message a second, not three."""
+        return (now - self._spoke_at < self.interval_s and not hb.late and not hb.metrics
+                and ram is None)
+
+    @property
+    def late_s(self) -> float:
+        """A rank silent this long is named in the heartbeat (and its process sampled for
+        CPU starvation); well inside the timeout, so no hung rank goes unnamed."""
+        return min(LATE_BEATS * self.interval_s, self.timeout_s / 2)
+
+    def detail(self) -> dict[int, tuple[float, int]]:
+        """Every local rank's (age of its last sign of life, step): ``status --ranks``."""
+        with self._cond:
+            return self.agg.detail(self.clock())
 
     def _footprint_if_due(self) -> Optional[tuple[int, int]]:
         """(RAM held, budget) when the next heartbeat should carry them, else None: measured
@@ -242,16 +267,15 @@ class Uplink:
             return None
 
     def _net_of_starvation(self, hb: Heartbeat, now: float) -> dict[int, tuple[float, int]]:
-        """``hb``'s ages, each late rank's less what its process waited for a CPU since it
+        """``hb``'s late ranks' ages, each less what its process waited for a CPU since it
         went late (its process sampled once an interval while it stays late). The first
         time that saves a rank from the timeout in a generation, the job's events say so."""
-        late = LATE_BEATS * self.interval_s
-        beats = dict(hb.beats)
-        for rank in [r for r in self._credits if beats.get(r, (0.0, 0))[0] <= late]:
+        beats = dict(hb.late)
+        for rank in [r for r in self._credits if r not in beats]:
             del self._credits[rank]  # it beat again
-        for rank, (age, step) in hb.beats.items():
+        for rank, (age, step) in hb.late.items():
             pid = self._pids.get(rank)
-            if age <= late or pid is None:
+            if pid is None:
                 continue
             sample = self.sample(pid)
             if sample is None:

@@ -1,2 +1,3 @@
-"""Operator tools beside the processes: fault injection, a local multi-node cluster, the
-client that finds a running job's coordinator."""
+"""Operator tools beside the processes: a local multi-node cluster and the client that finds
+a running job's coordinator (fault injection, which runs inside the job's own processes,
+is :mod:`memckpt.runtime.chaos`)."""

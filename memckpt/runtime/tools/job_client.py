@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Optional
+from typing import Any, Mapping, Optional, Union
 
 from memckpt.errors import ConfigError, MemckptError
 
@@ -64,7 +64,7 @@ def connect(address: str = "auto") -> None:
         raise ConfigError(f"{where} ({type(e).__name__}); {_FIX}") from None
 
 
-def fetch_status(job: str, address: str = "auto") -> dict:
+def fetch_status(job: str, address: str = "auto") -> dict[str, Any]:
     """The coordinator's status of the running job ``job`` (see ``Coordinator.status``)."""
     import ray
 
@@ -76,3 +76,27 @@ def fetch_status(job: str, address: str = "auto") -> dict:
         raise MemckptError(f"no running memckpt job named {job!r} on this cluster; pass --job "
                            "with the config's job_name") from None
     return ray.get(coord.status.remote(), timeout=30)
+
+
+def fetch_rank_detail(stores: Mapping[str, str],
+                      timeout_s: float = 10.0) -> dict[str, Union[dict[int, tuple[float, int]], str]]:
+    """Each node's ranks' (age of the last sign of life, step), asked of its replica store
+    (``stores``: node -> the store actor's name, as the coordinator's status has them); a
+    store that does not answer in ``timeout_s`` gets the reason instead."""
+    import ray
+
+    from memckpt.runtime.coordinator.state_store import COORDINATOR_NAMESPACE
+    refs: dict[str, Any] = {}
+    out: dict[str, Union[dict[int, tuple[float, int]], str]] = {}
+    for node, name in stores.items():
+        try:
+            refs[node] = ray.get_actor(name, namespace=COORDINATOR_NAMESPACE).rank_detail.remote()
+        except ValueError:
+            out[node] = "its store is gone (the node was lost?)"
+    for node, ref in refs.items():
+        try:
+            out[node] = {int(r): (float(a), int(s)) for r, (a, s) in
+                         ray.get(ref, timeout=timeout_s).items()}
+        except Exception as e:  # noqa: BLE001 - one store's silence is a line, not a crash
+            out[node] = f"its store did not answer ({type(e).__name__})"
+    return out

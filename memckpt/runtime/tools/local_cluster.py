@@ -31,7 +31,10 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from types import MappingProxyType
+from pathlib import Path
 from typing import Any, Iterator, Optional
+
+from memckpt.util.fsutil import write_atomic
 
 # A dead raylet refuses the check at once: declared dead after ~threshold x period (0.8 s).
 # A live raylet that stalls is declared dead only after ~threshold x (period + timeout)
@@ -142,7 +145,7 @@ class LocalCluster:
         store, agents); the raylet last."""
         from ray._private import ray_constants
 
-        from memckpt.runtime.tools.faults import process_tree
+        from memckpt.runtime.chaos.faults import process_tree
         raylets = self.nodes[node_id].all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
         return [pid for info in raylets for pid in process_tree(info.process.pid)]
 
@@ -151,7 +154,7 @@ class LocalCluster:
         whole process tree (workers, store actor, agents) first, then Ray's bookkeeping."""
         from ray._private import ray_constants
 
-        from memckpt.runtime.tools.faults import kill_process_tree
+        from memckpt.runtime.chaos.faults import kill_process_tree
         node = self.nodes.pop(node_id)
         for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
             kill_process_tree(info.process.pid)
@@ -226,10 +229,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "temp_dir": c.temp_dir}
     print(json.dumps(info), flush=True)
     if a.ready_file:
-        tmp = a.ready_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(info, f)
-        os.replace(tmp, a.ready_file)
+        write_atomic(Path(a.ready_file), json.dumps(info).encode())
     try:
         stop.wait()
     finally:

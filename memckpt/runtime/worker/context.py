@@ -16,11 +16,12 @@ steps due for persisting go to the rank's :class:`~memckpt.persist.uploader.Pers
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import os
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -33,15 +34,19 @@ from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnaps
 from memckpt.persist.catalog import protect
 from memckpt.persist.uploader import Persister
 from memckpt.engine.populate import MIN_BYTES, POOL
-from memckpt.runtime.tools.faults import SIGNALS, STEADY_WAIT_S
+from memckpt.runtime.chaos.faults import STEADY_WAIT_S, named_signal
 from memckpt.runtime.worker.rank_checkpointer import RankCheckpointer
-from memckpt.runtime.node.replica_store import node_dir, own_dir, scan
+from memckpt.runtime.wire.ram_files import node_dir, own_dir, scan
 from memckpt.runtime.worker.node_link import NodeLink
 from memckpt.runtime.worker.replicator import Replicator
+from memckpt.runtime.worker.result import RestoreReport
 from memckpt.runtime.worker.spec import RestoreInstruction, WorkerSpec
-from memckpt.runtime.node.transport import StoreConnection
+from memckpt.runtime.wire.data_plane import StoreConnection
 from memckpt.format.state import TrainState, restore_allocations
 from memckpt.checkpointer import RestoreAndStep
+
+if TYPE_CHECKING:
+    import torch
 
 
 class StopTraining(BaseException):
@@ -81,7 +86,8 @@ class WorkerContext(RestoreAndStep):
         self.replicator.on_committed = self._committed
         self.last_step = -1
         self._state: Optional[TrainState] = None
-        self.restore_seconds: dict[str, float] = {}
+        # what this generation's restore took (None: a fresh start), in the worker's result
+        self.restore_report: Optional[RestoreReport] = None
 
     def _sealed(self, step: int, _path: Path) -> None:
         self.replicator.queue.put(step)
@@ -137,11 +143,12 @@ class WorkerContext(RestoreAndStep):
         if instr is not None:
             t0 = time.perf_counter()
             self.ckpt.restored_report = None
+            self.restore_report = RestoreReport()
             try:
                 step = self._load(state, instr)
             finally:
                 POOL.clear()  # what the restore did not take
-            self.restore_seconds["fetch_and_load_s"] = time.perf_counter() - t0
+            restored = self._timings(fetch_and_load_s=time.perf_counter() - t0)
             report = self.ckpt.restored_report
             if self.rank == 0 and report is not None and "loss" in report:
                 # The step's own summary may have gone with the generation the failure
@@ -154,7 +161,7 @@ class WorkerContext(RestoreAndStep):
             self.spec.coordinator.log_event.remote("restored", {
                 "rank": self.rank, "gen": self.generation, "step": step,
                 "source": self.restore_source,
-                "seconds": round(self.restore_seconds["fetch_and_load_s"], 4)})
+                "seconds": round(restored.fetch_and_load_s, 4)})
             self.ckpt.resume_at(step)
         if instr is not None and instr.reshard is None and self.ckpt.holds(step):
             # Its own slot holds the step (a process restarted on its node, or a peer's copy
@@ -162,16 +169,22 @@ class WorkerContext(RestoreAndStep):
             # sent it from there; those that have it skip it (the store compares checksums).
             if not instr.placed:
                 self._sealed(step, self.ckpt.directory)
-                self.restore_seconds["recopied"] = 1.0
+                self._timings(recopied=True)
         else:
             # Copy the restored state out again so this rank's copies match the placement.
             t0 = time.perf_counter()
             self._snapshot(state, step, report)
             if instr is not None:
-                self.restore_seconds["resnapshot_s"] = time.perf_counter() - t0
-                self.restore_seconds["recopied"] = 1.0
+                self._timings(resnapshot_s=time.perf_counter() - t0, recopied=True)
         self.last_step = step
         return step
+
+    def _timings(self, **measured: Any) -> RestoreReport:
+        """Set ``measured`` (fields of :class:`RestoreReport`) on the restore under way's
+        report; returns it."""
+        self.restore_report = dataclasses.replace(self.restore_report or RestoreReport(),
+                                                  **measured)
+        return self.restore_report
 
     def _load(self, state: TrainState, instr: RestoreInstruction) -> int:
         import ray
@@ -203,8 +216,7 @@ class WorkerContext(RestoreAndStep):
                     shard = self.ckpt.install(instr.step, partial(self._fetch, conn, instr.step),
                                               source)  # verified
                     # install = slot allocation + fetch (timed in _fetch) + verification
-                    self.restore_seconds.update(connect_s=t1 - t0,
-                                                install_s=time.perf_counter() - t1)
+                    self._timings(connect_s=t1 - t0, install_s=time.perf_counter() - t1)
                 finally:
                     conn.close()
                 step = self.ckpt.load_shard(state, shard, source)
@@ -250,9 +262,8 @@ class WorkerContext(RestoreAndStep):
         t0 = time.perf_counter()
         raw = conn.fetch(self.rank, step, timed_into)
         # the transfer alone; allocating the new slot's memory is timed apart
-        self.restore_seconds["fetch_s"] = time.perf_counter() - t0 - alloc[0]
-        self.restore_seconds["slot_alloc_s"] = alloc[0]
-        self.restore_seconds["fetch_bytes"] = float(len(raw))
+        self._timings(fetch_s=max(0.0, time.perf_counter() - t0 - alloc[0]),
+                      slot_alloc_s=alloc[0], fetch_bytes=len(raw))
         return raw
 
     def _load_persisted(self, state: TrainState, instr: RestoreInstruction) -> int:
@@ -296,7 +307,7 @@ class WorkerContext(RestoreAndStep):
         self.restore_source = (f"ram:{instr.from_size}->{self.world_size} ranks, "
                                f"{source.bytes_read} bytes from "
                                + ", ".join(n[:12] for n in nodes))
-        self.restore_seconds["fetch_bytes"] = float(source.bytes_read)
+        self._timings(fetch_bytes=int(source.bytes_read))
         if dist.is_initialized():
             # every rank has read the old shards before any overwrites them with the new layout
             dist.barrier()
@@ -310,7 +321,7 @@ class WorkerContext(RestoreAndStep):
             raise NoSnapshotError(f"this node holds no shard of rank {self.rank} at step {step}")
         return list(held.values())
 
-    def restore_allocations(self) -> list:
+    def restore_allocations(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """What a restore of this rank's newest snapshot creates (see :data:`POOL`); none
         when the state lives on GPUs."""
         if self.config.workers.gpus_per_worker:
@@ -350,7 +361,7 @@ class WorkerContext(RestoreAndStep):
             if not ray.get(self.spec.coordinator.claim.remote(fault.key, wait)):
                 continue
             if fault.self_inflicted:
-                os.kill(os.getpid(), SIGNALS[fault.signal])
+                os.kill(os.getpid(), named_signal(fault.signal))
             else:  # several ranks, node, store, coordinator, random: the driver acts
                 ray.get(self.spec.coordinator.request_fault.remote(fault.key))
                 ray.get(self.spec.coordinator.wait_fault.remote(fault.key, 60.0))

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from memckpt.errors import MemckptError
 from memckpt.policy.step_metrics import increments, without_counters
-from memckpt.runtime.node.uplink import COMMIT_GROUP
+from memckpt.runtime.wire.calls import COMMIT_GROUP
 from memckpt.runtime.worker.spec import WorkerSpec
 
 WAIT_S = 5.0  # one wait for a commit answer
@@ -66,7 +66,8 @@ class NodeLink:
             failure = spec.config.failure
             self._joined = bool(ray.get(self.store.join.remote(
                 spec.rank, spec.gen, list(spec.node_ranks), spec.coordinator,
-                failure.heartbeat_interval_s, os.getpid(), failure.heartbeat_timeout_s),
+                failure.heartbeat_interval_s, os.getpid(), failure.heartbeat_timeout_s,
+                list(spec.holders)),
                 timeout=CALL_S))
             if self._joined:  # a restarted store lost what it held: this rank's reports again
                 kept = list(self._kept)

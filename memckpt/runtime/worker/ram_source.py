@@ -1,6 +1,6 @@
 """The RAM copies of a running job as a :class:`~memckpt.format.dcp_reader.ShardSource`: the
 replica stores holding a committed step serve byte ranges of each shard
-(:meth:`memckpt.runtime.node.transport.StoreConnection.fetch_range`), so a restore into
+(:meth:`memckpt.runtime.wire.data_plane.StoreConnection.fetch_range`), so a restore into
 another world size or layout reads only what overlaps its new chunks."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 
 from memckpt.format.dcp_reader import ShardSource
 from memckpt.errors import MemckptError, NoSnapshotError
-from memckpt.runtime.node.transport import StoreConnection
+from memckpt.runtime.wire.data_plane import StoreConnection
 
 
 class ReplicaSource(ShardSource):
@@ -24,11 +24,12 @@ class ReplicaSource(ShardSource):
         missing = [r for r in range(world_size) if not holders.get(r)]
         if missing:
             raise NoSnapshotError(f"no store holds the shards of ranks {missing} at step {step}")
-        self.holders = {r: [tuple(a) for a in holders[r]] for r in range(world_size)}
+        # (host, port) pairs, as tuples (a list from JSON cannot key a dict)
+        self.holders = {r: [(a[0], a[1]) for a in holders[r]] for r in range(world_size)}
         self.timeout_s = timeout_s
-        self._conns: dict[tuple, StoreConnection] = {}
+        self._conns: dict[tuple[str, int], StoreConnection] = {}
 
-    def _conn(self, address: tuple) -> StoreConnection:
+    def _conn(self, address: tuple[str, int]) -> StoreConnection:
         if address not in self._conns:
             self._conns[address] = StoreConnection(address, self.timeout_s)
         return self._conns[address]

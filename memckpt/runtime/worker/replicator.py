@@ -1,5 +1,5 @@
 """A rank's replicator: each sealed snapshot streamed to the rank's replica holders over
-TCP (:mod:`memckpt.runtime.node.transport`), reported through the rank's node's store
+TCP (:mod:`memckpt.runtime.wire.data_plane`), reported through the rank's node's store
 (:mod:`memckpt.runtime.worker.node_link`), and marked committed once the coordinator says
 every rank's copies are placed."""
 
@@ -15,7 +15,7 @@ from memckpt.errors import ChecksumError, MemckptError
 from memckpt.runtime.worker.node_link import NodeLink
 from memckpt.runtime.worker.spec import WorkerSpec
 from memckpt.runtime.worker.rank_checkpointer import RankCheckpointer
-from memckpt.runtime.node.transport import StoreConnection
+from memckpt.runtime.wire.data_plane import StoreConnection
 
 RETRIES = 5  # tries per replica holder before the replication fails
 

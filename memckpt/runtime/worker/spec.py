@@ -4,9 +4,12 @@ failure, where its shard of the resumed step is."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from memckpt.config import Config
+
+if TYPE_CHECKING:
+    from memckpt.runtime.chaos.faults import Fault
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class WorkerSpec:
     stores: dict[str, Any]  # node id -> ReplicaStore actor handle
     coordinator: Any
     restore: Optional[RestoreInstruction]
-    faults: tuple = ()  # memckpt.runtime.tools.faults.Fault: fired from inside the step, exactly at at_step
+    faults: tuple[Fault, ...] = ()  # fired from inside the step, exactly at at_step
     resized: bool = False  # this generation runs at another world size than the last
     # every rank placement put on this rank's node this generation (its own included): its
     # node's store reports them together (memckpt.runtime.worker.node_link); () reports alone

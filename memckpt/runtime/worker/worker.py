@@ -8,6 +8,7 @@ memory a restore fills ready (:meth:`Worker.prefault`).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -24,9 +25,10 @@ from memckpt.config import Config
 from memckpt.engine.buffers import allocated_bytes, resolve_ram_root
 from memckpt.engine.populate import MIN_BYTES, POOL, HostReserve, spare_budget
 from memckpt.policy.footprint import budget_bytes, spare_room
-from memckpt.runtime.node.replica_store import node_dir
+from memckpt.runtime.wire.ram_files import node_dir
 from memckpt.runtime.worker.context import StopTraining, WorkerContext
 from memckpt.runtime.worker.node_link import NodeLink
+from memckpt.runtime.worker.result import ReplicationTotals, WorkerInfo, WorkerResult
 from memckpt.runtime.worker.spec import RestoreInstruction, WorkerSpec
 from memckpt.format.state import restore_allocations
 
@@ -186,7 +188,7 @@ class Worker:
         if ctx is not None and spec is not None and spec.gen == gen:
             ctx.abort()
 
-    def prefault(self, shard: Optional[tuple[int, list, int]]) -> int:
+    def prefault(self, shard: Optional[tuple[int, list[list[Any]], int]]) -> int:
         """A spare, once the job's shards exist: prepare the memory a restore of ``shard``
         fills (file bytes, tensor table, data bytes: the job's largest shard, from
         :meth:`memckpt.runtime.node.replica_store.ReplicaStore.largest_shard`; the spare may take
@@ -212,7 +214,7 @@ class Worker:
             with self._takeover:
                 self._prefaulting -= 1
 
-    def _prefault(self, shard: tuple[int, list, int]) -> int:
+    def _prefault(self, shard: tuple[int, list[list[Any]], int]) -> int:
         nbytes, table, data_len = shard
         vm = psutil.virtual_memory()
         layout = fmt.Layout.from_json(table, data_len, "the job's largest shard")
@@ -240,12 +242,11 @@ class Worker:
             return 0
         return POOL.nbytes + self.reserve.nbytes
 
-    def info(self) -> dict[str, Any]:
-        return {"rank": self.spec.rank if self.spec else None, "pid": os.getpid(),
-                "node_id": self.node_id}
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.spec.rank if self.spec else None, os.getpid(), self.node_id)
 
     def run(self, train_fn: Callable[[WorkerContext], Any], master: tuple[str, int],
-            spec: WorkerSpec) -> dict[str, Any]:
+            spec: WorkerSpec) -> WorkerResult:
         import datetime
 
         import torch
@@ -257,9 +258,11 @@ class Worker:
             if self.spec is None:  # a spare taking over: its pool stays as far as it got
                 POOL.stop()
             self.spec, self.ctx = spec, None
-        ahead: list = []  # what the next generation's restore will create
+        # what the next generation's restore will create
+        ahead: list[tuple[tuple[int, ...], torch.dtype]] = []
         self.reserve.release()  # a spare's reserve: its pages serve the restore below
-        self.coordinator.register.remote(spec.rank, spec.gen, self.info())
+        # the coordinator keeps it in its state as the dict it always was (memckpt kill reads it)
+        self.coordinator.register.remote(spec.rank, spec.gen, dataclasses.asdict(self.info()))
         self.link = NodeLink(spec, self.node_id).start()
         self._running.set()
         torch.set_num_threads(max(1, int(spec.config.workers.cpus_per_worker)))
@@ -279,19 +282,19 @@ class Worker:
             try:
                 result = train_fn(self.ctx)
             except StopTraining as stop:
-                return {"rank": spec.rank, "digest": None, "result": None, "stopped": stop.step,
-                        "restore": self.ctx.restore_seconds, "source": None}
+                return WorkerResult(spec.rank, stopped=stop.step,
+                                    restore=self.ctx.restore_report)
             except BaseException as e:
                 release_frames(e)
                 # a failed generation: the next one restores this rank (see POOL)
                 ahead = self.ctx.restore_allocations()
                 raise
             self.ctx.finish()
-            return {"rank": spec.rank, "digest": self.ctx.digest(), "result": result,
-                    "restore": self.ctx.restore_seconds,
-                    "source": self.ctx.restore_source,
-                    "replication": {"sent_bytes": self.ctx.replicator.bytes_sent,
-                                    "filled_bytes": self.ctx.replicator.bytes_filled}}
+            return WorkerResult(spec.rank, result, self.ctx.digest(),
+                                restore=self.ctx.restore_report,
+                                source=self.ctx.restore_source,
+                                replication=ReplicationTotals(self.ctx.replicator.bytes_sent,
+                                                              self.ctx.replicator.bytes_filled))
         finally:
             self._running.clear()
             if self.ctx is not None:

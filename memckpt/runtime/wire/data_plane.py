@@ -1,4 +1,7 @@
-"""Shard data plane: a worker streams a sealed shard straight into a peer store's file.
+"""The shard data plane's wire: a worker streams a sealed shard straight into a peer store's
+file, and pulls one back for a restore. This module holds the protocol both ends speak and
+the worker's end (:class:`StoreConnection`); the store's end is
+:class:`memckpt.runtime.node.shard_server.ShardServer`.
 
 Ray's object transfer between nodes copies a shard several times on its way
 (into the sender's object store, across, out of the receiver's object store,
@@ -37,8 +40,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import threading
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -57,29 +59,15 @@ _ERRORS: dict[str, type[MemckptError]] = {
                                   StaleGenerationError, SupersededPutError)}
 
 
-class Receiver(Protocol):
-    """What the server needs from a store (see :class:`memckpt.runtime.node.replica_store.ReplicaStore`)."""
-
-    def begin(self, rank: int, step: int, nbytes: int, checksum: str, gen: int = -1) -> int: ...
-
-    def receive(self, ticket: int, offset: int, nbytes: int,
-                fill: Callable[[memoryview], None]) -> int: ...
-
-    def fill_local(self, ticket: int, chunks: fmt.Chunks) -> list[int]: ...
-
-    def finish(self, ticket: int) -> str: ...
-
-    def serve_bytes(self, rank: int, step: int) -> np.ndarray: ...
-
-
 # -- framing ------------------------------------------------------------------------------------
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
+    recv_into(sock, memoryview(buf))
     return bytes(buf)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError if the peer closes first."""
     got = 0
     while got < len(view):
         n = sock.recv_into(view[got:])
@@ -100,20 +88,21 @@ def recv_msg(sock: socket.socket) -> dict[str, Any]:
     return json.loads(_recv_exact(sock, n))
 
 
-def _tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket) -> None:
+    """The socket options both ends set: no Nagle delay, large buffers."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
 
 
-def _pieces(offset: int, nbytes: int) -> Iterator[tuple[int, int]]:
+def pieces(offset: int, nbytes: int) -> Iterator[tuple[int, int]]:
     """``offset .. offset+nbytes`` in RECV_CHUNK pieces (the receiver re-checks its
     generation fence between pieces; the sender checks for cancellation)."""
     for off in range(offset, offset + nbytes, RECV_CHUNK):
         yield off, min(RECV_CHUNK, offset + nbytes - off)
 
 
-def _spans(nbytes: int, chunks: Optional[fmt.Chunks], filled: list[int]) -> list[tuple[int, int]]:
+def spans(nbytes: int, chunks: Optional[fmt.Chunks], filled: list[int]) -> list[tuple[int, int]]:
     """(offset, length) of the parts of a shard's ``nbytes`` bytes that cross the wire:
     everything but the ``filled`` chunks, adjacent parts merged."""
     if chunks is None or not filled:
@@ -138,7 +127,7 @@ def _chunks_msg(chunks: Optional[fmt.Chunks]) -> Optional[dict[str, Any]]:
                                         "digests": list(chunks.digests)}
 
 
-def _chunks_of(msg: Any, nbytes: int) -> Optional[fmt.Chunks]:
+def chunks_of(msg: Any, nbytes: int) -> Optional[fmt.Chunks]:
     """The chunk table of a put request, if it sent a usable one."""
     try:
         chunks = fmt.Chunks(int(msg["data_offset"]), int(msg["chunk_bytes"]),
@@ -152,106 +141,14 @@ def _chunks_of(msg: Any, nbytes: int) -> Optional[fmt.Chunks]:
     return chunks
 
 
-def _refusal(e: MemckptError) -> dict[str, Any]:
+def refusal(e: MemckptError) -> dict[str, Any]:
+    """A store's answer that refuses a request with ``e`` (raised again on the sender)."""
     return {"ok": False, "error": type(e).__name__, "message": str(e)}
 
 
 def _raise_from(reply: dict[str, Any]) -> None:
     if not reply.get("ok"):
         raise _ERRORS.get(reply.get("error", ""), MemckptError)(reply.get("message", "store error"))
-
-
-# -- server (inside a store) --------------------------------------------------------------------
-class ShardServer:
-    """Accepts shard streams for ``store`` on ``host``; one thread per connection."""
-
-    def __init__(self, store: Receiver, host: str) -> None:
-        self.store = store
-        self._sock = socket.create_server((host, 0), backlog=64)
-        self.address: tuple[str, int] = (host, self._sock.getsockname()[1])
-        self._closed = False
-        threading.Thread(target=self._accept, name="memckpt-shard-server", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            _tune(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="memckpt-shard-conn",
-                             daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while True:
-                try:
-                    req = recv_msg(conn)
-                except (ConnectionError, OSError, ValueError):
-                    return  # the sender went away (or a stale generation's connection closed)
-                try:
-                    self._one(conn, req)
-                except (ConnectionError, OSError):
-                    return  # mid-shard: the slot stays incomplete, nobody trusts it
-
-    def _one(self, conn: socket.socket, req: dict[str, Any]) -> None:
-        if req.get("op") == "fetch":
-            return self._send(conn, int(req["rank"]), int(req["step"]), req.get("offset"),
-                              req.get("length"))
-        return self._put(conn, req)
-
-    def _send(self, conn: socket.socket, rank: int, step: int, offset: Optional[int] = None,
-              length: Optional[int] = None) -> None:
-        """Serve a held shard's bytes, or a range of them (unverified here: the fetching
-        worker verifies)."""
-        try:
-            raw = self.store.serve_bytes(rank, step)
-        except MemckptError as e:
-            return send_msg(conn, _refusal(e))
-        if offset is not None:
-            start = max(0, int(offset))
-            raw = raw[start: start + max(0, int(length or 0))]
-        send_msg(conn, {"ok": True, "nbytes": len(raw)})
-        conn.sendall(memoryview(raw).cast("B"))
-
-    def _put(self, conn: socket.socket, req: dict[str, Any]) -> None:
-        """Receive one shard: go-ahead (or refusal), bytes, verified acknowledgement."""
-        rank, step, nbytes, gen = int(req["rank"]), int(req["step"]), int(req["nbytes"]), int(req["gen"])
-        try:
-            ticket = self.store.begin(rank, step, nbytes, req["checksum"], gen)
-        except MemckptError as e:
-            return send_msg(conn, _refusal(e))
-        chunks = _chunks_of(req.get("chunks"), nbytes)
-        filled = self.store.fill_local(ticket, chunks) if ticket and chunks else []
-        send_msg(conn, {"ok": True, "send": bool(ticket), "filled": filled})
-        if ticket:
-            send_msg(conn, self._receive(conn, ticket, _spans(nbytes, chunks, filled)))
-
-    def _receive(self, conn: socket.socket, ticket: int,
-                 spans: list[tuple[int, int]]) -> dict[str, Any]:
-        error: Optional[MemckptError] = None
-        for off, n in (piece for span in spans for piece in _pieces(*span)):
-            if error is not None:  # keep the stream in step: read and drop the rest
-                _recv_into(conn, memoryview(bytearray(n)))
-                continue
-            try:
-                self.store.receive(ticket, off, n, lambda view: _recv_into(conn, view))
-            except MemckptError as e:  # refused before reading: drop this piece, then the rest
-                error = e
-                _recv_into(conn, memoryview(bytearray(n)))
-        if error is None:
-            try:
-                return {"ok": True, "checksum": self.store.finish(ticket)}
-            except MemckptError as e:
-                error = e
-        return _refusal(error)
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.close()
-        except OSError:
-            pass
 
 
 # -- client (inside a worker) -------------------------------------------------------------------
@@ -262,7 +159,7 @@ class StoreConnection:
     def __init__(self, address: tuple[str, int], timeout_s: float = 120.0) -> None:
         self.address = (str(address[0]), int(address[1]))
         self._sock = socket.create_connection(self.address, timeout=timeout_s)
-        _tune(self._sock)
+        tune(self._sock)
 
     def send(self, rank: int, step: int, raw: np.ndarray, checksum: str, gen: int,
              cancelled: Callable[[], bool] = lambda: False,
@@ -279,8 +176,8 @@ class StoreConnection:
             return 0
         view = memoryview(raw).cast("B")
         sent = 0
-        for span in _spans(len(view), chunks, [int(i) for i in go.get("filled", ())]):
-            for off, n in _pieces(*span):
+        for span in spans(len(view), chunks, [int(i) for i in go.get("filled", ())]):
+            for off, n in pieces(*span):
                 if cancelled():
                     self.close()  # the store drops the half-received slot
                     raise ConnectionError("replication cancelled")
@@ -300,7 +197,7 @@ class StoreConnection:
         _raise_from(head)
         nbytes = int(head["nbytes"])
         out = into(nbytes) if into is not None else np.empty(nbytes, dtype=np.uint8)
-        fmt.fill_flagged(out, 0, nbytes, lambda view: _recv_into(self._sock, view))
+        fmt.fill_flagged(out, 0, nbytes, lambda view: recv_into(self._sock, view))
         return out[:nbytes]
 
     def fetch_range(self, rank: int, step: int, offset: int, length: int) -> np.ndarray:
@@ -312,7 +209,7 @@ class StoreConnection:
         head = recv_msg(self._sock)
         _raise_from(head)
         out = np.empty(int(head["nbytes"]), dtype=np.uint8)
-        _recv_into(self._sock, memoryview(out))
+        recv_into(self._sock, memoryview(out))
         return out
 
     def close(self) -> None:

@@ -9,20 +9,24 @@ under it (its workers, store and object store) at once.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
-from memckpt.config import SIGNALS as CHAOS_SIGNALS, ChaosEvent
+from memckpt.config import ChaosEvent
 
 STEADY_WAIT_S = 120.0  # how long a steady fault waits for the job's standby
 
-# the chaos signals a config may name, and CONT, which wakes a STOPped process
-SIGNALS = {name: signal.Signals[f"SIG{name}"] for name in (*CHAOS_SIGNALS, "CONT")}
+
+def named_signal(name: str) -> signal.Signals:
+    """The signal a fault or ``memckpt kill`` names: one of :data:`memckpt.config.SIGNALS`
+    (``KILL``, ``STOP``, ``TERM``), or ``CONT``, which wakes a STOPped process."""
+    return signal.Signals[f"SIG{name}"]
 
 
 def _on_node(node_id: str):
@@ -116,7 +120,7 @@ def send_signals(targets: Sequence[tuple[str, int]], sig: str = "KILL",
     back from a freeze is killed then, and nobody waits on it meanwhile."""
     import ray
     task = ray.remote(num_cpus=0, max_retries=0)(_signal_task)
-    refs = [task.options(scheduling_strategy=_on_node(node)).remote(pid, SIGNALS[sig])
+    refs = [task.options(scheduling_strategy=_on_node(node)).remote(pid, named_signal(sig))
             for node, pid in targets]
     if not wait:
         return []
@@ -134,28 +138,32 @@ def kill_node(node_id: str) -> None:
         pass  # the task's own worker may die with the raylet before it replies
 
 
-@dataclass
-class Fault:
-    """At ``at_step`` (first time any rank reports it), hit ``target``. ``steady``: the rank
-    that fires it first waits (up to ``STEADY_WAIT_S``) until the job is in standby, every
-    node's warm spare up with its memory in hand, as a job is after its first minute; a
-    benchmark measures recovery there, not against spares still starting.
+@dataclass(frozen=True)
+class Fault(ChaosEvent):
+    """A fault the runtime fires: a :class:`memckpt.config.ChaosEvent` (the same fields,
+    checked the same way), from the config's chaos schedule or a :class:`FaultInjector`.
+    At ``step`` (:attr:`at_step`: the first time any rank reports it), hit ``target``.
+    ``steady``: the rank that fires it first waits (up to ``STEADY_WAIT_S``) until the job
+    is in standby, every node's warm spare up with its memory in hand, as a job is after its
+    first minute; a benchmark measures recovery there, not against spares still starting.
 
     ``ranks``: several ranks' workers (or nodes) at once, signalled by the driver in the
     same instant. ``during``: not at a step but in that phase of the first recovery once
-    training reached ``at_step`` (:data:`memckpt.config.CHAOS_PHASES`), fired by the driver."""
+    training reached ``at_step`` (:data:`memckpt.config.CHAOS_PHASES`), fired by the driver.
 
-    at_step: int
-    target: str = "worker"  # worker | node | store | coordinator | random
-    rank: Optional[int] = None  # the rank, or (node, store) the rank's node
-    signal: str = "KILL"
-    steady: bool = False
-    ranks: tuple[int, ...] = ()  # worker, node: these ranks at once (instead of rank)
-    during: Optional[str] = None  # plan | start | restore: in that phase of a recovery
+    One thing more than a config's event: a worker fault may name no rank
+    (``FaultInjector.kill_worker(rank=None)``), and the runtime picks one still running."""
 
-    @staticmethod
-    def from_chaos(ev: ChaosEvent) -> "Fault":
-        return Fault(ev.step, ev.target, ev.rank, ev.signal, ev.steady, ev.ranks, ev.during)
+    NEEDS_RANK: ClassVar[tuple[str, ...]] = ("node", "store")
+
+    @classmethod
+    def from_chaos(cls, ev: ChaosEvent) -> "Fault":
+        return cls(**{f.name: getattr(ev, f.name) for f in dataclasses.fields(ev)})
+
+    @property
+    def at_step(self) -> int:
+        """The step it fires at (``step``)."""
+        return self.step
 
     @property
     def victims(self) -> tuple[Optional[int], ...]:
@@ -239,7 +247,7 @@ class FaultInjector:
 
     faults: list[Fault] = field(default_factory=list)
     node_killer: Optional[Callable[[str], None]] = None
-    fired: list[dict] = field(default_factory=list)
+    fired: list[dict[str, Any]] = field(default_factory=list)
 
     def kill_worker(self, rank: Optional[int], at_step: int, signal: str = "KILL",
                     steady: bool = False, during: Optional[str] = None) -> "FaultInjector":
