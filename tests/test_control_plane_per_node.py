@@ -51,21 +51,16 @@ class Counted(dict):
         self._read()
         return super().__contains__(k)
 
-    def __iter__(self) -> Any:
-        self._read(len(self))
-        return super().__iter__()
 
-    def items(self) -> Any:
-        self._read(len(self))
-        return super().items()
+def _walk(name: str) -> Any:
+    def walk(self: Counted) -> Any:
+        self._read(len(self))  # a walk reads every record
+        return getattr(dict, name)(self)
+    return walk
 
-    def keys(self) -> Any:
-        self._read(len(self))
-        return super().keys()
 
-    def values(self) -> Any:
-        self._read(len(self))
-        return super().values()
+for _name in ("__iter__", "items", "keys", "values"):
+    setattr(Counted, _name, _walk(_name))
 
 
 def job(tmp_path, nodes: int, per_node: int) -> tuple[Coordinator, SimJob, Clock]:

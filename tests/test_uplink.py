@@ -167,13 +167,20 @@ def test_a_thawed_nodes_batch_is_answered_stale_and_commits_nothing(coordinator)
     assert coordinator.c.s.committed is None and coordinator.c.received["node_ready"] == 0
 
 
-def test_the_heartbeat_names_only_late_ranks_and_the_store_keeps_every_age(coordinator):
-    now = [100.0]
+def timed_link(handle: LoopHandle, now: list[float], interval_s: float) -> Uplink:
+    """Node a's uplink on the clock ``now[0]``, its ranks joined with their holders (the
+    job's heartbeat timeout 4 s: a rank is late after min(2 intervals, 2 s))."""
     up = Uplink("a", clock=lambda: now[0], get=get, sample=lambda pid: None)
     OPEN.append(up)
     for r in NODES["a"]:
-        assert up.join(r, 0, NODES["a"], coordinator, interval_s=60.0, timeout_s=4.0,
+        assert up.join(r, 0, NODES["a"], handle, interval_s=interval_s, timeout_s=4.0,
                        holders=HOLDERS[r])
+    return up
+
+
+def test_the_heartbeat_names_only_late_ranks_and_the_store_keeps_every_age(coordinator):
+    now = [100.0]
+    up = timed_link(coordinator, now, interval_s=60.0)
     for r in NODES["a"]:
         up.beat(r, 0, 7)
     assert up.heartbeat_once()
@@ -265,11 +272,7 @@ def test_a_batch_stands_in_for_the_heartbeat_that_would_say_nothing_more(coordin
     message a step, not three), and the coordinator counts the batch as its sign of life;
     a late rank, or an interval with nothing sent, brings the heartbeat back."""
     now = [100.0]
-    up = Uplink("a", clock=lambda: now[0], get=get, sample=lambda pid: None)
-    OPEN.append(up)
-    for r in NODES["a"]:
-        assert up.join(r, 0, NODES["a"], coordinator, interval_s=0.5, timeout_s=4.0,
-                       holders=HOLDERS[r])
+    up = timed_link(coordinator, now, interval_s=0.5)
     assert up.heartbeat_once()  # nothing sent yet: it beats
     coordinator.call("status")  # (taken: one loop, in order)
     beat_at = coordinator.c.alive.node_beats["a"][0]

@@ -22,8 +22,7 @@ from memckpt.runtime.ray_nodes import alive_node_ids, on_node
 from memckpt.runtime.coordinator.coordinator import (COORDINATOR_NAMESPACE, Coordinator,
                                                      GcsStateStore, coordinator_name)
 from memckpt.runtime.node.replica_store import ReplicaStore
-from memckpt.runtime.node.uplink import COMMIT_WAITERS
-from memckpt.runtime.wire.calls import COMMIT_GROUP
+from memckpt.runtime.wire.calls import COMMIT_GROUP, COMMIT_WAITERS
 
 
 def failure_domains(config: Config, nodes: Iterable[str],

@@ -6,12 +6,12 @@ Threads. The store is a threaded actor. Calls that record (``rank_ready``, ``rep
 ``beat``, ``join``) only take a lock and submit a Ray call without waiting on it: they
 never block its default threads, which serve replica writes and restores. A rank that
 waits for its commit answer calls ``wait_commit`` in the store's own concurrency group
-(:data:`COMMIT_GROUP`): the batch's ``node_ready`` call returns the answer (the coordinator
-holds it until the step commits, up to :data:`COMMIT_WAIT_S`), and every waiter of that
-step ``ray.get``s the same reference. A wait never holds the lock, and the call that
-completes a batch is never queued behind waiters, so however many ranks a node has,
-readiness gets through. Every wait is bounded: a rank whose store or coordinator does not
-answer fails loudly (:mod:`memckpt.runtime.worker.node_link`).
+(:data:`~memckpt.runtime.wire.calls.COMMIT_GROUP`): the batch's ``node_ready`` call
+returns the answer (the coordinator holds it until the step commits, up to
+:data:`COMMIT_WAIT_S`), and every waiter of that step ``ray.get``s the same reference. A
+wait never holds the lock, and the call that completes a batch is never queued behind
+waiters, so however many ranks a node has, readiness gets through. Every wait is bounded:
+a rank whose store or coordinator does not answer fails loudly (:mod:`memckpt.runtime.worker.node_link`).
 
 The coordinator is the handle a rank passed at ``join`` (its ``WorkerSpec``'s): Ray
 restarts the coordinator in place behind the same named handle, and calls in flight are
@@ -38,7 +38,6 @@ from memckpt.policy.liveness import LATE_BEATS, ProcSample, StarvationCredit, ne
 from memckpt.runtime.node import procstat
 from memckpt.runtime.node.aggregator import Heartbeat, NodeAggregator
 
-COMMIT_WAITERS = 64  # its threads: a node's ranks waiting at once (more just queue)
 COMMIT_WAIT_S = 5.0  # the coordinator holds a node_ready / wait_commit this long at most
 KEEP_ANSWERS = 4  # commit answers kept per generation (a few steps in flight)
 FOOTPRINT_EVERY_S = 5.0  # the node's RAM held and budget ride a heartbeat at most this often

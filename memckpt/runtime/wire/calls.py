@@ -4,3 +4,4 @@ them when it starts the store (:mod:`memckpt.runtime.driver.actors`), the store 
 (:mod:`memckpt.runtime.worker.node_link`)."""
 
 COMMIT_GROUP = "commit"  # the store's concurrency group for ranks waiting on a commit
+COMMIT_WAITERS = 64  # its threads: a node's ranks waiting at once (more just queue)
