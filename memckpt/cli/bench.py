@@ -37,8 +37,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "reshard": ("memckpt.bench.reshard.command",
                 "restore FSDP2 state of 4 ranks into 2 and 3 (disk, RAM) vs dcp.load of the same"),
     "control-plane": ("memckpt.bench.control_plane.command",
-                      "the real coordinator in-process at 64..4096 simulated ranks: CPU, "
-                      "messages and state bytes per step, commit latency, plan time"),
+                      "the real coordinator in its own process, driven as a job drives it "
+                      "(one Uplink a node, held commit waits, the driver's polls, pickled "
+                      "calls) at 1,024..16,384 simulated ranks: CPU, messages and bytes per "
+                      "step, commit latency, plan time"),
     "trainer": ("memckpt.bench.trainer.command",
                 "the Hugging Face Trainer: save_steps=1 vs memckpt every step; "
                 "resume_from_checkpoint vs memckpt's resume"),
