@@ -13,6 +13,7 @@ from typing import Any
 from memckpt.bench.control_plane.sim import LATE_S, SimJob
 from memckpt.runtime.coordinator.coordinator import Coordinator, MemoryStateStore
 from memckpt.runtime.coordinator.readiness import Membership
+from memckpt.runtime.ray_nodes import WorkerInfo
 
 TIMEOUT_S = 5.0
 
@@ -76,7 +77,7 @@ def job(tmp_path, nodes: int, per_node: int) -> tuple[Coordinator, SimJob, Clock
     async def start() -> None:
         await c.configure(0, assignment, holders, None, {n: f"store-{n}" for n in names})
         for r in range(ranks):
-            await c.register(r, 0, {"rank": r})
+            await c.register(r, 0, WorkerInfo(r, 1000 + r, assignment[r]))
         sim.join(0)
         clock.now += 1.0
         await sim.heartbeats(0, -1)

@@ -5,6 +5,7 @@ real Coordinator in-process, an in-memory state store, a plain inventory functio
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Optional
 
@@ -12,6 +13,7 @@ from memckpt.runtime.coordinator.job_state import JobState, StopRequest
 from memckpt.runtime.coordinator.coordinator import (REBUILD_RETRY_S, REGISTER_DEBOUNCE_S,
                                                      Coordinator, Inventory, proven_ready)
 from memckpt.runtime.coordinator.coordinator import MemoryStateStore as MemoryState
+from memckpt.runtime.ray_nodes import WorkerInfo
 
 PER_NODE = 8
 
@@ -70,7 +72,7 @@ async def step(c: Coordinator, ranks: int, gen: int, s: int,
 
 async def register_all(c: Coordinator, ranks: int, clock: Clock, every_s: float) -> None:
     for r in range(ranks):
-        await c.register(r, 0, {"rank": r, "pid": 100 + r, "node_id": "x"})
+        await c.register(r, 0, WorkerInfo(r, 100 + r, "x"))
         clock.now += every_s
 
 
@@ -201,6 +203,45 @@ def test_a_state_an_older_version_wrote_loads_and_unknown_keys_are_dropped():
     assert (s.gen, s.committed, s.stop) == (2, 7, StopRequest(5, "stop"))
     assert s.fired == [] and s.fault_requests == {} and not s.standby
     assert JobState.load(s.dump()) == s
+
+
+def test_workers_and_elastic_keep_their_json():
+    """A saved state's workers are the plain dicts every version wrote (``memckpt kill`` reads
+    them from the status): they load as WorkerInfo records and are written back the same; a
+    malformed one is dropped (its rank registers again). ``elastic`` is JSON as it was."""
+    saved = {"gen": 1, "workers": {"0": {"rank": 0, "pid": 11, "node_id": "n0"},
+                                   "1": {"rank": 1}},
+             "elastic": {"world_size": 2, "num_workers": 3, "min_workers": 2, "grow": True,
+                         "last_resize": {"from": 3, "to": 2, "step": 5, "why": "node lost",
+                                         "sources": {"2": ["ram:n1"]}}}}
+    s = JobState.load(json.dumps(saved).encode())
+    assert s.workers == {"0": WorkerInfo(0, 11, "n0")}
+    assert json.loads(s.dump())["workers"] == {"0": {"rank": 0, "pid": 11, "node_id": "n0"}}
+    assert json.loads(s.dump())["elastic"] == saved["elastic"]
+    assert s.as_dict()["workers"]["0"]["pid"] == 11
+
+
+def test_status_is_the_json_it_was(tmp_path):
+    """``status()``: JobState's fields then the live ones, in the order they always came;
+    ``register`` takes the typed record, ``set_elastic`` updates the keys it names."""
+    from memckpt.runtime.coordinator.messages import ElasticInfo
+    _, _, c = fresh(tmp_path, PER_NODE)
+
+    async def run() -> dict:
+        await configure(c, PER_NODE)
+        await c.register(3, 0, WorkerInfo(3, 1234, "n0"))
+        await c.set_elastic(ElasticInfo(world_size=8, num_workers=8, min_workers=4, grow=True))
+        await c.set_elastic(ElasticInfo(pending_growth=8))
+        return dict(await c.status())
+
+    status = asyncio.run(run())
+    assert list(status)[:17] == [f.name for f in dataclasses.fields(JobState)]
+    assert list(status)[17:] == ["units", "snapshots", "node_beats", "heartbeats", "node_ram",
+                                 "refused_stale"]
+    assert status["workers"] == {"3": {"rank": 3, "pid": 1234, "node_id": "n0"}}
+    assert status["elastic"] == {"world_size": 8, "num_workers": 8, "min_workers": 4,
+                                 "grow": True, "pending_growth": 8}
+    json.dumps(status)  # JSON-ready as it is
 
 
 def test_proven_ready_needs_own_node_and_every_holder():

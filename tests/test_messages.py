@@ -22,8 +22,9 @@ from memckpt.runtime.worker.result import (ReplicationTotals, RestoreReport, Wor
 
 DRIVER = Path(__file__).resolve().parent.parent / "memckpt" / "runtime" / "driver"
 MESSAGES = (WorkerResult, RestoreReport, WorkerInfo, ReplicationTotals, Failure)
-# keys other dicts the driver reads also have: a store's ping answers with its "pid"; the
-# recovery's own record (the run summary's) carries "fault_at" and "detected_at"
+# keys other dicts the driver reads also have: a strike's details (a TypedDict, the
+# fault_injected event's fields) carry the "pid" hit; the recovery's own record (the run
+# summary's) carries "fault_at" and "detected_at"
 SHARED_KEYS = {"pid", "fault_at", "detected_at"}
 
 
@@ -129,6 +130,33 @@ def test_json_edges_keep_their_keys() -> None:
     assert json.loads(json.dumps(dataclasses.asdict(ReplicationTotals(10, 4)))) == {
         "sent_bytes": 10, "filled_bytes": 4}
     assert dataclasses.asdict(WorkerInfo(0, 99, "n1")) == {"rank": 0, "pid": 99, "node_id": "n1"}
+
+
+def test_the_json_shapes_spell_their_records() -> None:
+    """Where a record goes out as JSON (the coordinator's status, its saved state), the
+    TypedDict its readers are checked against names the record's fields, no more, no less."""
+    from memckpt.runtime.coordinator.job_state import JobState, StopRequest
+    from memckpt.runtime.coordinator.messages import (CoordinatorStatus, JobStateFields,
+                                                      LivenessStatus, StopFields, UnitStatus)
+    from memckpt.runtime.coordinator.steps import UnitProgress
+    from memckpt.runtime.ray_nodes import Whereabouts, WorkerInfoFields
+
+    def names(cls: Any) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    assert list(WorkerInfoFields.__annotations__) == names(WorkerInfo)
+    assert list(JobStateFields.__annotations__) == names(JobState)
+    assert list(StopFields.__annotations__) == names(StopRequest)
+    assert list(UnitStatus.__annotations__) == names(UnitProgress) + ["age_s"]
+    assert set(CoordinatorStatus.__annotations__) == (
+        set(names(JobState)) | set(LivenessStatus.__annotations__)
+        | {"units", "snapshots", "node_ram", "refused_stale"})
+    assert UnitProgress(3, 2, 0.5, 10.0).status(12.0) == {
+        "step": 3, "ranks": 2, "stall_max_s": 0.5, "time": 10.0, "landed": 0.0,
+        "requested": 0.0, "age_s": 2.0}
+    assert pickle.loads(pickle.dumps(Whereabouts("n", 7))) == Whereabouts("n", 7)
+    with pytest.raises(ValueError, match="pid"):
+        Whereabouts("n", -1)
 
 
 def test_failure_checks_its_values() -> None:

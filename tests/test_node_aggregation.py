@@ -417,3 +417,25 @@ def test_the_loss_before_the_resumed_step_refused_with_its_generation_is_taken_b
     # a batch of the generation just ended, arriving after the restore, is taken at once
     asyncio.run(c.node_metrics("n0", 1, batch))
     assert c.steps.losses["2"] == loss[2]
+
+
+def test_a_node_that_only_ever_sent_batches_is_named_once_it_stops(tmp_path):
+    """Steps faster than the heartbeat interval: a store's batches stand in for its
+    heartbeats, so it may never send one. Its batches alone keep it alive, and when they
+    stop it is named frozen after the timeout like any node (not after the start-up one)."""
+    c, sim, _, clock = job(tmp_path)
+    asyncio.run(sim.step(0, 1))
+    assert asyncio.run(c.liveness(TIMEOUT_S, 100 * TIMEOUT_S)) == ([], [])
+    assert c.alive.ranks == {}  # every node spoke: none of its ranks is watched alone
+    last, frozen = clock.now, "n3"
+    for step in range(2, 100):
+        clock.now += INTERVAL_S / 5
+        for name, node in sim.nodes.items():
+            if name != frozen:
+                asyncio.run(node.reports(0, step))
+                asyncio.run(node.send_ready(node.ready(0, step), 0.0))
+        ranks, nodes = asyncio.run(c.liveness(TIMEOUT_S, 100 * TIMEOUT_S))
+        if nodes:
+            break
+    assert nodes == [frozen] and ranks == sim.nodes[frozen].ranks
+    assert TIMEOUT_S < clock.now - last <= TIMEOUT_S + INTERVAL_S

@@ -14,7 +14,7 @@ import pytest
 import memckpt
 from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, NoSnapshotError, PlacementError, SupersededPutError
-from memckpt.runtime.node.replica_store import ReplicaStore, StaleGenerationError
+from memckpt.runtime.node.replica_store import Freed, ReplicaStore, StaleGenerationError
 from memckpt.runtime.wire.ram_files import node_dir, own_dir
 from conftest import STORE_JOB as JOB, STORE_NODE as NODE
 
@@ -386,15 +386,15 @@ def test_keep_only_frees_the_ranks_a_new_layout_does_not_serve(ram_root, store, 
 
     out = store.keep_only(own=[1], replicas=[0])
 
-    assert sorted(out["removed"]) == ["own/rank2", "replicas/rank2"]
-    assert out["freed_bytes"] == before - store.memory()["held_bytes"] > 0
+    assert sorted(out.removed) == ["own/rank2", "replicas/rank2"]
+    assert out.freed_bytes == before - store.memory()["held_bytes"] > 0
     assert not (directory / "rank2").exists()
     assert store.inventory() == {0: [3], 1: [3]}
     assert np.array_equal(store.read(1, 3), own[1][0])
     assert np.array_equal(store.read(0, 3), shards[3][0])
     with pytest.raises(NoSnapshotError):
         store.read(2, 3)
-    assert store.keep_only(own=[1], replicas=[0]) == {"removed": [], "freed_bytes": 0}
+    assert store.keep_only(own=[1], replicas=[0]) == Freed((), 0)
 
 
 def test_memory_reports_held_bytes(store, shards):

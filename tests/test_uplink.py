@@ -268,16 +268,17 @@ def test_a_stores_held_losses_of_an_ended_generation_reach_the_coordinator_for_t
 
 
 def test_a_batch_stands_in_for_the_heartbeat_that_would_say_nothing_more(coordinator):
-    """A node that sent its step's batch within the interval skips the heartbeat (one
-    message a step, not three), and the coordinator counts the batch as its sign of life;
-    a late rank, or an interval with nothing sent, brings the heartbeat back."""
+    """A node that sent its step's batch within its quiet time (a quarter of the timeout,
+    1 s here) skips the heartbeat (one message a step, not three), and the coordinator
+    counts the batch as its sign of life; a late rank, or that long with nothing sent,
+    brings the heartbeat back."""
     now = [100.0]
     up = timed_link(coordinator, now, interval_s=0.5)
     assert up.heartbeat_once()  # nothing sent yet: it beats
     coordinator.call("status")  # (taken: one loop, in order)
     beat_at = coordinator.c.alive.node_beats["a"][0]
     for step in range(1, 10):
-        now[0] += 0.4
+        now[0] += 0.9
         for r in NODES["a"]:
             up.beat(r, 0, step)
             assert up.rank_ready(r, 0, step, HOLDERS[r])
@@ -286,7 +287,10 @@ def test_a_batch_stands_in_for_the_heartbeat_that_would_say_nothing_more(coordin
     assert coordinator.c.received["node_heartbeat"] == 1
     assert coordinator.c.received["node_ready"] == 9
     assert coordinator.c.alive.node_beats["a"][0] > beat_at  # the batches kept it alive
-    now[0] += 0.5  # an interval with nothing sent
+    assert up.quiet_s == 1.0
+    now[0] += 0.9  # not quite quiet long enough
+    assert not up.heartbeat_once()
+    now[0] += 0.1
     assert up.heartbeat_once()
     now[0] += 2.1
     for r in (0, 2):  # rank 1 went quiet: its store names it although a batch goes

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
 from memckpt.policy.footprint import human_bytes
 from memckpt.runtime.tools.job_client import fetch_rank_detail, fetch_status
+
+if TYPE_CHECKING:  # the coordinator's answer, as the coordinator defines it
+    from memckpt.runtime.coordinator.messages import CoordinatorStatus, NodeRam
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +30,7 @@ def ram_line(held: int, budget: int) -> str:
     return f"RAM held {human_bytes(held)} of budget {human_bytes(budget)}{share}"
 
 
-def ram_lines(node_ram: dict, live: Optional[Iterable[str]] = None) -> list[str]:
+def ram_lines(node_ram: Mapping[str, NodeRam], live: Optional[Iterable[str]] = None) -> list[str]:
     """One line per node of what memckpt holds in its RAM (the coordinator's ``node_ram``:
     node -> held, budget, peak bytes), the ``live`` nodes only when given."""
     keep = None if live is None else set(live)
@@ -39,7 +42,7 @@ def ram_lines(node_ram: dict, live: Optional[Iterable[str]] = None) -> list[str]
     return out
 
 
-def format_status(job: str, s: dict, now: float) -> str:
+def format_status(job: str, s: CoordinatorStatus, now: float) -> str:
     """The human view of a coordinator's status (``memckpt status`` without ``--json``)."""
     lines = [f"job {job}: generation {s['gen']}, committed step {s['committed']}, "
              f"coordinator restarts {s['restarts_of_coordinator']}",
@@ -110,12 +113,11 @@ def format_ranks(assignment: dict, detail: dict) -> str:
 
 def main(args: argparse.Namespace) -> int:
     s = fetch_status(args.job, args.address)
-    if args.ranks:
-        s["ranks"] = fetch_rank_detail(s.get("stores") or {})
-    if args.json:
-        print(json.dumps(s, indent=1, default=str))
+    ranks = fetch_rank_detail(s.get("stores") or {}) if args.ranks else None
+    if args.json:  # --ranks: the stores' answers under "ranks", after the coordinator's keys
+        print(json.dumps(s if ranks is None else dict(s, ranks=ranks), indent=1, default=str))
         return 0
     print(format_status(args.job, s, time.time()))
-    if args.ranks:
-        print(format_ranks(s["assignment"], s["ranks"]))
+    if ranks is not None:
+        print(format_ranks(s["assignment"], ranks))
     return 0

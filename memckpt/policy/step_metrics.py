@@ -106,7 +106,10 @@ class StepSummary:
     counters: tuple[tuple[str, float], ...] = ()
 
     def counter(self, key: str) -> float:
-        return dict(self.counters).get(key, 0.0)
+        for k, v in self.counters:  # a few at most
+            if k == key:
+                return v
+        return 0.0
 
 
 def increments(report: Mapping[str, float], last: MutableMapping[str, float]) -> dict[str, float]:

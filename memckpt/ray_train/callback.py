@@ -274,7 +274,7 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
             if strike is not None:
                 self._event("fault_injected", gen=gen, **strike.details())
                 deliver(strike, coordinator=self.coordinator,
-                        store_pid=lambda node: ray.get(self.stores[node].ping.remote())["pid"])
+                        store_pid=lambda node: ray.get(self.stores[node].ping.remote()).pid)
             ray.get(self.coordinator.fault_done.remote(fault.key), timeout=10)
 
     def _prune_old_layout(self) -> None:

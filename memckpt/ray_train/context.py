@@ -15,11 +15,13 @@ import dataclasses
 import os
 import threading
 import time
-from typing import Any, Optional
+from typing import Optional
 
 from memckpt.checkpointer import RestoreAndStep
 from memckpt.errors import ConfigError, MemckptError
+from memckpt.runtime.ray_nodes import WorkerInfo
 from memckpt.runtime.worker.replicator import Replicator
+from memckpt.runtime.worker.context import RankStats
 from memckpt.runtime.worker.worker import RestoreInstruction, WorkerContext, WorkerSpec
 from memckpt.format.state import TrainState
 
@@ -69,7 +71,7 @@ class RayTrainContext(RestoreAndStep):
         self._report = report
         self._reported = spec.restore.step if spec.restore is not None else 0
         spec.coordinator.register.remote(spec.rank, spec.gen,
-                                         {"rank": spec.rank, "pid": os.getpid(), "node_id": node})
+                                         WorkerInfo(spec.rank, os.getpid(), node))
         threading.Thread(target=self._heartbeat, name="memckpt-heartbeat", daemon=True).start()
 
     @property
@@ -81,7 +83,7 @@ class RayTrainContext(RestoreAndStep):
         return self._inner.replicator
 
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> RankStats:
         """See :meth:`memckpt.runtime.worker.context.WorkerContext.stats`."""
         return self._inner.stats()
 

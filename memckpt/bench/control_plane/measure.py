@@ -36,6 +36,7 @@ import time
 from statistics import median, quantiles
 from typing import Any, Callable, Optional, Sequence
 
+from memckpt.runtime.ray_nodes import WorkerInfo
 from memckpt.bench.control_plane import transport
 from memckpt.bench.control_plane.plan import layout, time_plan
 from memckpt.bench.control_plane.sim import rank_metrics
@@ -144,7 +145,7 @@ class Job:
         stores = {n: f"memckpt-store-bench-{n}" for n in self.nodes}
         get(c.configure.remote(0, dict(self.layout.assignment), self.holders, None, stores),
             CALL_TIMEOUT_S)
-        refs = [c.register.remote(r, 0, {"rank": r, "pid": 1000 + r, "node_id": n})
+        refs = [c.register.remote(r, 0, WorkerInfo(rank=r, pid=1000 + r, node_id=n))
                 for n, rs in self.nodes.items() for r in rs]
         for ref in refs:
             get(ref, CALL_TIMEOUT_S)
@@ -202,9 +203,9 @@ def _delta(a: dict[str, Any], b: dict[str, Any], key: str) -> dict[str, float]:
 
 def _detect_frozen(job: Job, driver: Driver, limit_s: float) -> tuple[float, list[int],
                                                                        list[str]]:
-    """One node's store stops beating (its ``Uplink`` closed), the other ranks keep
-    beating: (seconds from its last heartbeat until ``liveness`` named a node, the ranks
-    and nodes named)."""
+    """One node's store goes silent (its ``Uplink`` closed), the other ranks keep
+    beating: (seconds from its last word, a heartbeat or a batch, until ``liveness`` named
+    a node, the ranks and nodes named)."""
     frozen = next(iter(job.nodes))
     driver.watch = frozen
     job.uplinks[frozen].close()

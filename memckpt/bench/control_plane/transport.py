@@ -203,6 +203,10 @@ class Ref:
         self.sent_at = self.taken_at = self.answered_at = self.got_at = 0.0
 
 
+# a node's store's calls, each a sign of life (a batch stands in for a heartbeat)
+NODE_CALLS = ("node_ready", "node_metrics", "node_heartbeat")
+
+
 class _Method:
     __slots__ = ("link", "name")
 
@@ -211,7 +215,7 @@ class _Method:
 
     def remote(self, *args: Any) -> Ref:
         """Pickle the arguments here (as ``.remote()`` does), queue the call, return."""
-        key = args[0] if self.name == "node_heartbeat" and args else None
+        key = args[0] if self.name in NODE_CALLS and args else None
         return self.link.call(self.name, pickle.dumps(args, PROTOCOL), key)
 
 
@@ -242,7 +246,7 @@ class Link:
         self._pending: dict[int, Ref] = {}
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self.log: list[Ref] = []  # the node_ready calls, in the order sent
-        self.last_sent: dict[Any, float] = {}  # node -> when its last heartbeat went
+        self.last_sent: dict[Any, float] = {}  # node -> when it last said anything
         self._ready = Ref("_ready")
         self._pending[0] = self._ready
         self.reader = threading.Thread(target=self._read, daemon=True, name="bench-cp-link-in")
@@ -258,7 +262,7 @@ class Link:
             ref.sent_at = time.monotonic()
             if method == "node_ready":
                 self.log.append(ref)
-            elif key is not None:
+            if key is not None:
                 self.last_sent[key] = ref.sent_at
             self._out.put(f"{cid} {method}\n".encode() + payload)
         return ref

@@ -16,9 +16,12 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Sequence, TypedDict
 
 from memckpt.config import ChaosEvent
+
+if TYPE_CHECKING:
+    from memckpt.runtime.ray_nodes import Whereabouts
 
 STEADY_WAIT_S = 120.0  # how long a steady fault waits for the job's standby
 
@@ -188,6 +191,19 @@ class Fault(ChaosEvent):
             f":during-{self.during}" if self.during else "")
 
 
+class StrikeDetails(TypedDict):
+    """A strike as the ``fault_injected`` event and the injector's record have it: the first
+    rank hit, its node and pid, every rank hit, and the fault's target, signal and phase."""
+
+    target: str
+    rank: int
+    node: str
+    pid: int
+    signal: str
+    ranks: list[int]
+    during: Optional[str]
+
+
 @dataclass(frozen=True)
 class Strike:
     """Whom a fault the runtime carries out hits: its ranks and their (node, pid)."""
@@ -197,11 +213,11 @@ class Strike:
     nodes: tuple[str, ...]
     pids: tuple[int, ...]
 
-    def details(self) -> dict[str, Any]:
+    def details(self) -> StrikeDetails:
         """What the event log and the injector record of it."""
-        return dict(target=self.fault.target, rank=self.ranks[0], node=self.nodes[0],
-                    pid=self.pids[0], signal=self.fault.signal, ranks=list(self.ranks),
-                    during=self.fault.during)
+        return StrikeDetails(target=self.fault.target, rank=self.ranks[0], node=self.nodes[0],
+                             pid=self.pids[0], signal=self.fault.signal, ranks=list(self.ranks),
+                             during=self.fault.during)
 
 
 def aim(fault: Fault, procs: Mapping[int, tuple[str, int]]) -> Optional[Strike]:
@@ -234,8 +250,8 @@ def deliver(strike: Strike, *, store_pid: Callable[[str], int], coordinator: Any
     elif fault.target == "store":
         send_signal(strike.nodes[0], store_pid(strike.nodes[0]), fault.signal)
     elif fault.target == "coordinator":
-        where = ray.get(coordinator.whereabouts.remote())
-        send_signal(where["node_id"], where["pid"], fault.signal)
+        where: Whereabouts = ray.get(coordinator.whereabouts.remote())
+        send_signal(where.node_id, where.pid, fault.signal)
 
 
 @dataclass

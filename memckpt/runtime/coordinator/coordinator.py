@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
 import os
 import time
 from collections import Counter
@@ -60,7 +61,8 @@ from memckpt.persist.catalog import protect
 from memckpt.policy.step_metrics import StepSummary
 from memckpt.runtime.coordinator.drills import DrillCalls
 from memckpt.runtime.coordinator.heartbeats import Liveness
-from memckpt.runtime.coordinator.messages import Heartbeat, Progress, ReadyBatch
+from memckpt.runtime.coordinator.messages import (CoordinatorStatus, ElasticInfo, EventFields,
+                                                  Heartbeat, NodeRam, Progress, ReadyBatch)
 from memckpt.runtime.coordinator.metrics import JobMetrics
 from memckpt.runtime.coordinator.persistence import PersistCalls
 from memckpt.runtime.coordinator.readiness import Membership, PlacementMismatch, Readiness
@@ -69,6 +71,7 @@ from memckpt.runtime.coordinator.steps import StepLog
 from memckpt.runtime.coordinator.state_store import (
     COORDINATOR_NAMESPACE, GcsStateStore, Inventory, InventorySource, MemoryStateStore,
     StateStore, proven_ready, ray_inventory)
+from memckpt.runtime.ray_nodes import WorkerInfo, Whereabouts
 
 __all__ = ["COORDINATOR_NAMESPACE", "Coordinator", "GcsStateStore", "Inventory", "MemoryStateStore",
            "STALE", "StateStore", "View", "coordinator_name", "proven_ready", "ray_inventory"]
@@ -86,6 +89,7 @@ def _at_least(committed: Optional[int], step: int) -> bool:
 REGISTER_DEBOUNCE_S = 1.0  # registrations are written at most once per this many seconds
 REBUILD_TIMEOUT_S = 5.0  # a store that has not answered its inventory by then is skipped
 REBUILD_RETRY_S = 10.0  # a rebuild that proved too little is tried again after this long
+WAKE_BUCKET_S = 0.05  # commit waiters' deadlines are kept to this grain (one timer each)
 
 View = tuple[Optional[int], Optional[int], Optional[str]]  # see Coordinator._commit_view
 STALE: View = (None, None, "stale")  # the answer to a call of an older generation
@@ -124,9 +128,10 @@ class Coordinator(PersistCalls, DrillCalls):
         # restarted, and no step committed since: a rank's shard_ready may have been lost
         self._stale_ready = False
         self._cond = asyncio.Condition()
-        self._moved: Optional[asyncio.Future[None]] = None  # see _wake_commit_waiters
+        # commit waiters, by deadline bucket: a future woken by a commit or at its time
+        self._wakers: dict[float, asyncio.Future[None]] = {}  # see _until_committed
         self.alive = Liveness(clock)  # nodes' heartbeats, ranks named late or heard alone
-        self.node_ram: dict[str, dict[str, int]] = {}  # node -> its RAM held, budget, peak (B)
+        self.node_ram: dict[str, NodeRam] = {}  # node -> its RAM held, budget, peak (B)
         self.received: Counter[str] = Counter()  # node messages taken, by method (tests, bench)
         self._refused_from: set[tuple[str, int]] = set()  # (node, its generation) refused
         self.job_metrics = JobMetrics(job)
@@ -186,7 +191,7 @@ class Coordinator(PersistCalls, DrillCalls):
             self._cond.notify_all()
             self._wake_commit_waiters()
 
-    async def register(self, rank: int, gen: int, info: dict[str, Any]) -> None:
+    async def register(self, rank: int, gen: int, info: WorkerInfo) -> None:
         if gen != self.s.gen:
             return
         self.s.workers[str(rank)] = info
@@ -252,23 +257,38 @@ class Coordinator(PersistCalls, DrillCalls):
 
     def _wake_commit_waiters(self) -> None:
         """A step committed or a generation started: every commit waiter checks again."""
-        moved, self._moved = self._moved, None
-        if moved is not None and not moved.done():
-            moved.set_result(None)
+        wakers, self._wakers = self._wakers, {}
+        for waker in wakers.values():
+            if not waker.done():
+                waker.set_result(None)
+
+    def _waker(self, loop: asyncio.AbstractEventLoop, deadline: float) -> asyncio.Future[None]:
+        """The future a waiter with ``deadline`` awaits: shared by every waiter whose
+        deadline falls in the same WAKE_BUCKET_S, woken by the next commit or at the
+        bucket's end (one timer a bucket, not one a waiter)."""
+        at = math.ceil(deadline / WAKE_BUCKET_S) * WAKE_BUCKET_S
+        waker = self._wakers.get(at)
+        if waker is None:
+            waker = self._wakers[at] = loop.create_future()
+            loop.call_at(at, self._expire, at, waker)
+        return waker
+
+    def _expire(self, at: float, waker: asyncio.Future[None]) -> None:
+        if self._wakers.get(at) is waker:
+            del self._wakers[at]
+        if not waker.done():
+            waker.set_result(None)
 
     async def _until_committed(self, gen: int, step: int, timeout_s: float) -> bool:
-        """Wait until ``step`` is committed or ``gen`` is over; False on timeout. Waiters
-        share one future, woken at each commit, and take no lock: at 512 nodes' batches
-        waiting, a commit answers them all in one pass of the event loop."""
+        """Wait until ``step`` is committed or ``gen`` is over; False on timeout (up to
+        WAKE_BUCKET_S late). Waiters share futures, woken at each commit, and take no lock:
+        at 512 nodes' batches waiting, a commit answers them all in one pass of the loop."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while self.s.gen == gen and not _at_least(self.s.committed, step):
-            left = deadline - loop.time()
-            if left <= 0:
+            if deadline <= loop.time():
                 return False
-            if self._moved is None:
-                self._moved = loop.create_future()
-            await asyncio.wait([self._moved], timeout=left)
+            await self._waker(loop, deadline)
         return True
 
     async def wait_commit(self, gen: int, step: int, timeout_s: float) -> View:
@@ -293,7 +313,7 @@ class Coordinator(PersistCalls, DrillCalls):
                 self._refused(node, gen, batch.metrics)
                 return STALE
             self.received["node_ready"] += 1
-            self.alive.node_spoke(node, step)
+            self.alive.node_spoke(node, step, self.ready.members.node_ranks.get(node, ()))
             self.steps.take(gen, node, batch.metrics, self.world_size, self.s.committed)
             try:
                 self.ready.node(node, batch)
@@ -309,7 +329,8 @@ class Coordinator(PersistCalls, DrillCalls):
             self._refused(node, gen, metrics)
             return
         self.received["node_metrics"] += 1
-        self.alive.node_spoke(node, max((m.step for m in metrics), default=-1))
+        self.alive.node_spoke(node, max((m.step for m in metrics), default=-1),
+                              self.ready.members.node_ranks.get(node, ()))
         self.steps.take(gen, node, metrics, self.world_size, self.s.committed)
 
     async def ended_metrics(self, node: str, gen: int, metrics: tuple[StepSummary, ...]) -> None:
@@ -328,10 +349,11 @@ class Coordinator(PersistCalls, DrillCalls):
         self.received["node_heartbeat"] += 1
         if hb.ram is not None:  # every few seconds: (bytes its memckpt files hold, its budget)
             held, budget = hb.ram
-            peak = self.node_ram.get(node, {}).get("peak", 0)
+            known = self.node_ram.get(node)
+            peak = known["peak"] if known else 0
             if held > peak:  # a new peak (rare: slots are reused once made)
                 self.event("node_ram", node=node, held_bytes=held, budget_bytes=budget)
-            self.node_ram[node] = {"held": held, "budget": budget, "peak": max(peak, held)}
+            self.node_ram[node] = NodeRam(held=held, budget=budget, peak=max(peak, held))
         self.alive.node_beat(node, hb, self.ready.members.node_ranks.get(node, ()))
         self.steps.newest = max(self.steps.newest, hb.top)  # where the job was, between batches
         self.steps.take(gen, node, hb.metrics, self.world_size, self.s.committed)
@@ -424,12 +446,15 @@ class Coordinator(PersistCalls, DrillCalls):
                         self.world_size, self.s.committed)
         self._save_if_due()
 
-    async def set_elastic(self, info: dict[str, Any]) -> None:
-        """The driver: an elastic job's size, last resize and pending growth (for status)."""
-        self.s.elastic = dict(self.s.elastic or {}, **info)
+    async def set_elastic(self, info: ElasticInfo) -> None:
+        """The driver: an elastic job's size, last resize and pending growth (for status);
+        each call updates the keys it names."""
+        elastic = ElasticInfo(**self.s.elastic) if self.s.elastic else ElasticInfo()
+        elastic.update(info)
+        self.s.elastic = elastic
         self._save()
 
-    async def log_event(self, kind: str, fields: dict[str, Any]) -> None:
+    async def log_event(self, kind: str, fields: EventFields) -> None:
         if kind == "failure_detected":  # where the job was: the start of what a resume redoes
             fields = dict(fields, reached_step=self.steps.newest, committed=self.s.committed)
         self.event(kind, **fields)
@@ -449,17 +474,18 @@ class Coordinator(PersistCalls, DrillCalls):
     async def all_losses(self) -> dict[str, float]:
         return self.steps.losses
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self) -> CoordinatorStatus:
         now = time.time()
-        units = {u: dict(vars(p), age_s=now - p.time) for u, p in self.steps.units.items()}
-        return dict(self.s.as_dict(), units=units, snapshots=self.steps.snapshots,
-                    **self.alive.status(), node_ram=self.node_ram,
-                    refused_stale=self.received["stale"])
+        units = {u: p.status(now) for u, p in self.steps.units.items()}
+        return {**self.s.as_dict(), "units": units, "snapshots": self.steps.snapshots,
+                **self.alive.status(), "node_ram": self.node_ram,
+                "refused_stale": self.received["stale"]}
 
-    async def whereabouts(self) -> dict[str, Any]:
+    async def whereabouts(self) -> Whereabouts:
         import ray
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        return Whereabouts(ray.get_runtime_context().get_node_id(), os.getpid())
 
     async def finish(self) -> None:
+        self.steps.flush(self.s.committed)
         self.s.done = True
         self.state.delete()

@@ -12,9 +12,9 @@ they would go stale first and a frozen node be taken for a hung rank.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-from memckpt.runtime.coordinator.messages import Heartbeat
+from memckpt.runtime.coordinator.messages import Heartbeat, LivenessStatus, NodeBeat, RankBeat
 
 
 class Liveness:
@@ -48,14 +48,16 @@ class Liveness:
         if hb.late or node in self.late:
             self.late[node] = {int(r): (now - age, step) for r, (age, step) in hb.late.items()}
 
-    def node_spoke(self, node: str, step: int) -> None:
+    def node_spoke(self, node: str, step: int, ranks: Iterable[int]) -> None:
         """``node``'s store sent a step's batch or metrics: a sign of life like a heartbeat
         (a store sends a heartbeat only when it has said nothing for an interval, or has a
-        late rank to name). Before its first heartbeat of the generation it counts for
-        nothing: that one drops its ranks from those heard alone."""
+        late rank to name; a job stepping faster than the interval may send none at all)."""
         beat = self.node_beats.get(node)
-        if beat is not None:
-            self.node_beats[node] = (self.clock(), max(beat[1], step), beat[2])
+        if beat is None:  # its first sign of the generation speaks for its ranks from now on
+            for r in ranks:
+                self.ranks.pop(r, None)
+            beat = (0.0, -1, 0.0)
+        self.node_beats[node] = (self.clock(), max(beat[1], step), beat[2])
 
     def judge(self, timeout_s: float, startup_timeout_s: float,
               node_ranks: Mapping[str, Iterable[int]]) -> tuple[list[int], list[str]]:
@@ -86,12 +88,12 @@ class Liveness:
         times += [named[r] for r in ranks if r in named]
         return min(times, default=None)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> LivenessStatus:
         """The ``status`` fields: nodes' beats, and the ranks named (late or heard alone)."""
         now = self.clock()
         named = {r: v for late in self.late.values() for r, v in late.items()}
         named.update(self.ranks)
-        return {"node_beats": {n: {"age_s": now - t, "step": s, "oldest_rank_age_s": o}
+        return {"node_beats": {n: NodeBeat(age_s=now - t, step=s, oldest_rank_age_s=o)
                                for n, (t, s, o) in self.node_beats.items()},
-                "heartbeats": {str(r): {"age_s": now - t, "step": s}
+                "heartbeats": {str(r): RankBeat(age_s=now - t, step=s)
                                for r, (t, s) in named.items()}}

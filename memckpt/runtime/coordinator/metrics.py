@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from memckpt.policy.step_metrics import StepSummary
+from memckpt.runtime.coordinator.messages import EventFields
 
 STALL_BUCKETS_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 
@@ -77,12 +77,13 @@ class JobMetrics:
             self._m[name] = m
         self._pending_failure: Optional[str] = None
 
-    def counted(self, summary: StepSummary) -> None:
-        """A step summary's counter increases (:mod:`memckpt.policy.step_metrics`)."""
+    def counted(self, totals: Mapping[str, float]) -> None:
+        """Counter increases summed over some step summaries
+        (:mod:`memckpt.policy.step_metrics`)."""
         for key, name in (("replicated_bytes", "memckpt_replicated_bytes"),
                           ("landed", "memckpt_snapshots_landed"),
                           ("skipped", "memckpt_snapshots_skipped")):
-            delta = summary.counter(key)
+            delta = totals.get(key)
             if delta:
                 self._m[name].inc(float(delta))
 
@@ -97,7 +98,7 @@ class JobMetrics:
         if newest_step >= 0:
             self._m["memckpt_replication_lag_steps"].set(newest_step - (committed or 0))
 
-    def event(self, kind: str, fields: Mapping[str, Any]) -> None:
+    def event(self, kind: str, fields: EventFields) -> None:
         """Failures and recovery timings, from the events the runtime logs. A failure is
         counted once its recovery plan shows whether a node died with it (or when the
         job fails before any plan)."""

@@ -59,11 +59,17 @@ class Membership:
 class _Step:
     nodes: dict[str, int] = field(default_factory=dict)  # node -> its ranks counted ready
     ranks: set[int] = field(default_factory=set)  # ranks counted one by one
+    by_nodes: int = 0  # sum(nodes.values()), kept as batches come: O(1) a batch
+
+    def node(self, node: str, ready: int) -> None:
+        self.by_nodes += ready - self.nodes.get(node, 0)
+        self.nodes[node] = ready
 
     def count(self, rank_node: Mapping[int, str]) -> int:
         # a rank counted alone whose node's batch came too is counted once, with the node
-        alone = sum(1 for r in self.ranks if rank_node.get(r) not in self.nodes)
-        return sum(self.nodes.values()) + alone
+        if not self.ranks:
+            return self.by_nodes
+        return self.by_nodes + sum(1 for r in self.ranks if rank_node.get(r) not in self.nodes)
 
 
 class Readiness:
@@ -93,8 +99,8 @@ class Readiness:
                 "for): its workers' specs and the coordinator disagree; this is a bug in "
                 "memckpt, please report it with the job's events.jsonl")
         named = sum(1 for r, on in batch.placed.items()
-                    if m.rank_node.get(int(r)) == node and m.placed(int(r), on))
-        self._steps.setdefault(batch.step, _Step()).nodes[node] = batch.ready + named
+                    if m.rank_node.get(int(r)) == node and m.placed(int(r), on)) if batch.placed else 0
+        self._steps.setdefault(batch.step, _Step()).node(node, batch.ready + named)
 
     def rank(self, step: int, rank: int, on: Iterable[str]) -> bool:
         """One rank's shard of ``step`` is on ``on`` (no store on its node); False: short

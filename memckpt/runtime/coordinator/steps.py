@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 from memckpt.policy.step_metrics import StallTally, StepSummary, summarize
-from memckpt.runtime.coordinator.messages import Progress
+from memckpt.runtime.coordinator.messages import Progress, UnitStatus
 from memckpt.runtime.coordinator.metrics import JobMetrics
+
+METRICS_EVERY_S = 1.0  # the Ray metrics are fed at most this often
 
 
 @dataclass
@@ -34,6 +36,12 @@ class UnitProgress:
     time: float
     landed: float = 0.0
     requested: float = 0.0
+
+    def status(self, now: float) -> UnitStatus:
+        """As ``memckpt status`` shows it: the fields, and the age of the report at ``now``."""
+        return UnitStatus(step=self.step, ranks=self.ranks, stall_max_s=self.stall_max_s,
+                          time=self.time, landed=self.landed, requested=self.requested,
+                          age_s=now - self.time)
 
 
 class StepLog:
@@ -56,9 +64,13 @@ class StepLog:
         self._pace: deque[tuple[float, int]] = deque(maxlen=64)  # rank 0's (time, step)
         # snapshots due ("requested"), landed and skipped over every rank, the whole job
         self.snapshots: dict[str, float] = {"requested": 0.0, "landed": 0.0, "skipped": 0.0}
+        self._unsent: dict[str, float] = {}  # counter increases not yet in the Ray metrics
+        self._sent_at = float("-inf")
 
     def reset(self) -> None:
         """A generation starts (its losses stay: the file's last line per step wins)."""
+        self.job_metrics.counted(self._unsent)  # the ended generation's counts
+        self._unsent.clear()
         self.units.clear()
         self._at.clear()
         self._covered = 0
@@ -141,12 +153,26 @@ class StepLog:
             if m.has_rank0:
                 self._pace.append((now, step))
             self.newest = max(self.newest, step)
-            for key in self.snapshots:
-                self.snapshots[key] += m.counter(key)
-            self.job_metrics.counted(m)
+            for key, value in m.counters:
+                self._unsent[key] = self._unsent.get(key, 0.0) + value
+                if key in self.snapshots:
+                    self.snapshots[key] += value
             if m.stalls.n:
                 self._record_stalls(gen, m, world_size, now)
+        if now - self._sent_at >= METRICS_EVERY_S:
+            self._send_metrics(now, committed)
+
+    def flush(self, committed: Optional[int]) -> None:
+        """What the Ray metrics have not had yet, now (a generation or the job ends)."""
+        self._send_metrics(time.time(), committed)
+
+    def _send_metrics(self, now: float, committed: Optional[int]) -> None:
+        """The counters and progress to the Ray metrics, at most once per
+        METRICS_EVERY_S: a few calls a second, not a few per node per step."""
+        self.job_metrics.counted(self._unsent)
         self.job_metrics.progress(self.newest, committed)
+        self._unsent.clear()
+        self._sent_at = now
 
     def _advance(self, unit: str, m: StepSummary, now: float) -> None:
         """``unit`` reached ``m.step``: the counters min_step is read from, in O(1)."""

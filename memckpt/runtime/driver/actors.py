@@ -21,7 +21,8 @@ from memckpt.policy.recovery_plan import served_ranks
 from memckpt.runtime.ray_nodes import alive_node_ids, on_node
 from memckpt.runtime.coordinator.coordinator import (COORDINATOR_NAMESPACE, Coordinator,
                                                      GcsStateStore, coordinator_name)
-from memckpt.runtime.node.replica_store import ReplicaStore
+from memckpt.runtime.coordinator.messages import EventFields
+from memckpt.runtime.node.replica_store import Freed, ReplicaStore
 from memckpt.runtime.wire.calls import COMMIT_GROUP, COMMIT_WAITERS
 
 
@@ -137,7 +138,7 @@ def roll_back(stores: Mapping[str, Any], nodes: Iterable[str], step: int, gen: i
 
 def free_unserved(stores: Mapping[str, Any], assignment: Mapping[int, str],
                   holders: Mapping[int, Sequence[str]], skip: Iterable[str] = ()
-                  ) -> dict[str, Any]:
+                  ) -> EventFields:
     """Every live node's store frees the shards of ranks the layout (``assignment``,
     ``holders``) does not give it: after a recovery moved ranks or resized the job, and
     once that layout committed a step past it, those are never read again. ``skip``: nodes
@@ -147,14 +148,14 @@ def free_unserved(stores: Mapping[str, Any], assignment: Mapping[int, str],
     alive = alive_node_ids() - set(skip)
     keep = served_ranks(assignment, holders, [n for n in stores if n in alive])
     refs = {n: stores[n].keep_only.remote(*keep[n]) for n in keep}
-    freed: dict[str, Any] = {}
+    freed: dict[str, Freed] = {}
     for n, ref in refs.items():
         try:
             freed[n[:12]] = ray.get(ref, timeout=30)
         except ray.exceptions.RayError:  # a node lost meanwhile: its RAM went with it
             pass
-    return {"freed_bytes": sum(f["freed_bytes"] for f in freed.values()),
-            "removed": {n: f["removed"] for n, f in freed.items() if f["removed"]}}
+    return {"freed_bytes": sum(f.freed_bytes for f in freed.values()),
+            "removed": {n: list(f.removed) for n, f in freed.items() if f.removed}}
 
 
 def release(config: Config, stores: Mapping[str, Any], coordinator: Any) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Collection, Optional
 
 from memckpt.config import Config
+from memckpt.runtime.coordinator.messages import CoordinatorStatus
 from memckpt.runtime.driver import actors
 from memckpt.runtime.ray_nodes import alive_node_ids, on_node
 
@@ -97,5 +98,5 @@ class ControlPlane:
 
     def fault_time(self, since: float) -> Optional[float]:
         """When the newest fault injected after ``since`` fired (None: none did)."""
-        fired = self.ray.get(self.coordinator.status.remote()).get("fired_at", {})
-        return max((t for t in fired.values() if t > since), default=None)
+        status: CoordinatorStatus = self.ray.get(self.coordinator.status.remote())
+        return max((t for t in status["fired_at"].values() if t > since), default=None)

@@ -29,7 +29,7 @@ from memckpt.policy.recovery_plan import growth_size
 from memckpt.runtime.driver import actors
 from memckpt.runtime.driver.control_plane import ControlPlane, alive_node_ids, eligible_nodes
 from memckpt.runtime.coordinator.coordinator import COORDINATOR_NAMESPACE
-from memckpt.runtime.coordinator.messages import Progress
+from memckpt.runtime.coordinator.messages import ElasticInfo, Progress
 from memckpt.policy.failure import Action, Decision, Observation, State, decide, next_state
 from memckpt.policy.progress import ProgressKey, progress_due
 from memckpt.runtime.chaos.faults import Fault, FaultInjector, aim, deliver
@@ -148,9 +148,9 @@ class Runtime:
                         assignment=assignment, holders=holders, fingerprint=cfg.fingerprint(),
                         kept_workers=reused)
             if cfg.workers.elastic:
-                self.ray.get(self.coordinator.set_elastic.remote({
-                    "world_size": cfg.workers.num_workers, "num_workers": cfg.workers.num_workers,
-                    "min_workers": cfg.workers.min_workers, "grow": cfg.workers.grow}))
+                self.ray.get(self.coordinator.set_elastic.remote(ElasticInfo(
+                    world_size=cfg.workers.num_workers, num_workers=cfg.workers.num_workers,
+                    min_workers=cfg.workers.min_workers, grow=cfg.workers.grow)))
             committed, restore = self.recovery.auto_resume(assignment)
             self._install_signal_handlers()
             while not self.state.terminal:
@@ -442,7 +442,7 @@ class Runtime:
                   "at the next committed step")
         self._event("growth_pending", from_world_size=len(g.workers), to_world_size=size,
                     after_step=committed)
-        self.coordinator.set_elastic.remote({"pending_growth": size})
+        self.coordinator.set_elastic.remote(ElasticInfo(pending_growth=size))
         self.ray.get(self.coordinator.request_stop.remote(committed + 1, STOP))
 
     def _fire(self, fault: Fault, g: Generation) -> None:
@@ -458,7 +458,7 @@ class Runtime:
                              ranks=details["ranks"])
         self._event("fault_injected", **{k: v for k, v in details.items() if k != "pid"})
         deliver(strike, coordinator=self.coordinator, node_killer=self.injector.node_killer,
-                store_pid=lambda node: self.ray.get(self.plane.stores[node].ping.remote())["pid"])
+                store_pid=lambda node: self.ray.get(self.plane.stores[node].ping.remote()).pid)
 
     def _fire_during(self, phase: str, g: Generation) -> None:
         """The faults scheduled for ``phase`` of a recovery (once training reached their

@@ -17,6 +17,7 @@ from memckpt.runtime.driver.actors import failure_domains
 from memckpt.runtime.driver.control_plane import ControlPlane, eligible_nodes
 from memckpt.policy.failure import Decision
 from memckpt.runtime.chaos.faults import send_signal, send_signals
+from memckpt.runtime.coordinator.messages import ElasticInfo, Resize
 from memckpt.runtime.driver.pool import Generation, WorkerPool
 from memckpt.runtime.worker.spec import RestoreInstruction
 
@@ -240,12 +241,13 @@ class Recovery:
         self._roll_back(g, list(cap), plan.step)
         self.left_out = set(self._silent)
         lost = sorted(set(self.pool.worker_nodes.values()) - set(cap))
+        # old rank -> the nodes its chunks are read from (RAM, no storage read)
+        sources = {str(r): [f"ram:{n[:12]}" for n in ns] for r, ns in plan.sources.items()}
         record = {
             "what": failure.what, "died_ranks": list(failure.died), "dead_nodes": lost,
             "resumed_step": plan.step, "resized": {"from": plan.from_size, "to": plan.to_size},
             "why": plan.why, "moved_ranks": [], "in_place_ranks": [],
-            # old rank -> the nodes its chunks are read from (RAM, no storage read)
-            "sources": {str(r): [f"ram:{n[:12]}" for n in ns] for r, ns in plan.sources.items()},
+            "sources": sources,
             "notes": list(plan.notes), "gen": g.gen + 1, "fault_at": failure.fault_at,
             "detected_at": failure.detected_at,
             "phases_s": {"detect": failure.detect_s,
@@ -258,10 +260,10 @@ class Recovery:
         self.plane.event("resized", from_world_size=plan.from_size, to_world_size=plan.to_size,
                          why=plan.why, step=plan.step, sources=record["sources"],
                          assignment=plan.assignment, lost_nodes=lost, gen=g.gen + 1)
-        self.plane.coordinator.set_elastic.remote({
-            "world_size": plan.to_size, "pending_growth": None,
-            "last_resize": {"from": plan.from_size, "to": plan.to_size, "step": plan.step,
-                            "why": plan.why, "sources": record["sources"]}})
+        self.plane.coordinator.set_elastic.remote(ElasticInfo(
+            world_size=plan.to_size, pending_growth=None,
+            last_resize=Resize({"from": plan.from_size, "to": plan.to_size, "step": plan.step,
+                                "why": plan.why, "sources": sources})))
         self._started = time.time()
 
     def _roll_back(self, g: Generation, nodes: list[str], step: int) -> None:

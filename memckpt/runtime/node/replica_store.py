@@ -40,6 +40,7 @@ from memckpt.engine.buffers import RamRegion, allocated_bytes, remove_path, reso
 from memckpt.policy.footprint import RamBudget, budget_bytes
 from memckpt.runtime.node.shard_server import ShardServer
 from memckpt.runtime.node.uplink import Uplink, View
+from memckpt.runtime.ray_nodes import Whereabouts
 from memckpt.runtime.wire.ram_files import (OWN, REPLICAS, find, held, invalidate, node_dir,
                                             peek_step, scan)
 from memckpt.errors import (MemckptError, NoSnapshotError, PlacementError,
@@ -53,6 +54,15 @@ FILL_POLL_S = 0.002
 FILL_WAIT_BACKOFF = 20  # after a wait found nothing: puts of that rank that do not wait
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Freed:
+    """What :meth:`ReplicaStore.keep_only` freed: the folders removed (``own/rank2``, ...)
+    and their bytes."""
+
+    removed: tuple[str, ...]
+    freed_bytes: int
 
 
 @dataclass
@@ -115,8 +125,8 @@ class ReplicaStore:
             raise StaleGenerationError(f"write from generation {gen} refused: the job is at "
                                        f"generation {self.generation}")
 
-    def ping(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "pid": os.getpid()}
+    def ping(self) -> Whereabouts:
+        return Whereabouts(self.node_id, os.getpid())
 
     # -- the node's agent toward the coordinator (memckpt.runtime.node.uplink) --------------
     def join(self, rank: int, gen: int, ranks: list[int], coordinator: Any,
@@ -470,7 +480,7 @@ class ReplicaStore:
                 n += 1
         return n
 
-    def keep_only(self, own: Iterable[int], replicas: Iterable[int]) -> dict[str, Any]:
+    def keep_only(self, own: Iterable[int], replicas: Iterable[int]) -> Freed:
         """Free the shards of every rank this node no longer serves: the own slots of ranks
         not in ``own`` and the replicas of ranks not in ``replicas`` (a recovery moved ranks
         or resized the job; called once the new layout has committed a step, so no
@@ -491,7 +501,7 @@ class ReplicaStore:
                         self._mapped.pop(f, None)
                     remove_path(rank_dir)
                     removed.append(f"{sub}/{rank_dir.name}")
-        return {"removed": removed, "freed_bytes": freed}
+        return Freed(tuple(removed), freed)
 
     def footprint(self) -> tuple[int, int]:
         """(bytes this job's memckpt files hold in this node's RAM: its ranks' slots and the

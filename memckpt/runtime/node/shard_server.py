@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Any, Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Union
 
 import numpy as np
 
 from memckpt.format import shard as fmt
 from memckpt.errors import MemckptError
-from memckpt.runtime.wire.data_plane import (chunks_of, pieces, recv_into, recv_msg, refusal,
-                                             send_msg, spans, tune)
+from memckpt.runtime.wire.data_plane import (GoAhead, PutRequest, Received, Refusal, Request,
+                                             Sending, chunks_of, pieces, recv_into,
+                                             recv_request, refusal, send_msg, spans, tune)
 
 
 class Receiver(Protocol):
@@ -57,7 +58,7 @@ class ShardServer:
         with conn:
             while True:
                 try:
-                    req = recv_msg(conn)
+                    req = recv_request(conn)
                 except (ConnectionError, OSError, ValueError):
                     return  # the sender went away (or a stale generation's connection closed)
                 try:
@@ -65,8 +66,8 @@ class ShardServer:
                 except (ConnectionError, OSError):
                     return  # mid-shard: the slot stays incomplete, nobody trusts it
 
-    def _one(self, conn: socket.socket, req: dict[str, Any]) -> None:
-        if req.get("op") == "fetch":
+    def _one(self, conn: socket.socket, req: Request) -> None:
+        if "op" in req:  # a FetchRequest (a put names no op)
             return self._send(conn, int(req["rank"]), int(req["step"]), req.get("offset"),
                               req.get("length"))
         return self._put(conn, req)
@@ -82,10 +83,11 @@ class ShardServer:
         if offset is not None:
             start = max(0, int(offset))
             raw = raw[start: start + max(0, int(length or 0))]
-        send_msg(conn, {"ok": True, "nbytes": len(raw)})
+        head: Sending = {"ok": True, "nbytes": len(raw)}
+        send_msg(conn, head)
         conn.sendall(memoryview(raw).cast("B"))
 
-    def _put(self, conn: socket.socket, req: dict[str, Any]) -> None:
+    def _put(self, conn: socket.socket, req: PutRequest) -> None:
         """Receive one shard: go-ahead (or refusal), bytes, verified acknowledgement."""
         rank, step, nbytes, gen = int(req["rank"]), int(req["step"]), int(req["nbytes"]), int(req["gen"])
         try:
@@ -94,12 +96,13 @@ class ShardServer:
             return send_msg(conn, refusal(e))
         chunks = chunks_of(req.get("chunks"), nbytes)
         filled = self.store.fill_local(ticket, chunks) if ticket and chunks else []
-        send_msg(conn, {"ok": True, "send": bool(ticket), "filled": filled})
+        go: GoAhead = {"ok": True, "send": bool(ticket), "filled": filled}
+        send_msg(conn, go)
         if ticket:
             send_msg(conn, self._receive(conn, ticket, spans(nbytes, chunks, filled)))
 
     def _receive(self, conn: socket.socket, ticket: int,
-                 spans: list[tuple[int, int]]) -> dict[str, Any]:
+                 spans: list[tuple[int, int]]) -> Union[Received, Refusal]:
         error: Optional[MemckptError] = None
         for off, n in (piece for span in spans for piece in pieces(*span)):
             if error is not None:  # keep the stream in step: read and drop the rest

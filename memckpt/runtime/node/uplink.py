@@ -234,11 +234,20 @@ class Uplink:
         return True
 
     def _said_enough(self, hb: Heartbeat, now: float, ram: Optional[tuple[int, int]]) -> bool:
-        """A batch or metrics went within the interval and the heartbeat would add nothing
-        (no late rank, no metrics held, no footprint due): it is skipped, so a node stepping
-        once a second sends one message a second, not three."""
-        return (now - self._spoke_at < self.interval_s and not hb.late and not hb.metrics
+        """A batch or metrics went within :attr:`quiet_s` and the heartbeat would add
+        nothing (no late rank, no metrics held, no footprint due): it is skipped, so a node
+        stepping at least once a second sends one message a step and no heartbeat."""
+        return (now - self._spoke_at < self.quiet_s and not hb.late and not hb.metrics
                 and ram is None)
+
+    @property
+    def quiet_s(self) -> float:
+        """How long the store may say nothing before a heartbeat goes: a quarter of the
+        job's heartbeat timeout (at least an interval). The coordinator names a node after
+        the timeout of silence, so a live node's last word, never older than this plus one
+        interval, stays well inside it; a frozen node is named as soon as before (the
+        timeout and at most an interval after its last word)."""
+        return max(self.interval_s, self.timeout_s / 4)
 
     @property
     def late_s(self) -> float:

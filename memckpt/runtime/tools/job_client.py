@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 from memckpt.errors import ConfigError, MemckptError
+
+if TYPE_CHECKING:  # at run time imported with Ray, once a job is asked
+    from memckpt.runtime.coordinator.messages import CoordinatorStatus
 
 _FIX = ("start the job first, or pass --address HOST:PORT (or set RAY_ADDRESS) to the head of "
         "the cluster it runs on")
@@ -64,7 +67,7 @@ def connect(address: str = "auto") -> None:
         raise ConfigError(f"{where} ({type(e).__name__}); {_FIX}") from None
 
 
-def fetch_status(job: str, address: str = "auto") -> dict[str, Any]:
+def fetch_status(job: str, address: str = "auto") -> CoordinatorStatus:
     """The coordinator's status of the running job ``job`` (see ``Coordinator.status``)."""
     import ray
 
@@ -75,7 +78,8 @@ def fetch_status(job: str, address: str = "auto") -> dict[str, Any]:
     except ValueError:
         raise MemckptError(f"no running memckpt job named {job!r} on this cluster; pass --job "
                            "with the config's job_name") from None
-    return ray.get(coord.status.remote(), timeout=30)
+    status: CoordinatorStatus = ray.get(coord.status.remote(), timeout=30)
+    return status
 
 
 def fetch_rank_detail(stores: Mapping[str, str],

@@ -20,7 +20,10 @@ A restore after a node failure pulls a shard the same way in the other direction
 (``fetch``): the store ``sendall``s its file, the worker receives it into one
 buffer and verifies it before loading.
 
-Protocol, per shard, on a connection that carries many requests in turn::
+Protocol, per shard, on a connection that carries many requests in turn (each message's
+shape is a ``TypedDict`` below, one definition for both ends: :class:`PutRequest`,
+:class:`FetchRequest`; :class:`GoAhead`, :class:`Received`, :class:`Sending`,
+:class:`Refusal`)::
 
     put:   client -> {"rank", "step", "nbytes", "checksum", "gen",   (length-prefixed JSON)
                       "chunks": {"data_offset", "chunk_bytes", "digests"}}
@@ -40,7 +43,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from typing import Any, Callable, Iterator, Optional
+from typing import Callable, Iterator, Literal, Mapping, Optional, TypedDict, Union, cast, final
 
 import numpy as np
 
@@ -57,6 +60,79 @@ MAX_HEADER = 1 << 20
 _ERRORS: dict[str, type[MemckptError]] = {
     cls.__name__: cls for cls in (MemckptError, ChecksumError, NoSnapshotError, PlacementError,
                                   StaleGenerationError, SupersededPutError)}
+
+
+# -- the messages (length-prefixed JSON objects; keys in the order written here) ---------------
+class ChunkTable(TypedDict):
+    """A put's chunk table: where the data chunks start, their size, their digests."""
+
+    data_offset: int
+    chunk_bytes: int
+    digests: list[str]
+
+
+@final  # final: a request naming "op" is a FetchRequest (mypy narrows on it)
+class PutRequest(TypedDict):
+    """Client -> server: a shard of ``nbytes`` follows if the server says "send"."""
+
+    rank: int
+    step: int
+    nbytes: int
+    checksum: str
+    gen: int
+    chunks: Optional[ChunkTable]
+
+
+class _FetchWhat(TypedDict):
+    op: Literal["fetch"]
+    rank: int
+    step: int
+
+
+@final
+class FetchRequest(_FetchWhat, total=False):
+    """Client -> server: a held shard, or (``offset``, ``length``) a range of it."""
+
+    offset: int
+    length: int
+
+
+Request = Union[PutRequest, FetchRequest]
+
+
+class GoAhead(TypedDict):
+    """Server -> client, to a put: send the bytes (or not: it holds the shard), all but the
+    ``filled`` chunks (filled from its own node)."""
+
+    ok: Literal[True]
+    send: bool
+    filled: list[int]
+
+
+class Received(TypedDict):
+    """Server -> client, after a put's bytes: verified, with this checksum."""
+
+    ok: Literal[True]
+    checksum: str
+
+
+class Sending(TypedDict):
+    """Server -> client, to a fetch: ``nbytes`` raw bytes follow."""
+
+    ok: Literal[True]
+    nbytes: int
+
+
+class Refusal(TypedDict):
+    """Server -> client, to any request: refused with ``error`` (an error type's name)."""
+
+    ok: Literal[False]
+    error: str
+    message: str
+
+
+Reply = Union[GoAhead, Received, Sending, Refusal]
+Message = Union[PutRequest, FetchRequest, GoAhead, Received, Sending, Refusal]
 
 
 # -- framing ------------------------------------------------------------------------------------
@@ -76,16 +152,47 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
+def send_msg(sock: socket.socket, msg: Message) -> None:
     data = json.dumps(msg, separators=(",", ":")).encode()
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def recv_msg(sock: socket.socket) -> dict[str, Any]:
+def _recv_json(sock: socket.socket) -> object:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if n > MAX_HEADER:
         raise ConnectionError(f"message of {n} bytes is not a memckpt shard header")
     return json.loads(_recv_exact(sock, n))
+
+
+def recv_request(sock: socket.socket) -> Request:
+    """The next request (the server's end). ValueError: not a JSON object."""
+    msg = _recv_json(sock)
+    if not isinstance(msg, dict):
+        raise ValueError(f"a data-plane request is a JSON object, not {type(msg).__name__}")
+    return cast(Request, msg)
+
+
+def _accepted(sock: socket.socket) -> Mapping[str, object]:
+    """The next reply (the client's end), raised again as its error if it is a refusal."""
+    reply = _recv_json(sock)
+    if not isinstance(reply, dict):
+        raise MemckptError(f"the store answered {type(reply).__name__}, not a JSON object")
+    if not reply.get("ok"):
+        raise _ERRORS.get(str(reply.get("error", "")), MemckptError)(
+            str(reply.get("message", "store error")))
+    return reply
+
+
+def recv_go_ahead(sock: socket.socket) -> GoAhead:
+    return cast(GoAhead, _accepted(sock))
+
+
+def recv_received(sock: socket.socket) -> Received:
+    return cast(Received, _accepted(sock))
+
+
+def recv_sending(sock: socket.socket) -> Sending:
+    return cast(Sending, _accepted(sock))
 
 
 def tune(sock: socket.socket) -> None:
@@ -121,14 +228,17 @@ def spans(nbytes: int, chunks: Optional[fmt.Chunks], filled: list[int]) -> list[
     return out
 
 
-def _chunks_msg(chunks: Optional[fmt.Chunks]) -> Optional[dict[str, Any]]:
-    return None if chunks is None else {"data_offset": chunks.data_offset,
-                                        "chunk_bytes": chunks.chunk_bytes,
-                                        "digests": list(chunks.digests)}
+def _chunks_msg(chunks: Optional[fmt.Chunks]) -> Optional[ChunkTable]:
+    return None if chunks is None else ChunkTable(data_offset=chunks.data_offset,
+                                                  chunk_bytes=chunks.chunk_bytes,
+                                                  digests=list(chunks.digests))
 
 
-def chunks_of(msg: Any, nbytes: int) -> Optional[fmt.Chunks]:
-    """The chunk table of a put request, if it sent a usable one."""
+def chunks_of(msg: Optional[ChunkTable], nbytes: int) -> Optional[fmt.Chunks]:
+    """The chunk table of a put request, if it sent a usable one (it is the sender's JSON:
+    checked here, not trusted)."""
+    if msg is None:
+        return None
     try:
         chunks = fmt.Chunks(int(msg["data_offset"]), int(msg["chunk_bytes"]),
                             tuple(str(d) for d in msg["digests"]))
@@ -141,14 +251,9 @@ def chunks_of(msg: Any, nbytes: int) -> Optional[fmt.Chunks]:
     return chunks
 
 
-def refusal(e: MemckptError) -> dict[str, Any]:
+def refusal(e: MemckptError) -> Refusal:
     """A store's answer that refuses a request with ``e`` (raised again on the sender)."""
     return {"ok": False, "error": type(e).__name__, "message": str(e)}
-
-
-def _raise_from(reply: dict[str, Any]) -> None:
-    if not reply.get("ok"):
-        raise _ERRORS.get(reply.get("error", ""), MemckptError)(reply.get("message", "store error"))
 
 
 # -- client (inside a worker) -------------------------------------------------------------------
@@ -168,10 +273,10 @@ class StoreConnection:
         store fills from what its node holds. Returns the bytes sent: 0 if the store
         already held this exact shard. Raises the store's error (checksum mismatch, stale
         generation, no RAM) or OSError."""
-        send_msg(self._sock, {"rank": rank, "step": step, "nbytes": len(raw),
-                              "checksum": checksum, "gen": gen, "chunks": _chunks_msg(chunks)})
-        go = recv_msg(self._sock)
-        _raise_from(go)
+        put: PutRequest = {"rank": rank, "step": step, "nbytes": len(raw), "checksum": checksum,
+                           "gen": gen, "chunks": _chunks_msg(chunks)}
+        send_msg(self._sock, put)
+        go = recv_go_ahead(self._sock)
         if not go["send"]:
             return 0
         view = memoryview(raw).cast("B")
@@ -183,7 +288,7 @@ class StoreConnection:
                     raise ConnectionError("replication cancelled")
                 self._sock.sendall(view[off: off + n])
                 sent += n
-        _raise_from(recv_msg(self._sock))
+        recv_received(self._sock)
         return sent
 
     def fetch(self, rank: int, step: int,
@@ -192,10 +297,8 @@ class StoreConnection:
         (a fresh buffer, or a snapshot slot) with its prefix flagged incomplete: pass it to
         :func:`memckpt.format.shard.accept_received` to verify it before use. Raises the store's
         error (:class:`NoSnapshotError` if it holds none) or OSError."""
-        send_msg(self._sock, {"op": "fetch", "rank": rank, "step": step})
-        head = recv_msg(self._sock)
-        _raise_from(head)
-        nbytes = int(head["nbytes"])
+        send_msg(self._sock, FetchRequest(op="fetch", rank=rank, step=step))
+        nbytes = int(recv_sending(self._sock)["nbytes"])
         out = into(nbytes) if into is not None else np.empty(nbytes, dtype=np.uint8)
         fmt.fill_flagged(out, 0, nbytes, lambda view: recv_into(self._sock, view))
         return out[:nbytes]
@@ -204,11 +307,9 @@ class StoreConnection:
         """Bytes ``[offset, offset + length)`` of ``rank``'s held shard of ``step`` (fewer
         where it ends), unverified: the caller checks them against the shard's chunk
         checksums. Raises the store's error or OSError."""
-        send_msg(self._sock, {"op": "fetch", "rank": rank, "step": step, "offset": offset,
-                              "length": length})
-        head = recv_msg(self._sock)
-        _raise_from(head)
-        out = np.empty(int(head["nbytes"]), dtype=np.uint8)
+        send_msg(self._sock, FetchRequest(op="fetch", rank=rank, step=step, offset=offset,
+                                          length=length))
+        out = np.empty(int(recv_sending(self._sock)["nbytes"]), dtype=np.uint8)
         recv_into(self._sock, memoryview(out))
         return out
 

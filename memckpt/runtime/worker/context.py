@@ -21,7 +21,7 @@ import os
 import time
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, TypedDict
 
 import numpy as np
 
@@ -47,6 +47,18 @@ from memckpt.checkpointer import RestoreAndStep
 
 if TYPE_CHECKING:
     import torch
+
+
+class RankStats(TypedDict):
+    """:meth:`WorkerContext.stats`: what a rank's snapshots and replication cost so far."""
+
+    snapshots: int  # snapshots taken
+    waited_s: float  # seconds the step waited on them
+    slot_waited_s: float  # the engine's waits for a free slot
+    slot_allocations: int  # its slot allocations
+    replicate_s: float  # the last replication's seconds
+    sent_bytes: int  # replica bytes sent to holders
+    filled_bytes: int  # replica bytes holders filled on their own node instead
 
 
 class StopTraining(BaseException):
@@ -379,7 +391,7 @@ class WorkerContext(RestoreAndStep):
     def digest(self) -> Optional[str]:
         return state_digest(self._state) if self._state is not None else None
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> RankStats:
         """What this rank's snapshots and replication have cost so far: snapshots taken and
         the seconds the step waited on them; the engine's waits for a free slot, its slot
         allocations; the last replication's

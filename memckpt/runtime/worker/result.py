@@ -1,4 +1,6 @@
-"""What a worker tells the driver: who it is (:class:`WorkerInfo`), what a generation of its
+"""What a worker tells the driver: who it is (:class:`WorkerInfo`, defined in
+:mod:`memckpt.runtime.ray_nodes` beside the other processes' whereabouts, since the
+coordinator keeps it too and imports no worker code), what a generation of its
 rank ended with (:class:`WorkerResult`), what the rank's restore measured
 (:class:`RestoreReport`) and its replica traffic (:class:`ReplicationTotals`). One definition
 each, imported by both ends (the driver's messages to the worker are in
@@ -11,6 +13,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from memckpt.runtime.ray_nodes import WorkerInfo
+
 __all__ = ["ReplicationTotals", "RestoreReport", "WorkerInfo", "WorkerResult"]
 
 
@@ -19,21 +23,6 @@ def _non_negative(owner: object, name: str, value: object) -> None:
         raise TypeError(f"{type(owner).__name__}.{name} must be a number, got {value!r}")
     if math.isnan(value) or value < 0:
         raise ValueError(f"{type(owner).__name__}.{name} must be >= 0, got {value!r}")
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """A worker's process: the rank it runs (None: a spare, or parked between jobs), its pid
-    and its Ray node."""
-
-    rank: Optional[int]
-    pid: int
-    node_id: str
-
-    def __post_init__(self) -> None:
-        if self.rank is not None:
-            _non_negative(self, "rank", self.rank)
-        _non_negative(self, "pid", self.pid)
 
 
 @dataclass(frozen=True)

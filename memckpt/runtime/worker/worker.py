@@ -8,7 +8,6 @@ memory a restore fills ready (:meth:`Worker.prefault`).
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import math
 import os
@@ -261,8 +260,8 @@ class Worker:
         # what the next generation's restore will create
         ahead: list[tuple[tuple[int, ...], torch.dtype]] = []
         self.reserve.release()  # a spare's reserve: its pages serve the restore below
-        # the coordinator keeps it in its state as the dict it always was (memckpt kill reads it)
-        self.coordinator.register.remote(spec.rank, spec.gen, dataclasses.asdict(self.info()))
+        # the coordinator keeps it in its state (memckpt kill reads it from the status)
+        self.coordinator.register.remote(spec.rank, spec.gen, self.info())
         self.link = NodeLink(spec, self.node_id).start()
         self._running.set()
         torch.set_num_threads(max(1, int(spec.config.workers.cpus_per_worker)))
