@@ -191,6 +191,15 @@ def test_status_and_kill_from_another_terminal(head, tmp_path):
         held = re.findall(r"node \S+: RAM held ([\d.]+) \S+ of budget [\d.]+ \S+ \(\d+%\)",
                           human.stdout)
         assert held and any(float(x) > 0 for x in held), human.stdout
+        # every rank's own step and last sign of life, asked of its node's store (#51: the
+        # coordinator keeps one record a node)
+        each = subprocess.run(memckpt + ["status", "--job", "drill-cli", "--address",
+                                         head["address"], "--ranks"], env=head["env"],
+                              capture_output=True, text=True, timeout=60)
+        found = re.findall(r"  rank (\d+) on \S+: step (-?\d+), last sign of life [\d.]+s ago",
+                           each.stdout)
+        assert sorted(int(r) for r, _ in found) == [0, 1, 2], each.stdout + each.stderr
+        assert all(int(step) >= 1 for _, step in found), each.stdout
         kill = subprocess.run(memckpt + ["kill", "--worker", "2", "--job", "drill-cli", "--address",
                                          head["address"]], env=head["env"], capture_output=True,
                               text=True, timeout=60)

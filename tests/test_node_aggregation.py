@@ -17,6 +17,7 @@ from memckpt.policy.step_metrics import (StallTally, Stalls, StepSummary, increm
 from memckpt.runtime.coordinator.coordinator import STALE, Coordinator, MemoryStateStore
 from memckpt.runtime.coordinator.messages import Heartbeat, ReadyBatch
 from memckpt.runtime.coordinator.metrics import failure_target
+from memckpt.runtime.coordinator.readiness import PlacementMismatch
 from memckpt.policy.placement import holders_digest
 from memckpt.runtime.node.aggregator import NodeAggregator
 
@@ -439,3 +440,24 @@ def test_a_node_that_only_ever_sent_batches_is_named_once_it_stops(tmp_path):
             break
     assert nodes == [frozen] and ranks == sim.nodes[frozen].ranks
     assert TIMEOUT_S < clock.now - last <= TIMEOUT_S + INTERVAL_S
+
+
+def test_a_batch_judged_against_other_holders_is_refused_loudly(tmp_path):
+    """A store that judged its ranks against holders other than the placement's (a spec
+    and the coordinator disagree: a bug) commits nothing and says so; the right digest, or
+    a short rank named, is taken."""
+    c, sim, _, clock = job(tmp_path)
+    node = sim.nodes["n1"]
+    wrong = ReadyBatch(0, 1, len(node.ranks), holders_digest({r: ["n9"] for r in node.ranks}))
+    with pytest.raises(PlacementMismatch, match="n1's ranks placed step 1 on holders other"):
+        asyncio.run(c.node_ready("n1", wrong, 0.0))
+    said = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["node"] for e in said if e["event"] == "placement_mismatch"] == ["n1"]
+    assert c.ready.count(1) == 0
+    # one rank placed short by name: the others counted, it is not
+    holders = {r: sim.nodes["n1"].holders[r] for r in node.ranks}
+    short = node.ranks[0]
+    rest = {r: h for r, h in holders.items() if r != short}
+    named = ReadyBatch(0, 1, len(rest), holders_digest(rest), {short: ()})
+    asyncio.run(c.node_ready("n1", named, 0.0))
+    assert c.ready.count(1) == len(node.ranks) - 1
