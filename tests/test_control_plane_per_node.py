@@ -64,6 +64,24 @@ for _name in ("__iter__", "items", "keys", "values"):
     setattr(Counted, _name, _walk(_name))
 
 
+class CountedRanks(tuple):
+    """A node's ranks (a tuple) that counts the ranks read from it by a walk or a lookup."""
+
+    def __new__(cls, name: str, ranks: Any) -> "CountedRanks":
+        out = super().__new__(cls, ranks)
+        out.name = name
+        return out
+
+    def __iter__(self) -> Any:
+        if len(self):
+            Counted.reads[self.name] += len(self)
+        return super().__iter__()
+
+    def __contains__(self, rank: Any) -> bool:
+        Counted.reads[self.name] += 1
+        return super().__contains__(rank)
+
+
 def job(tmp_path, nodes: int, per_node: int) -> tuple[Coordinator, SimJob, Clock]:
     clock = Clock()
     ranks = nodes * per_node
@@ -91,7 +109,8 @@ def count_per_rank_reads(c: Coordinator) -> None:
     for key in ("assignment", "holders", "workers"):
         setattr(c.s, key, Counted(key, getattr(c.s, key)))
     m = c.ready.members
-    c.ready.members = Membership(Counted("members.holders", m.holders), m.node_ranks,
+    node_ranks = {n: CountedRanks(f"ranks of {n}", rs) for n, rs in m.node_ranks.items()}
+    c.ready.members = Membership(Counted("members.holders", m.holders), node_ranks,
                                  Counted("members.rank_node", m.rank_node), m.digest)
     c.alive.ranks = Counted("alive.ranks", c.alive.ranks)
     for node in list(c.alive.late):

@@ -49,7 +49,8 @@ class Stalls:
     def of(cls, values: list[float]) -> "Stalls":
         hist: dict[int, int] = {}
         for v in values:
-            hist[bucket(v)] = hist.get(bucket(v), 0) + 1
+            b = bucket(v)
+            hist[b] = hist.get(b, 0) + 1
         return cls(len(values), min(values, default=math.inf), max(values, default=-math.inf),
                    sum(values), tuple(sorted(hist.items())))
 

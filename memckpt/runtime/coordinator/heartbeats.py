@@ -41,9 +41,7 @@ class Liveness:
         """``node``'s heartbeat; ``ranks``: the node's ranks (dropped from those heard alone
         at its first beat of the generation: once)."""
         now = self.clock()
-        if node not in self.node_beats:
-            for r in ranks:
-                self.ranks.pop(r, None)
+        self._first_word(node, ranks)
         self.node_beats[node] = (now, hb.top, hb.oldest_s)
         if hb.late or node in self.late:
             self.late[node] = {int(r): (now - age, step) for r, (age, step) in hb.late.items()}
@@ -52,12 +50,16 @@ class Liveness:
         """``node``'s store sent a step's batch or metrics: a sign of life like a heartbeat
         (a store sends a heartbeat only when it has said nothing for an interval, or has a
         late rank to name; a job stepping faster than the interval may send none at all)."""
-        beat = self.node_beats.get(node)
-        if beat is None:  # its first sign of the generation speaks for its ranks from now on
+        self._first_word(node, ranks)
+        _, top, oldest = self.node_beats.get(node, (0.0, -1, 0.0))
+        self.node_beats[node] = (self.clock(), max(top, step), oldest)
+
+    def _first_word(self, node: str, ranks: Iterable[int]) -> None:
+        """``node``'s first sign of the generation speaks for its ``ranks`` from now on:
+        they are no longer watched one by one (once a generation)."""
+        if node not in self.node_beats:
             for r in ranks:
                 self.ranks.pop(r, None)
-            beat = (0.0, -1, 0.0)
-        self.node_beats[node] = (self.clock(), max(beat[1], step), beat[2])
 
     def judge(self, timeout_s: float, startup_timeout_s: float,
               node_ranks: Mapping[str, Iterable[int]]) -> tuple[list[int], list[str]]:

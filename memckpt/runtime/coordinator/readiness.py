@@ -89,17 +89,20 @@ class Readiness:
         names). Raises PlacementMismatch when its store judged against other holders."""
         m = self.members
         ranks = m.node_ranks.get(node, ())
-        judged = [r for r in ranks if r not in batch.placed]
-        digest = (holders_digest({r: m.holders.get(str(r), ()) for r in judged})
-                  if batch.placed else m.digest.get(node))
-        if batch.ready and (digest != batch.expected or batch.ready != len(judged)):
+        if batch.placed:  # the ranks its store did not vouch for, judged here
+            judged = [r for r in ranks if r not in batch.placed]
+            digest = holders_digest({r: m.holders.get(str(r), ()) for r in judged})
+            vouched, named = len(judged), sum(
+                1 for r, on in batch.placed.items()
+                if m.rank_node.get(int(r)) == node and m.placed(int(r), on))
+        else:  # the usual case: every rank vouched for, one digest to compare
+            digest, vouched, named = m.digest.get(node, ""), len(ranks), 0
+        if batch.ready and (digest != batch.expected or batch.ready != vouched):
             raise PlacementMismatch(
                 f"node {node}'s ranks placed step {batch.step} on holders other than "
-                f"generation {batch.gen}'s placement ({batch.ready} of {len(judged)} vouched "
+                f"generation {batch.gen}'s placement ({batch.ready} of {vouched} vouched "
                 "for): its workers' specs and the coordinator disagree; this is a bug in "
                 "memckpt, please report it with the job's events.jsonl")
-        named = sum(1 for r, on in batch.placed.items()
-                    if m.rank_node.get(int(r)) == node and m.placed(int(r), on)) if batch.placed else 0
         self._steps.setdefault(batch.step, _Step()).node(node, batch.ready + named)
 
     def rank(self, step: int, rank: int, on: Iterable[str]) -> bool:
