@@ -6,7 +6,7 @@ from importlib import import_module as _import_module
 from typing import Any as _Any, Callable as _Callable, ContextManager as _ContextManager
 
 from memckpt import config as _config
-from memckpt.config import (ChaosEvent, Config, EngineConfig, FailureConfig, LoadSpec,
+from memckpt.config import (ChaosEvent, Config, ControlConfig, EngineConfig, FailureConfig, LoadSpec,
                             PersistTier, PlacementConfig, WorkersConfig, load_config)
 from memckpt.errors import MemckptError
 from memckpt.version import __version__
@@ -60,7 +60,8 @@ def run(train_fn: _Callable[["WorkerContext"], _Any], config: Config, *, address
                 injector=injector, quiet=quiet)
 
 __all__ = [
-    "Checkpointer", "ChaosEvent", "Config", "EngineConfig", "FailureConfig", "LoadSpec", "MemckptError",
+    "Checkpointer", "ChaosEvent", "Config", "ControlConfig", "EngineConfig", "FailureConfig",
+    "LoadSpec", "MemckptError",
     "PersistTier", "PlacementConfig", "ResumableSampler", "TrainState", "WorkerContext",
     "WorkersConfig", "dcp_reader",
     "keep_workers", "load_config", "run", "__version__",

@@ -280,6 +280,30 @@ class EngineConfig:
         _choice("engine.skip_unchanged", self.skip_unchanged, SKIP_UNCHANGED)
 
 
+@dataclass(frozen=True)
+class ControlConfig:
+    """How the nodes' messages reach the coordinator: none of it changes what a snapshot
+    holds (left out of the fingerprint).
+
+    On a job of at least ``relay_min_nodes`` nodes, one store per group of at most
+    ``relay_fanout`` nodes (a failure domain's nodes together, where
+    ``placement.failure_domain`` names one) merges its group's step batches into one
+    message to the coordinator, which then takes about one message a group a step instead
+    of one a node (``docs/architecture.md``, "What grows with the job"). A member whose relay
+    does not answer sends its own batch from then on. ``relay_fanout=0`` turns relays off.
+    """
+
+    relay_fanout: int = 16
+    relay_min_nodes: int = 64
+
+    def __post_init__(self) -> None:
+        _positive_int("control.relay_fanout", self.relay_fanout, minimum=0)
+        if self.relay_fanout == 1:
+            _fail("control.relay_fanout", 1, "a relay merges at least 2 nodes' batches: use "
+                  ">= 2, or 0 for no relays")
+        _positive_int("control.relay_min_nodes", self.relay_min_nodes, minimum=2)
+
+
 ON_INCOMPATIBLE = ("error", "start_fresh")
 
 
@@ -377,13 +401,14 @@ class Config:
     # cleanly; a negative -N, persist at step N and go on.
     stop_file: Optional[str] = None
     engine: EngineConfig = field(default_factory=EngineConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.job_name, str) or not _JOB_NAME.match(self.job_name):
             _fail("job_name", self.job_name, "use 1-64 letters, digits, '.', '_' or '-'")
         for name, kind in (("workers", WorkersConfig), ("placement", PlacementConfig),
                            ("failure", FailureConfig), ("load", LoadSpec),
-                           ("engine", EngineConfig)):
+                           ("engine", EngineConfig), ("control", ControlConfig)):
             if not isinstance(getattr(self, name), kind):
                 _fail(name, getattr(self, name), f"pass a memckpt.{kind.__name__}(...)")
         _positive_int("snapshot_every", self.snapshot_every)
@@ -447,7 +472,8 @@ class Config:
         snapshot holds, so they are left out: a drill can resume a normal run.
         """
         d = self.to_dict()
-        for volatile in ("chaos", "job_name", "ram_root", "ram_budget", "stop_file", "engine"):
+        for volatile in ("chaos", "job_name", "ram_root", "ram_budget", "stop_file", "engine",
+                         "control"):
             d.pop(volatile)
         d["placement"].pop("failure_domain")  # where copies sit, not what a snapshot holds
         for tier in d["persistence"]:

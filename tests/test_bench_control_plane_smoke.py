@@ -12,6 +12,7 @@ import pytest
 from memckpt.bench.control_plane import transport
 from memckpt.bench.control_plane.command import _cli, plot, report
 from memckpt.bench.control_plane.measure import measure
+from memckpt.config import ControlConfig
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,18 @@ def test_every_step_commits_through_the_uplinks_and_the_pipe(row):
     assert row["frozen_node_detect_s"] > row["heartbeat_timeout_s"]
     assert row["plan_after_node_loss_s"] is not None
     assert "CPU/step" in report([row])
+
+
+def test_relays_merge_each_groups_batches_and_a_frozen_leader_is_named():
+    """8 nodes in 2 relay groups of 4: one message a group a step instead of one a node;
+    the frozen node (the first: a group's leader) is named alone, as without relays."""
+    row = measure(32, per_node=4, steps=2, frozen=True, timeout_s=1.5, plan=False,
+                  control=ControlConfig(relay_fanout=4, relay_min_nodes=2))
+    calls = row["calls_by_method"]
+    assert row["nodes"] == 8 and row["relay_groups"] == 2
+    assert "node_ready" not in calls and calls["group_ready"] >= 2, calls
+    assert not row["errors"], row["last_error"]
+    assert row["frozen_node_detect_s"] > row["heartbeat_timeout_s"]
 
 
 def test_transport_answers_in_order_and_times_out(tmp_path):

@@ -519,3 +519,36 @@ def test_a_steady_fault_waits_for_the_standby(cluster, tmp_path):
     ray.get(coord.set_standby.remote(False))
     assert ray.get(coord.claim.remote("timed-out", 0.5), timeout=60) is True  # fires anyway
     ray.kill(coord)
+
+
+def test_relayed_batches_and_the_loss_of_the_relays_node_end_bit_identical(full_cluster,
+                                                                            reference, tmp_path):
+    """Relays on (#51: one store merges its group's step batches; here the three nodes are
+    one group), and the node of the group's leader is lost at KILL_AT: its members' batches
+    go straight to the coordinator from then on, the loss is found and recovered like any
+    node's, and the run matches the uninterrupted one. The next generation relays again,
+    through a leader among the nodes left."""
+    from memckpt.runtime.driver.control_plane import eligible_nodes
+
+    cfg = dataclasses.replace(config("relay-node"),
+                              control=memckpt.ControlConfig(relay_fanout=3, relay_min_nodes=2))
+    used = list(eligible_nodes(cfg))[:3]  # as the driver assigns rank r to used[r]
+    leader_rank = used.index(min(used))  # the group's leader: its first node by id
+    removed: set[str] = set()
+
+    def remove(node: str) -> None:
+        removed.add(node)
+        full_cluster.remove_node(node)
+
+    inj = FaultInjector(node_killer=remove).kill_node(rank=leader_rank, at_step=KILL_AT)
+    result = memckpt.run(JOB, cfg, run_dir=tmp_path, injector=inj, quiet=True)
+    assert_same_run(result, reference)
+    said = events(tmp_path)
+    gen0 = next(e for e in said if e["event"] == "generation_started" and e["gen"] == 0)
+    assert gen0["assignment"][str(leader_rank)] == min(gen0["assignment"].values())
+    relays = [e for e in said if e["event"] == "relay_group"]
+    (first,) = [e for e in relays if e["gen"] == 0]
+    assert first["leader"] == min(used) and len(removed) == 1 and min(used) in removed
+    assert any(e["gen"] >= 1 and e["leader"] not in removed for e in relays), relays
+    (rec,) = result["recoveries"]
+    assert rec["moved_ranks"] == [leader_rank] and len(rec["dead_nodes"]) == 1

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -43,19 +45,33 @@ def get(ref: concurrent.futures.Future, timeout_s: float) -> Any:
     return ref.result(timeout_s)
 
 
-@pytest.fixture
-def coordinator(tmp_path) -> Iterator[LoopHandle]:
+@contextlib.contextmanager
+def running_coordinator(run_dir: Path, nodes: dict[str, list[int]],
+                        holders: dict[int, list[str]], links: list[Uplink]
+                        ) -> Iterator[LoopHandle]:
+    """A coordinator of generation 0 (``nodes``' ranks, ``holders``) on a loop of its own;
+    ``links``' heartbeat threads end before the loop their calls run on."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    c = Coordinator("job", str(tmp_path), 6, state=MemoryStateStore(),
-                    inventory=lambda names, t: {})
+    c = Coordinator("job", str(run_dir), sum(map(len, nodes.values())),
+                    state=MemoryStateStore(), inventory=lambda names, t: {})
     handle = LoopHandle(c, loop)
-    assignment = {r: n for n, rs in NODES.items() for r in rs}
-    handle.call("configure", 0, assignment, HOLDERS, None, {n: n for n in NODES})
-    yield handle
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
+    assignment = {r: n for n, rs in nodes.items() for r in rs}
+    handle.call("configure", 0, assignment, holders, None, {n: n for n in nodes})
+    try:
+        yield handle
+    finally:
+        while links:
+            links.pop().close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+@pytest.fixture
+def coordinator(tmp_path) -> Iterator[LoopHandle]:
+    with running_coordinator(tmp_path, NODES, HOLDERS, OPEN) as handle:
+        yield handle
 
 
 OPEN: list[Uplink] = []

@@ -164,13 +164,14 @@ class MemckptCallback(ControllerCallback, WorkerGroupCallback):
             self._prune_after = None if gen == 0 else (-1 if committed is None else committed)
         refs = {}
         by_node, copies = ranks_by_node(assignment), copies_by_node(holders)
+        relays = actors.relay_members(cfg, assignment.values())
         for i, w in enumerate(workers):
             rank = w.distributed_context.world_rank
             node = assignment[rank]
             spec = WorkerSpec(rank, cfg.workers.num_workers, gen, cfg, holders.get(rank, ()),
                               dict(self.stores), self.coordinator, restore.get(rank),
                               self._faults, node_ranks=by_node[node],
-                              node_copies=copies.get(node, ()))
+                              node_copies=copies.get(node, ()), relay=relays.get(node, ()))
             refs[rank] = worker_group.execute_single_async(i, worker_side.install, spec,
                                                            self.report)
         pids = {rank: ray.get(ref) for rank, ref in refs.items()}

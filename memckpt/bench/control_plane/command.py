@@ -26,6 +26,7 @@ from memckpt.bench.common import human_bytes, human_s, positive_int, standalone,
 from memckpt.bench.control_plane.measure import (HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S,
                                                  STEP_S, measure_all)
 from memckpt.bench.control_plane.plan import table
+from memckpt.config import ConfigError, ControlConfig
 
 DEFAULT_RANKS = (1024, 4096, 16384)
 SWEEP_NODES = 128  # --sweep: this many nodes at each of SWEEP_PER_NODE ranks a node
@@ -69,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{'/'.join(map(str, SWEEP_PER_NODE))} ranks a node, and 8 a "
                              f"node on {'/'.join(map(str, SWEEP_NODE_COUNTS))} nodes (what "
                              "--plot draws: cost against ranks and against nodes)")
+    parser.add_argument("--relay-fanout", type=int, default=ControlConfig().relay_fanout,
+                        metavar="N",
+                        help="nodes a relay merges (Config.control.relay_fanout, on jobs of "
+                        f"at least {ControlConfig().relay_min_nodes} nodes; default "
+                        "%(default)s); 0: every node sends its own batches")
     parser.add_argument("--no-frozen", action="store_true",
                         help="skip the frozen node's detection (it takes the heartbeat "
                              f"timeout, {HEARTBEAT_TIMEOUT_S:g} s, and more per size)")
@@ -84,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "decision per size (fast at any size, e.g. --ranks 4096,16384)")
 
 
-HEAD = (f"{'ranks':>6} {'nodes':>5} {'/node':>5} {'CPU/step':>9} {'inside':>8} "
+HEAD = (f"{'ranks':>6} {'nodes':>5} {'/node':>5} {'relays':>6} {'CPU/step':>9} {'inside':>8} "
         f"{'pickle':>8} {'msgs/step':>9} {'B/step':>9} {'state B':>7} {'commit p50':>10} "
         f"{'p99':>8} {'coord p99':>9} {'node CPU':>8} {'step':>7} {'frozen':>7} "
         f"{'gen start':>9} {'writes':>6} {'plan':>8}")
@@ -96,7 +102,7 @@ def _frozen(r: dict[str, Any]) -> str:
 
 
 def line(r: dict[str, Any]) -> str:
-    return (f"{r['ranks']:>6} {r['nodes']:>5} {r['per_node']:>5} "
+    return (f"{r['ranks']:>6} {r['nodes']:>5} {r['per_node']:>5} {r.get('relay_groups', 0):>6} "
             f"{human_s(r['cpu_per_step_s']):>9} {human_s(r['inside_per_step_s']):>8} "
             f"{human_s(r['serial_per_step_s']):>8} {r['messages_per_step']:>9.0f} "
             f"{human_bytes(r['bytes_per_step']):>9} {r['state_bytes_per_step']:>7.0f} "
@@ -147,8 +153,9 @@ def report(rows: list[dict[str, Any]]) -> str:
         f"pickled), one Uplink per node (heartbeat every {HEARTBEAT_INTERVAL_S:g} s), commit "
         f"waits held, the driver's polls at their rates, {STEP_S:g} s steps (medians over the "
         "timed steps). CPU/step: the coordinator process's (inside: in its methods; pickle: "
-        "(de)serializing); msgs, B/step: calls and argument bytes it takes; commit: the last "
-        "node's batch -> every node's answer back (coord: of it, in the coordinator's process); "
+        "(de)serializing); relays: groups whose batches one node merges (0: every node sends "
+        "its own); msgs, B/step: calls and argument bytes it takes; commit: the last "
+        "batch -> every node's answer back (coord: of it, in the coordinator's process); "
         "node CPU: each node's Uplink per step; step: achieved wall time a step; frozen: a "
         f"silent node named after (timeout {HEARTBEAT_TIMEOUT_S:g} s); gen start: configure + "
         "every rank's register (writes: state writes before the first step); plan: the "
@@ -215,12 +222,16 @@ def main(args: argparse.Namespace) -> int:
               "repair_holders parts itself)")
         print(table(args.ranks, per_node=args.per_node))
         return 0
+    try:
+        control = ControlConfig(relay_fanout=args.relay_fanout)
+    except ConfigError as e:
+        raise SystemExit(f"memckpt bench control-plane: --relay-fanout: {e}") from None
     shapes = [s for s in (sweep_shapes() if args.sweep else [])
               if s not in {(n, args.per_node) for n in args.ranks}]
     print(HEAD, flush=True)
     rows = measure_all(args.ranks, args.per_node, args.steps, frozen=not args.no_frozen,
                        progress=lambda r: print(line(r), flush=True), shapes=shapes,
-                       step_s=args.step_s)
+                       step_s=args.step_s, control=control)
     print()
     print(report(rows))
     write_rows(args.json, rows)

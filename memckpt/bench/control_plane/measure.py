@@ -40,7 +40,8 @@ from memckpt.runtime.ray_nodes import WorkerInfo
 from memckpt.bench.control_plane import transport
 from memckpt.bench.control_plane.plan import layout, time_plan
 from memckpt.bench.control_plane.sim import rank_metrics
-from memckpt.config import FailureConfig
+from memckpt.config import ControlConfig, FailureConfig
+from memckpt.policy.relay import relay_groups
 
 HEARTBEAT_TIMEOUT_S = FailureConfig().heartbeat_timeout_s  # the defaults
 HEARTBEAT_INTERVAL_S = FailureConfig().heartbeat_interval_s
@@ -48,6 +49,7 @@ STEP_S = 1.0
 WARMUP_STEPS = 2
 JANITOR_POLL_S = 1.0  # memckpt.runtime.node.janitor.POLL_S
 CALL_TIMEOUT_S = 60.0
+DEFAULT_CONTROL = ControlConfig()  # the relays a job gets by default
 
 
 def _driver_constants() -> tuple[float, float]:
@@ -94,12 +96,35 @@ class Driver(threading.Thread):
             self.error = e
 
 
+class LeaderStore:
+    """A relay group's leader store as its members call it (``relay_ready``): the leader
+    ``Uplink``'s merge point in this process, its future handed back at once. In a job it is
+    a Ray call from store to store (stood in for: it never reaches the coordinator)."""
+
+    def __init__(self, leader: Any) -> None:
+        self.leader = leader
+
+    @property
+    def relay_ready(self) -> "LeaderStore":
+        return self
+
+    def options(self, **_: Any) -> "LeaderStore":
+        return self
+
+    def remote(self, node: str, batch: Any, timeout_s: float) -> Any:
+        return self.leader.relay.take(node, batch)
+
+
 def _join(uplink: Any, rank: int, ranks: list[int], holders: list[str], handle: Any,
-          timeout_s: float) -> None:
-    """``Uplink.join`` as a rank calls it (with its holders where the store takes them)."""
+          timeout_s: float, relay: Optional[tuple[Sequence[str], Any]] = None) -> None:
+    """``Uplink.join`` as a rank calls it (with its holders and relay group where the store
+    takes them)."""
     kwargs: dict[str, Any] = {"pid": None, "timeout_s": timeout_s}
-    if "holders" in inspect.signature(uplink.join).parameters:
+    takes = inspect.signature(uplink.join).parameters
+    if "holders" in takes:
         kwargs["holders"] = holders
+    if relay is not None and "relay" in takes:
+        kwargs["relay"] = relay
     if not uplink.join(rank, 0, ranks, handle, HEARTBEAT_INTERVAL_S, **kwargs):
         raise RuntimeError(f"{uplink.node} refused rank {rank}'s join")
 
@@ -124,7 +149,8 @@ class Job:
     """A job's nodes, each with its ``Uplink``, around the coordinator's process."""
 
     def __init__(self, link: transport.Link, ranks: int, per_node: int,
-                 timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+                 timeout_s: float = HEARTBEAT_TIMEOUT_S,
+                 control: ControlConfig = DEFAULT_CONTROL) -> None:
         from memckpt.runtime.node.uplink import Uplink
         lay = layout(ranks, per_node)
         self.link, self.layout, self.timeout_s = link, lay, timeout_s
@@ -134,6 +160,14 @@ class Job:
             self.nodes.setdefault(lay.assignment[r], []).append(r)
         self.uplinks = {n: Uplink(n, get=link.get, sample=lambda pid: None)
                         for n in self.nodes}
+        self.groups = relay_groups(list(self.nodes), control.relay_fanout,
+                                   control.relay_min_nodes)
+        if self.groups and not hasattr(next(iter(self.uplinks.values())), "relay"):
+            self.groups = {}  # an older version (--plot-against): no relays
+        self.leaders = {g.leader: LeaderStore(self.uplinks[g.leader])
+                        for g in self.groups.values()}
+        # the step batches the coordinator takes a step: one a group, one a node alone
+        self.batches = (len(self.leaders) + sum(1 for n in self.nodes if n not in self.groups))
         self.steps_late = 0
 
     def start(self) -> None:
@@ -155,9 +189,11 @@ class Job:
         t0 = time.monotonic()
         for i, (n, rs) in enumerate(self.nodes.items()):
             time.sleep(max(0.0, t0 + i * gap - time.monotonic()))
+            group = self.groups.get(n)
+            relay = (group.members, self.leaders[group.leader]) if group else None
             for r in rs:
                 _join(self.uplinks[n], r, rs, self.holders[r], self.link.handle,
-                      self.timeout_s)
+                      self.timeout_s, relay)
 
     def step(self, step: int) -> tuple[float, float, float]:
         """Every rank's step: report, beat, shard placed; then every rank's wait for the
@@ -179,9 +215,11 @@ class Job:
                 _wait(up, r, step)
         cpu = time.thread_time() - t0
         batches = self.link.log[first:]
-        if len(batches) != len(self.nodes):
-            raise RuntimeError(f"step {step}: {len(batches)} node batches for "
-                               f"{len(self.nodes)} nodes")
+        if len(batches) < self.batches or (len(batches) > self.batches and not self.leaders):
+            # a leader sends its group's batches in parts when a member comes more than its
+            # wait late (this thread plays every rank in turn: on a busy machine it can)
+            raise RuntimeError(f"step {step}: {len(batches)} batches for {len(self.nodes)} "
+                               f"nodes in {len(self.leaders)} relay groups")
         return (cpu, max(b.got_at for b in batches) - max(b.sent_at for b in batches),
                 max(b.answered_at for b in batches) - max(b.taken_at for b in batches))
 
@@ -232,18 +270,19 @@ def _detect_frozen(job: Job, driver: Driver, limit_s: float) -> tuple[float, lis
 
 def measure(ranks: int, per_node: int = 8, steps: int = 10, plan: bool = True,
             frozen: bool = True, step_s: float = STEP_S,
-            timeout_s: float = HEARTBEAT_TIMEOUT_S) -> dict[str, Any]:
+            timeout_s: float = HEARTBEAT_TIMEOUT_S,
+            control: ControlConfig = DEFAULT_CONTROL) -> dict[str, Any]:
     """One row: ``ranks`` simulated ranks, ``per_node`` a node, for ``steps`` timed steps
     of ``step_s`` after :data:`WARMUP_STEPS`; ``frozen``: then time a frozen node's
     detection (``timeout_s``, the heartbeat timeout, and more); ``plan``: the recovery
-    plan."""
+    plan; ``control``: the relays (``relay_fanout=0``: every node sends its own)."""
     poll_s, startup_s = _driver_constants()
     with tempfile.TemporaryDirectory(prefix="memckpt-bench-cp-") as run_dir:
         link = transport.start(ranks, run_dir)
         job: Optional[Job] = None
         driver = Driver(link, poll_s, startup_s, timeout_s)
         try:
-            job = Job(link, ranks, per_node, timeout_s)
+            job = Job(link, ranks, per_node, timeout_s, control)
             s0 = link.stats()
             job.start()
             s1 = link.stats()
@@ -263,6 +302,7 @@ def measure(ranks: int, per_node: int = 8, steps: int = 10, plan: bool = True,
                 driver.join(CALL_TIMEOUT_S)
             link.close()
     row.update(per_node=per_node, heartbeat_timeout_s=timeout_s,
+               relay_fanout=control.relay_fanout, relay_min_nodes=control.relay_min_nodes,
                heartbeat_interval_s=HEARTBEAT_INTERVAL_S, poll_s=poll_s)
     row.setdefault("frozen_node_detect_s", None)
     row["plan_after_node_loss_s"] = (time_plan(ranks, "node", per_node, rack_nodes=None,
@@ -315,7 +355,8 @@ def _run(job: Job, driver: Driver, steps: int, step_s: float, s0: dict[str, Any]
         "inside_by_method_s": {k: v / steps for k, v in sorted(inside.items())},
         "messages_per_step": sum(calls.values()) / steps,
         "node_messages_per_step": sum(v for k, v in calls.items()
-                                      if k.startswith("node_")) / steps,
+                                      if k.startswith("node_") or k == "group_ready") / steps,
+        "relay_groups": len(job.leaders),
         "calls_by_method": {k: v / steps for k, v in sorted(calls.items())},
         "errors": b["errors"], "last_error": b["last_error"] or None,
         "bytes_per_step": sum(sent.values()) / steps,
@@ -340,12 +381,13 @@ def measure_all(sizes: Sequence[int], per_node: int = 8, steps: int = 10, plan: 
                 frozen: bool = True,
                 progress: Optional[Callable[[dict[str, Any]], None]] = None,
                 shapes: Sequence[tuple[int, int]] = (),
-                step_s: float = STEP_S) -> list[dict[str, Any]]:
+                step_s: float = STEP_S,
+                control: ControlConfig = DEFAULT_CONTROL) -> list[dict[str, Any]]:
     """A row per size of ``sizes`` (``per_node`` a node), then per (ranks, per node) of
     ``shapes``."""
     rows = []
     for n, k in [*((n, per_node) for n in sizes), *shapes]:
-        rows.append(measure(n, k, steps, plan, frozen, step_s))
+        rows.append(measure(n, k, steps, plan, frozen, step_s, control=control))
         if progress is not None:
             progress(rows[-1])
     return rows

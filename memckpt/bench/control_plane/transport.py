@@ -204,7 +204,7 @@ class Ref:
 
 
 # a node's store's calls, each a sign of life (a batch stands in for a heartbeat)
-NODE_CALLS = ("node_ready", "node_metrics", "node_heartbeat")
+NODE_CALLS = ("node_ready", "node_metrics", "node_heartbeat", "group_ready")
 
 
 class _Method:
@@ -245,7 +245,7 @@ class Link:
         self._next = 1
         self._pending: dict[int, Ref] = {}
         self._out: queue.SimpleQueue = queue.SimpleQueue()
-        self.log: list[Ref] = []  # the node_ready calls, in the order sent
+        self.log: list[Ref] = []  # the step batches (node_ready, group_ready), in the order sent
         self.last_sent: dict[Any, float] = {}  # node -> when it last said anything
         self._ready = Ref("_ready")
         self._pending[0] = self._ready
@@ -260,7 +260,7 @@ class Link:
             cid, self._next = self._next, self._next + 1
             self._pending[cid] = ref
             ref.sent_at = time.monotonic()
-            if method == "node_ready":
+            if method in ("node_ready", "group_ready"):
                 self.log.append(ref)
             if key is not None:
                 self.last_sent[key] = ref.sent_at

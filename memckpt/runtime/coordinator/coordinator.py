@@ -134,6 +134,7 @@ class Coordinator(PersistCalls, DrillCalls):
         self.node_ram: dict[str, NodeRam] = {}  # node -> its RAM held, budget, peak (B)
         self.received: Counter[str] = Counter()  # node messages taken, by method (tests, bench)
         self._refused_from: set[tuple[str, int]] = set()  # (node, its generation) refused
+        self._relays: set[tuple[str, int]] = set()  # (leader, generation) heard from
         self.job_metrics = JobMetrics(job)
         self.steps = StepLog(self.run_dir, self.job_metrics)  # losses, stalls, progress
         self.s = JobState()
@@ -313,16 +314,56 @@ class Coordinator(PersistCalls, DrillCalls):
                 self._refused(node, gen, batch.metrics)
                 return STALE
             self.received["node_ready"] += 1
-            self.alive.node_spoke(node, step, self.ready.members.node_ranks.get(node, ()))
-            self.steps.take(gen, node, batch.metrics, self.world_size, self.s.committed)
-            try:
-                self.ready.node(node, batch)
-            except PlacementMismatch as e:
-                self.event("placement_mismatch", node=node, gen=gen, step=step, error=str(e))
-                raise
+            self._take_batch(node, batch)
             self._maybe_commit(step)
             self._save_if_due()
         return await self.wait_commit(gen, step, wait_s)
+
+    async def group_ready(self, leader: str, parts: tuple[tuple[str, ReadyBatch], ...],
+                          wait_s: float) -> View:
+        """Several nodes' batches of one step in one message, merged by their group's
+        leader (:mod:`memckpt.runtime.node.relay`): each taken as ``node_ready`` takes it,
+        one commit check and one wait for them all. O(the nodes in it), without the cost of
+        a message each. A part that disagrees with the placement is logged and the others
+        taken before the error is raised (each member then sends its own, and only that
+        node's fails)."""
+        if not parts:
+            return self._commit_view()
+        gen, step = parts[0][1].gen, parts[0][1].step
+        await self._rebuilt()
+        mismatch: Optional[PlacementMismatch] = None
+        async with self._cond:
+            if gen != self.s.gen:
+                for node, batch in parts:
+                    self._refused(node, gen, batch.metrics)
+                return STALE
+            self.received["group_ready"] += 1
+            if (leader, gen) not in self._relays:  # which relays a generation uses, once each
+                self._relays.add((leader, gen))
+                self.event("relay_group", leader=leader, gen=gen, step=step,
+                           nodes=[node for node, _ in parts])
+            for node, batch in parts:
+                try:
+                    self._take_batch(node, batch)
+                except PlacementMismatch as e:
+                    mismatch = e
+            self._maybe_commit(step)
+            self._save_if_due()
+        if mismatch is not None:
+            raise mismatch
+        return await self.wait_commit(gen, step, wait_s)
+
+    def _take_batch(self, node: str, batch: ReadyBatch) -> None:
+        """One node's batch of this generation (under the lock): a sign of life, its step
+        summaries, its ranks' readiness (checked against placement)."""
+        self.alive.node_spoke(node, batch.step, self.ready.members.node_ranks.get(node, ()))
+        self.steps.take(batch.gen, node, batch.metrics, self.world_size, self.s.committed)
+        try:
+            self.ready.node(node, batch)
+        except PlacementMismatch as e:
+            self.event("placement_mismatch", node=node, gen=batch.gen, step=batch.step,
+                       error=str(e))
+            raise
 
     async def node_metrics(self, node: str, gen: int, metrics: tuple[StepSummary, ...]) -> None:
         if gen != self.s.gen:

@@ -17,6 +17,7 @@ from memckpt.engine.buffers import remove_path, resolve_ram_root
 from memckpt.config import Config
 from memckpt.errors import ConfigError
 from memckpt.policy.placement import node_domains
+from memckpt.policy.relay import relay_groups
 from memckpt.policy.recovery_plan import served_ranks
 from memckpt.runtime.ray_nodes import alive_node_ids, on_node
 from memckpt.runtime.coordinator.coordinator import (COORDINATOR_NAMESPACE, Coordinator,
@@ -42,6 +43,18 @@ def failure_domains(config: Config, nodes: Iterable[str],
     own = {n: labels.get(n, {}) for n in nodes}
     return node_domains(own if strict else {n: ls for n, ls in own.items() if ls.get(label)},
                         label)
+
+
+def relay_members(config: Config, nodes: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """node -> its relay group's members, leader first (``config.control``;
+    :mod:`memckpt.policy.relay`): a rack's nodes together where the job names failure
+    domains. {} on a job too small for relays (no look at the cluster then)."""
+    control, nodes = config.control, sorted(set(nodes))
+    if control.relay_fanout < 2 or len(nodes) < control.relay_min_nodes:
+        return {}
+    groups = relay_groups(nodes, control.relay_fanout, control.relay_min_nodes,
+                          failure_domains(config, nodes, strict=False))
+    return {n: g.members for n, g in groups.items()}
 
 
 def store_name(job: str, node: str) -> str:

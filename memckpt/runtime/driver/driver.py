@@ -208,12 +208,14 @@ class Runtime:
         info, master = self._reach_workers(gen, workers, holders)
         refs = {}
         by_node, copies = ranks_by_node(assignment), copies_by_node(holders)
+        relays = actors.relay_members(cfg, assignment.values())
         for rank, w in workers.items():
             node = assignment[rank]
             spec = WorkerSpec(rank, len(assignment), gen, cfg, tuple(holders.get(rank, ())),
                               dict(self.plane.stores), self.coordinator, restore.get(rank),
                               self.injector.at_steps(), resized=resized,
-                              node_ranks=by_node[node], node_copies=copies.get(node, ()))
+                              node_ranks=by_node[node], node_copies=copies.get(node, ()),
+                              relay=relays.get(node, ()))
             refs[w.run.remote(self.train_fn, master, spec)] = rank
         self._event("generation_started", gen=gen, world_size=len(assignment),
                     assignment=assignment, holders=holders,

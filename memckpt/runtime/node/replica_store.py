@@ -39,6 +39,7 @@ from memckpt.format import shard as fmt
 from memckpt.engine.buffers import RamRegion, allocated_bytes, remove_path, resolve_ram_root
 from memckpt.policy.footprint import RamBudget, budget_bytes
 from memckpt.runtime.node.shard_server import ShardServer
+from memckpt.runtime.coordinator.messages import ReadyBatch
 from memckpt.runtime.node.uplink import Uplink, View
 from memckpt.runtime.ray_nodes import Whereabouts
 from memckpt.runtime.wire.ram_files import (OWN, REPLICAS, find, held, invalidate, node_dir,
@@ -131,12 +132,21 @@ class ReplicaStore:
     # -- the node's agent toward the coordinator (memckpt.runtime.node.uplink) --------------
     def join(self, rank: int, gen: int, ranks: list[int], coordinator: Any,
              interval_s: float, pid: Optional[int] = None,
-             timeout_s: Optional[float] = None, holders: Optional[list[str]] = None) -> bool:
+             timeout_s: Optional[float] = None, holders: Optional[list[str]] = None,
+             relay: Optional[tuple[list[str], Any]] = None) -> bool:
         """``rank`` (process ``pid``) of generation ``gen`` reports through this store;
         ``ranks``: every rank placement put on this node; the job's heartbeat interval and
-        timeout; ``holders``: where its spec places its shards. False: ``gen`` is fenced off."""
+        timeout; ``holders``: where its spec places its shards; ``relay``: the node's relay
+        group (leader first) and the leader's store. False: ``gen`` is fenced off."""
         return gen >= self.generation and self.uplink.join(rank, gen, ranks, coordinator,
-                                                            interval_s, pid, timeout_s, holders)
+                                                            interval_s, pid, timeout_s, holders,
+                                                            relay)
+
+    def relay_ready(self, node: str, batch: ReadyBatch, timeout_s: float) -> Any:
+        """A member's batch for this leader to merge (:mod:`memckpt.runtime.node.relay`):
+        the coordinator's reference to the answer, or None (not its leader: it sends the
+        batch itself). Called in the ``commit`` concurrency group."""
+        return self.uplink.relay_ready(node, batch, timeout_s)
 
     def rank_detail(self) -> dict[int, tuple[float, int]]:
         """Each local rank's (seconds since its last sign of life, its step): the per-rank

@@ -25,18 +25,33 @@ in RAM and the node's budget for them (the store's ``footprint``: a few stat cal
 A rank late to beat is looked at on its node each interval from then on: its silence goes
 to the coordinator net of what its process waited for a CPU (:mod:`memckpt.policy.liveness`),
 so a rank starved by something else on the node is not taken for a hung one.
+
+On a large job the store's batches go through its group's leader
+(:mod:`memckpt.policy.relay`, :mod:`memckpt.runtime.node.relay`), given at ``join``: the
+leader answers with the coordinator's reference once the group's message went. A leader
+that does not answer within :attr:`Uplink.relay_patience_s`, that died, or whose answer
+cannot be read (it owned the reference) costs one resend: the store sends the batch to the
+coordinator itself, and every batch after it for the rest of the generation (the event
+``relay_bypassed`` says so, once). A leader that does not know the group yet (its ranks
+joined later) is bypassed for that step only. A step's summaries can then reach the
+coordinator twice (counters of that step counted twice, losses rewritten with the same
+value): a failure's cost, never a wrong commit (readiness is a node's count, set, not added).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from memckpt.policy.liveness import LATE_BEATS, ProcSample, StarvationCredit, net_silence
 from memckpt.runtime.node import procstat
+from memckpt.runtime.coordinator.messages import ReadyBatch
 from memckpt.runtime.node.aggregator import Heartbeat, NodeAggregator
+from memckpt.runtime.node.relay import RelayPoint
+from memckpt.runtime.wire.calls import COMMIT_GROUP
 
 COMMIT_WAIT_S = 5.0  # the coordinator holds a node_ready / wait_commit this long at most
 KEEP_ANSWERS = 4  # commit answers kept per generation (a few steps in flight)
@@ -46,6 +61,8 @@ View = tuple[Optional[int], Optional[int], Optional[str]]
 Get = Callable[[Any, float], Any]  # (a call's reference, timeout) -> its answer; TimeoutError
 Sample = Callable[[int], Optional[ProcSample]]  # a pid -> its state and CPU waits, or None
 Footprint = Callable[[], tuple[int, int]]  # () -> (bytes memckpt holds on the node, budget)
+# a node's relay group at join: (its members, leader first; the leader's store handle)
+Relay = tuple[Sequence[str], Any]
 
 
 def ray_get(ref: Any, timeout_s: float) -> Any:
@@ -83,16 +100,23 @@ class Uplink:
         self._closed = threading.Event()
         self._beat: Optional[tuple[int, Any]] = None  # (gen, ref of the answer) of the last beat
         self._spoke_at = float("-inf")  # when a batch or metrics last went (a sign of life)
+        self.relay = RelayPoint(node, clock)  # where this node leads a group: its merging
+        self._relay_to: Optional[tuple[int, Any]] = None  # (gen, the leader's store) to send to
+        self._bypassed = -1  # the newest generation whose relay failed: batches go direct
+        # (gen, step) -> (the leader's answer, the batch, when sent): not resolved yet
+        self._relayed: dict[tuple[int, int], tuple[Any, ReadyBatch, float]] = {}
+        self._batches: dict[tuple[int, int], ReadyBatch] = {}  # relayed batches, kept to resend
 
     # -- called by the node's ranks -------------------------------------------------------
     def join(self, rank: int, gen: int, ranks: Iterable[int], coordinator: Any,
              interval_s: float, pid: Optional[int] = None,
              timeout_s: Optional[float] = None,
-             holders: Optional[Sequence[str]] = None) -> bool:
+             holders: Optional[Sequence[str]] = None, relay: Optional[Relay] = None) -> bool:
         """``rank`` (process ``pid``) starts generation ``gen`` with ``ranks`` on this node;
         ``interval_s``, ``timeout_s``: the job's heartbeat settings; ``holders``: the nodes
         its spec places its shards on (its readiness is judged against them here; without
-        them, where it placed goes to the coordinator to judge). False: fenced."""
+        them, where it placed goes to the coordinator to judge); ``relay``: the node's relay
+        group and its leader's store (None: batches go to the coordinator). False: fenced."""
         with self._cond:
             if gen < self.floor:
                 return False
@@ -114,6 +138,8 @@ class Uplink:
                     self._pids[rank] = pid
                 if holders is not None:
                     self.agg.expect(rank, gen, holders)
+                if relay is not None:
+                    self._join_relay(gen, tuple(relay[0]), relay[1])
                 self.agg.beat(rank, gen, -1, self.clock())  # alive from its own join
             if self._thread is None:
                 self._thread = threading.Thread(target=self._beat_loop, daemon=True,
@@ -121,6 +147,26 @@ class Uplink:
                 self._thread.start()
             self._cond.notify_all()
         return True
+
+    def _join_relay(self, gen: int, members: tuple[str, ...], leader: Any) -> None:
+        self._relay_to = (gen, leader)
+        if members[0] == self.node:
+            self.relay.configure(gen, members, self.interval_s, self._send_group)
+
+    def _send_group(self, parts: dict[str, ReadyBatch]) -> Any:
+        self._spoke_at = self.clock()
+        return self.coordinator.group_ready.remote(self.node, tuple(parts.items()),
+                                                   COMMIT_WAIT_S)
+
+    def relay_ready(self, node: str, batch: ReadyBatch, timeout_s: float) -> Optional[Any]:
+        """A member's batch, for this leader to merge: the coordinator's reference to the
+        answer once the group's message went; None when this store does not lead ``node``
+        for that generation (the member sends it itself)."""
+        fut = self.relay.take(node, batch)
+        try:
+            return fut.result(timeout_s)
+        except Exception:  # noqa: BLE001 - not its leader, or the send failed
+            return None
 
     def _known(self, rank: int, gen: int) -> bool:
         return gen >= self.floor and self.agg.knows(gen, rank)
@@ -134,13 +180,76 @@ class Uplink:
                 return False
             batch = self.agg.ready(rank, gen, step, holders, self.clock())
             if batch is not None:
-                ref = self.coordinator.node_ready.remote(self.node, batch, COMMIT_WAIT_S)
-                self._spoke_at = self.clock()
-                self._answers[(gen, step)] = ref
-                for key in sorted(self._answers)[:-KEEP_ANSWERS]:
-                    del self._answers[key]
+                key = (gen, step)
+                via = self._relay_to
+                if via is None or via[0] != gen or self._bypassed >= gen:
+                    self._answers[key] = self._send_direct(batch)
+                else:  # through the group's leader (the leader itself: in this process)
+                    ref = (self.relay.take(self.node, batch) if self.relay.gen == gen
+                           and self.node in self.relay.members
+                           else via[1].relay_ready.options(concurrency_group=COMMIT_GROUP)
+                           .remote(self.node, batch, COMMIT_WAIT_S))
+                    self._answers[key] = ref
+                    self._relayed[key] = (ref, batch, self.clock())
+                    self._batches[key] = batch
+                for old in sorted(self._answers)[:-KEEP_ANSWERS]:
+                    del self._answers[old]
+                    self._relayed.pop(old, None)
+                    self._batches.pop(old, None)
                 self._cond.notify_all()
         return True
+
+    def _send_direct(self, batch: ReadyBatch) -> Any:
+        self._spoke_at = self.clock()
+        return self.coordinator.node_ready.remote(self.node, batch, COMMIT_WAIT_S)
+
+    @property
+    def relay_patience_s(self) -> float:
+        """How long a batch waits for its leader's answer before it goes direct: the leader
+        sends within its wait (an interval) and one tick of its heartbeat thread."""
+        return max(1.0, 3 * self.interval_s)
+
+    def _via_relay(self, key: tuple[int, int], deadline: float) -> Optional[Any]:
+        """The coordinator's reference for a relayed batch: the leader's answer, or the
+        batch sent direct when the leader failed; None: not yet (ask again)."""
+        with self._cond:
+            entry = self._relayed.get(key)
+            if entry is None:
+                return self._answers.get(key)
+        ref, batch, sent_at = entry
+        patience = sent_at + self.relay_patience_s
+        why: Optional[str] = None
+        coord: Any = None
+        try:
+            wait = max(0.01, min(deadline, patience) - self.clock())
+            coord = ref.result(wait) if isinstance(ref, Future) else self.get(ref, wait)
+        except TimeoutError:
+            if self.clock() < patience:
+                return None
+            why = f"no answer in {self.relay_patience_s:g} s"
+        except Exception as e:  # noqa: BLE001 - the leader died: go direct
+            why = repr(e)
+        with self._cond:
+            if self._relayed.get(key) is not entry:  # another waiter settled it
+                return self._answers.get(key)
+            del self._relayed[key]
+            if why is None and coord is not None:  # the leader sent it: the node spoke
+                self._spoke_at = max(self._spoke_at, sent_at)
+            if coord is None:
+                self._batches.pop(key, None)  # resent: an error of its answer is raised
+                coord = self._bypass(key, batch, why)
+            self._answers[key] = coord
+        return coord
+
+    def _bypass(self, key: tuple[int, int], batch: ReadyBatch, why: Optional[str]) -> Any:
+        """Send ``batch`` to the coordinator; ``why`` (the leader failed, not just unready
+        for the step): for the rest of the generation too, said once."""
+        gen = key[0]
+        if why is not None and self._bypassed < gen:
+            self._bypassed = gen
+            self.coordinator.log_event.remote("relay_bypassed", {
+                "gen": gen, "step": key[1], "node": self.node, "why": why})
+        return self._send_direct(batch)
 
     def report(self, rank: int, gen: int, step: int, metrics: Mapping[str, float],
                snapshotted: bool) -> bool:
@@ -165,17 +274,30 @@ class Uplink:
         action "stale": the generation is over), or None if the node's batch was not sent
         or not answered within ``timeout_s``: ask again. Runs in COMMIT_GROUP."""
         deadline = self.clock() + timeout_s
+        key = (gen, step)
         with self._cond:
-            if not self._cond.wait_for(lambda: (gen, step) in self._answers or gen < self.floor
+            if not self._cond.wait_for(lambda: key in self._answers or gen < self.floor
                                        or gen < self.agg.gen or self._closed.is_set(),
                                        timeout_s):
                 return None
-            ref = self._answers.get((gen, step))
+            ref = self._answers.get(key)
+            relayed = key in self._relayed
         if ref is None:
             return (None, None, "stale")
+        if relayed and (ref := self._via_relay(key, deadline)) is None:
+            return None
         try:
             view = tuple(self.get(ref, max(0.01, deadline - self.clock())))
         except TimeoutError:
+            return None
+        except Exception:  # noqa: BLE001 - a relayed answer lost with its leader: resent
+            with self._cond:
+                batch = self._batches.get(key)
+                if batch is None:
+                    raise  # the coordinator's own error
+                if self._answers.get(key) is ref:  # else another waiter resent it
+                    del self._batches[key]  # once: an error of the resent one is raised
+                    self._answers[key] = self._bypass(key, batch, "its answer was lost")
             return None
         committed = view[0]
         if view[2] != "stale" and (committed is None or committed < step):
@@ -320,6 +442,7 @@ class Uplink:
     def _beat_loop(self) -> None:
         while not self._closed.wait(self.interval_s):
             try:
+                self.relay.tick()  # a group's batches that waited long enough for a member
                 self.heartbeat_once()
             except Exception:  # noqa: BLE001 - a coordinator restarting: the next tick
                 pass

@@ -67,7 +67,7 @@ class NodeLink:
             self._joined = bool(ray.get(self.store.join.remote(
                 spec.rank, spec.gen, list(spec.node_ranks), spec.coordinator,
                 failure.heartbeat_interval_s, os.getpid(), failure.heartbeat_timeout_s,
-                list(spec.holders)),
+                list(spec.holders), self._relay()),
                 timeout=CALL_S))
             if self._joined:  # a restarted store lost what it held: this rank's reports again
                 kept = list(self._kept)
@@ -75,6 +75,13 @@ class NodeLink:
                 for step, metrics, snapshotted, _ in kept:  # counted once at most
                     self._send_report(step, without_counters(metrics), snapshotted)
         return self._joined
+
+    def _relay(self) -> Optional[tuple[list[str], Any]]:
+        """The node's relay group and its leader's store, as the store's ``join`` takes it
+        (None: no relay, or the leader's store is not known)."""
+        group = self.spec.relay
+        leader = self.spec.stores.get(group[0]) if group else None
+        return (list(group), leader) if leader is not None else None
 
     def ready(self, step: int, holders: list[str], cancelled: Callable[[], bool]) -> Optional[View]:
         """This rank's shard of ``step`` is placed on ``holders``: wait for the step's commit.

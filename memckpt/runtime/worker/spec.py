@@ -42,6 +42,9 @@ class WorkerSpec:
     node_ranks: tuple[int, ...] = ()
     # the ranks whose copies this rank's node keeps (what its slots are planned against)
     node_copies: tuple[int, ...] = ()
+    # the nodes whose step batches one store merges, this rank's node among them, leader
+    # first (memckpt.policy.relay); () sends them to the coordinator itself
+    relay: tuple[str, ...] = ()
 
 
 def copies_by_node(holders: Mapping[int, Sequence[str]]) -> dict[str, tuple[int, ...]]:
