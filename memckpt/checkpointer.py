@@ -13,6 +13,7 @@ so a new process started after the old one was killed restores from RAM.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -38,12 +39,20 @@ from memckpt.engine.slot import newest_layout_in
 from memckpt.engine.snapshot import EngineStats, SnapshotEngine
 from memckpt.policy.footprint import NodeFootprint, budget_bytes, over_budget
 from memckpt.policy.threads import hash_threads, local_ranks_from, usable_cores
-from memckpt.format.state import TrainState, restore_allocations, same_layout
+from memckpt.format.state import Captured, TrainState, restore_allocations, same_layout
 
 if TYPE_CHECKING:
     from memckpt.format.dcp_reader import MemckptReader
 
 log = logging.getLogger("memckpt")
+
+
+def planned_slot_bytes(captured: Captured) -> int:
+    """The slot file a snapshot of ``captured`` maps: header and data, as the engine sizes
+    it (what the RAM budget's check is given)."""
+    layout = fmt.Layout.of(captured.tensors)
+    meta_len = len(json.dumps(captured.meta, separators=(",", ":")))
+    return fmt.region_size(layout, fmt.header_capacity_for(layout, meta_hint=meta_len))
 
 
 @runtime_checkable
@@ -123,8 +132,15 @@ class Checkpointer(RestoreAndStep):
     def footprint(self, shard_bytes: int) -> NodeFootprint:
         """What memckpt holds on this node with slots of ``shard_bytes``: two for each of its
         ``local_ranks`` (one process has no replicas elsewhere). Every rank's shard is taken
-        to be this one's size: each rank checks, so the largest decides."""
-        return NodeFootprint(shard_bytes, own_ranks=self.local_ranks, replica_ranks=0)
+        to be this one's size: each rank checks, so the largest rank's check, an upper
+        bound, decides. (No sizes are exchanged here: under torchrun the process group is
+        the user's, and a stop file makes snapshots no collective may wait on; the
+        runtime's ranks exchange theirs, see ``RankCheckpointer.plan``.)"""
+        return NodeFootprint.even(shard_bytes, own_ranks=self.local_ranks, replica_ranks=0)
+
+    def _planning(self, captured: Captured, step: int) -> None:
+        """Before ``step``'s snapshot maps anything: where ranks plan their slots together
+        (the runtime's), learn the others' sizes. One process has no one to ask."""
 
     def node_folder(self) -> Path:
         """The folder holding every memckpt file of this job on this node."""
@@ -134,15 +150,22 @@ class Checkpointer(RestoreAndStep):
         """Before a slot file is made or resized: stop with the numbers (never SIGBUS or the
         OOM killer later) when the node's planned footprint exceeds ``Config.ram_budget`` or
         the shared-memory file system's room."""
-        import psutil
-        fp = self.footprint(slot_bytes)
-        budget = budget_bytes(self.config.ram_budget, psutil.virtual_memory().total)
-        folder = self.node_folder()
-        room = free_bytes(self.directory) + allocated_bytes(folder)  # ours may be reused
-        problem = over_budget(fp, budget, room)
+        problem = over_budget(*self._room(slot_bytes))
         if problem:
-            raise MemoryBudgetError(f"{problem} (job {self.config.job_name!r}, rank {self.rank}, "
-                                    f"files under {folder})")
+            raise MemoryBudgetError(self._budget_error(problem))
+
+    def _room(self, slot_bytes: int) -> tuple[NodeFootprint, int, int]:
+        """The node's footprint with this rank's slots of ``slot_bytes``, the budget, and
+        the shared-memory file system's room (free, plus what this job's files hold there:
+        what the footprint counts of them may be reused)."""
+        import psutil
+        budget = budget_bytes(self.config.ram_budget, psutil.virtual_memory().total)
+        room = free_bytes(self.directory) + allocated_bytes(self.node_folder())
+        return self.footprint(slot_bytes), budget, room
+
+    def _budget_error(self, problem: str) -> str:
+        return (f"{problem} (job {self.config.job_name!r}, rank {self.rank}, "
+                f"files under {self.node_folder()})")
 
     def _make_persister(self) -> Optional[Persister]:
         """This process persists its own sealed snapshots to the configured tiers."""
@@ -225,6 +248,7 @@ class Checkpointer(RestoreAndStep):
         captured = state.capture(step)
         if report:
             captured.meta["report"] = {k: float(v) for k, v in report.items()}
+        self._planning(captured, step)
         return self.engine.snapshot(captured, step)
 
     def persist_now(self, step: Optional[int] = None, timeout_s: Optional[float] = None) -> bool:

@@ -3,18 +3,22 @@ each, so no node has room for a second rank) and no persisted tier, so a lost no
 rank cannot be placed and the job goes on with fewer ranks from the surviving RAM
 copies. Checked bit for bit: the full parameters and optimizer state right after the
 resize equal the committed step's; the losses after it equal those of a fresh job of
-the smaller size resumed from a persisted copy of that step."""
+the smaller size resumed from a persisted copy of that step. And what a surviving node
+holds in RAM while the resize is under way, node by node (#50)."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 import memckpt
-from memckpt.errors import RecoveryError
+from memckpt.engine.buffers import default_ram_root
+from memckpt.errors import MemoryBudgetError, RecoveryError
 from memckpt.runtime.chaos.faults import FaultInjector
 from conftest import wait_for
 
@@ -32,9 +36,11 @@ def one_rank_nodes():
     import ray
 
     import _elastic_job
+    import _resize_job
     from memckpt.runtime.tools.local_cluster import LocalCluster
     c = LocalCluster(nodes=3, cpus_per_node=1)
     ray.cloudpickle.register_pickle_by_value(_elastic_job)  # the workers cannot import tests/
+    ray.cloudpickle.register_pickle_by_value(_resize_job)
     with memckpt.keep_workers():  # each job takes the worker processes the last one left
         yield c
     c.shutdown()
@@ -217,3 +223,123 @@ def test_below_min_workers_fails_naming_the_setting_and_node(nodes3, tmp_path):
                     injector=inj, quiet=True)
     assert "workers.min_workers=2" in str(e.value)
     assert any(n[:12] in str(e.value) for n in killed)
+
+# -- what a node holds in RAM while a resize is under way (#50) ------------------------------
+# The layout before stays as the fallback until the new layout commits a step, so a
+# surviving node holds the new layout's slots and the old files it does not reuse together;
+# a budget that fits the steady state but not that window stops the resize with
+# MemoryBudgetError before any slot of the new layout is made, instead of a SIGBUS later.
+RESIZE_STEPS = 12
+MiB = 1 << 20
+
+
+def resize_config(name: str, ram_budget: float | int = 0.9) -> memckpt.Config:
+    return memckpt.Config(
+        job_name=name, ram_budget=ram_budget,
+        workers=memckpt.WorkersConfig(num_workers=3, min_workers=2, cpus_per_worker=1),
+        placement=memckpt.PlacementConfig(strategy="ring", replicas=1),
+        failure=memckpt.FailureConfig(heartbeat_interval_s=0.25, heartbeat_timeout_s=2.0,
+                                      max_restarts=3, collective_timeout_s=30.0,
+                                      replace_timeout_s=1.0, warm_spares=False))
+
+
+class PerNode:
+    """Each node folder's allocated bytes, sampled on a thread: its peak before the kill and
+    after it (the resize window and what follows), with the folders under it at that peak.
+    A removed node's folder counts no more (its RAM went with it)."""
+
+    def __init__(self, job_dir: Path, every_s: float = 0.005) -> None:
+        self.job_dir, self.every_s = job_dir, every_s
+        self.gone: set[str] = set()
+        self.slot = 0  # the largest slot file's allocated bytes seen
+        self.killed = threading.Event()
+        self.peaks: dict[str, dict[str, tuple[int, dict[str, int]]]] = {"before": {}, "after": {}}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        phase = "after" if self.killed.is_set() else "before"
+        for node in os.listdir(self.job_dir) if self.job_dir.is_dir() else ():
+            if node in self.gone or not (self.job_dir / node).is_dir():
+                continue
+            parts: dict[str, int] = {}
+            for sub in ("own", "replicas"):
+                for d in os.listdir(self.job_dir / node / sub) \
+                        if (self.job_dir / node / sub).is_dir() else ():
+                    for f in ("slot0.shard", "slot1.shard"):
+                        try:
+                            n = os.stat(self.job_dir / node / sub / d / f).st_blocks * 512
+                        except FileNotFoundError:
+                            continue
+                        parts[f"{sub}/{d}"] = parts.get(f"{sub}/{d}", 0) + n
+                        self.slot = max(self.slot, n)
+            total = sum(parts.values())
+            if total > self.peaks[phase].get(node, (0, {}))[0]:
+                self.peaks[phase][node] = (total, parts)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def __enter__(self) -> "PerNode":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _run_shrink(nodes3, tmp_path: Path, name: str, ram_budget: float | int) -> tuple:
+    from _resize_job import ResizeJob
+    job_dir = default_ram_root() / name
+    watch = PerNode(job_dir)
+
+    def killer(node: str) -> None:
+        watch.gone.add(node)
+        watch.killed.set()
+        nodes3.remove_node(node)
+
+    inj = FaultInjector(node_killer=killer).kill_node(rank=1, at_step=KILL_AT)
+    result: object = None
+    with watch:
+        try:
+            result = memckpt.run(ResizeJob(RESIZE_STEPS), resize_config(name, ram_budget),
+                                 run_dir=tmp_path / "run", injector=inj, quiet=True)
+        except MemoryBudgetError as e:
+            result = e
+    return result, watch
+
+
+def test_the_resize_window_holds_both_layouts_on_a_surviving_node(nodes3, tmp_path, capsys):
+    result, watch = _run_shrink(nodes3, tmp_path, "resize-window", 0.9)
+    assert isinstance(result, dict), result
+    assert [r["resized"] for r in result["recoveries"]] == [{"from": 3, "to": 2}]
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "old_layout_freed" for e in events)
+    slot = watch.slot
+    lines = [f"slot ~{slot / MiB:.2f} MiB (allocated)"]
+    for phase in ("before", "after"):
+        for node, (peak, parts) in sorted(watch.peaks[phase].items()):
+            lines.append(f"{phase:6s} {node[:8]}: peak {peak / MiB:6.2f} MiB = "
+                         f"{peak / slot:4.1f} slots  "
+                         + ", ".join(f"{k} {v / MiB:.2f}" for k, v in sorted(parts.items())))
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    before = max(p for p, _ in watch.peaks["before"].values())
+    after = max(p for p, _ in watch.peaks["after"].values())
+    assert 3.8 * slot <= before <= 4.2 * slot  # 2 own + 2 copies (2 + 2k, k = 1)
+    # the window: the new layout's 4 slots and what the old one left on the node (the own
+    # slots of a rank it no longer runs, the copies of one it no longer keeps)
+    assert after > 4.5 * slot and after <= 8.2 * slot
+
+
+def test_a_resize_that_would_not_fit_stops_with_the_numbers(nodes3, tmp_path):
+    """16 MiB: the steady state's 4 slots (~12.3 MiB) fit, the window's (6 to 8) do not."""
+    result, watch = _run_shrink(nodes3, tmp_path, "resize-over", 16 * MiB)
+    assert isinstance(result, MemoryBudgetError), result
+    msg = str(result)
+    assert "of the layout before" in msg and "ram_budget allows 16.0 MiB" in msg, msg
+    assert "until the new layout commits a step" in msg
+    after = max((p for p, _ in watch.peaks["after"].values()), default=0)
+    assert after <= 16 * MiB, watch.peaks  # never past the budget: stopped before

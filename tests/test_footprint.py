@@ -19,18 +19,18 @@ MiB = 1 << 20
 
 
 def test_a_node_holds_two_slots_per_rank_it_runs_and_per_copy_it_keeps():
-    fp = NodeFootprint(shard_bytes=100 * MiB, own_ranks=8, replica_ranks=8)
+    fp = NodeFootprint.even(100 * MiB, own_ranks=8, replica_ranks=8)
     assert fp.own_bytes == fp.replica_bytes == 1600 * MiB
     assert fp.total == 3200 * MiB and fp.state_bytes == 800 * MiB
     assert fp.total / fp.state_bytes == 4.0  # 2 + 2k with one replica
-    two = NodeFootprint(shard_bytes=100 * MiB, own_ranks=8, replica_ranks=16)
+    two = NodeFootprint.even(100 * MiB, own_ranks=8, replica_ranks=16)
     assert two.total / two.state_bytes == 6.0  # 2 + 2k with k = 2
     assert "2 slots x 8 rank(s) run here x 100.0 MiB = 1.56 GiB" in fp.explain()
     assert "8 peer rank(s) whose copies this node keeps" in fp.explain()
-    alone = NodeFootprint(shard_bytes=MiB, own_ranks=1, replica_ranks=0)
+    alone = NodeFootprint.even(MiB, own_ranks=1, replica_ranks=0)
     assert "peer" not in alone.explain()  # no replicas, no clause about them
     with pytest.raises(ValueError, match="negative"):
-        NodeFootprint(shard_bytes=-1, own_ranks=1, replica_ranks=0)
+        NodeFootprint.even(-1, own_ranks=1, replica_ranks=0)
 
 
 def test_the_budget_is_a_fraction_of_the_nodes_ram_or_bytes():
@@ -58,7 +58,7 @@ def test_the_budget_does_not_change_what_a_snapshot_holds():
 
 
 def test_over_budget_names_the_numbers_and_the_settings_that_lower_them():
-    fp = NodeFootprint(shard_bytes=10 * MiB, own_ranks=2, replica_ranks=2)  # 80 MiB
+    fp = NodeFootprint.even(10 * MiB, own_ranks=2, replica_ranks=2)  # 80 MiB
     assert over_budget(fp, budget=80 * MiB, shm_free=1 << 30) == ""
     msg = over_budget(fp, budget=64 * MiB, shm_free=1 << 30)
     assert "would hold 80.0 MiB" in msg and "more than ram_budget allows" in msg
@@ -166,3 +166,78 @@ def test_a_resized_slot_lets_its_old_pages_go_before_taking_new_ones(tmp_path, m
     again = RamRegion.reuse_or_create(path, 8 * MiB)  # the same size: reused, not made
     assert len(seen) == 1
     again.close()
+
+
+def test_uneven_ranks_are_planned_at_their_own_sizes():
+    """A node runs a small rank and keeps the copy of a large one (rank 0 with extra
+    state, a pipeline stage): the small rank's own size times four slots was the old
+    estimate, 1 MiB; the node really holds 2 x 0.25 + 2 x 3 MiB."""
+    sizes = {0: MiB // 4, 1: 3 * MiB, 2: MiB}
+    node_a = NodeFootprint.of(sizes, own=[0], copies=[1])
+    assert node_a.total == 2 * (MiB // 4) + 2 * 3 * MiB and node_a.state_bytes == MiB // 4
+    assert NodeFootprint.even(MiB // 4, 1, 1).total == MiB  # what rank 0 alone would plan
+    budget = 6 * MiB  # fits the estimate, not the node
+    assert over_budget(NodeFootprint.even(MiB // 4, 1, 1), budget, 1 << 30) == ""
+    msg = over_budget(node_a, budget, 1 << 30)
+    assert "would hold 6.50 MiB" in msg and "x 256.0 KiB = 512.0 KiB" in msg
+    assert "1 peer rank(s) whose copies this node keeps x 3.00 MiB = 6.00 MiB" in msg
+    both = NodeFootprint.of(sizes, own=[0, 2], copies=[1])
+    assert both.own_ranks == 2 and both.own_bytes == 2 * (MiB // 4 + MiB)
+    assert "2 slots x 2 rank(s) run here (256.0 KiB to 1.00 MiB a slot, 1.25 MiB in all) " \
+           "= 2.50 MiB" in both.explain()
+    with pytest.raises(KeyError):  # a rank without a size is a caller's bug, not a guess
+        NodeFootprint.of(sizes, own=[0], copies=[7])
+
+
+def test_the_layout_before_counts_until_the_new_one_commits():
+    """A resize keeps the old layout's files as the fallback: they are held, not room."""
+    new = NodeFootprint.even(10 * MiB, own_ranks=1, replica_ranks=1)  # 40 MiB
+    window = NodeFootprint.even(10 * MiB, own_ranks=1, replica_ranks=1, kept=20 * MiB)
+    assert window.total == 60 * MiB and window.state_bytes == 10 * MiB
+    assert over_budget(new, budget=50 * MiB, shm_free=1 << 30) == ""
+    msg = over_budget(window, budget=50 * MiB, shm_free=1 << 30)
+    assert "would hold 60.0 MiB" in msg and "plus 20.0 MiB of the layout before" in msg
+    assert "until the new layout commits a step" in msg and "workers.min_workers" in msg
+    assert "layout before" not in over_budget(new, budget=30 * MiB, shm_free=1 << 30)
+    with pytest.raises(ValueError, match="kept"):
+        NodeFootprint.even(MiB, 1, 0, kept=-1)
+
+
+def _old_layout_file(node, sub: str, rank: int, nbytes: int) -> None:
+    d = node / sub / f"rank{rank}"
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "slot0.shard", "wb") as f:
+        f.write(os.urandom(nbytes))
+
+
+def test_a_rank_counts_the_old_layouts_files_its_node_still_holds(tmp_path):
+    """After a resize renumbered the ranks, this node's own slots of old rank 2 and its copy
+    of old rank 3 stay until the new layout commits; the new layout's own folder (rank 0:
+    its files are resized in place) and its copies' folder (rank 1) are reused, not kept.
+    A budget that fits the new layout alone but not the window stops the first slot."""
+    from memckpt.runtime.worker.rank_checkpointer import RankCheckpointer
+    node = tmp_path / "job" / "nodeA"
+    for sub, rank in (("own", 2), ("replicas", 3), ("own", 0), ("replicas", 1)):
+        _old_layout_file(node, sub, rank, 4 * MiB)
+    state = _state(512)  # ~3 MiB a slot: 4 slots ~12.1 MiB; with the 8 MiB kept ~20 MiB
+    cfg = memckpt.Config(job_name="job", ram_root=str(tmp_path), ram_budget=16 * MiB)
+    ckpt = RankCheckpointer(cfg, 0, 2, node / "own", lambda s, p: None,
+                            node_ranks=(0,), node_copies=(1,))
+    assert ckpt.kept_bytes() == 8 * MiB
+    ckpt.plan(state, 0)  # no process group: the estimate (the other rank is this size)
+    with pytest.raises(MemoryBudgetError) as ei:
+        ckpt.step(state, 0)
+    msg = str(ei.value)
+    assert "plus 8.00 MiB of the layout before" in msg and "ram_budget allows 16.0 MiB" in msg
+    assert not (node / "own" / "rank0" / "slot1.shard").exists()
+    ckpt.close()
+    # once the driver freed the old layout (free_unserved), the same plan fits
+    import shutil
+    shutil.rmtree(node / "own" / "rank2")
+    shutil.rmtree(node / "replicas" / "rank3")
+    ckpt = RankCheckpointer(cfg, 0, 2, node / "own", lambda s, p: None,
+                            node_ranks=(0,), node_copies=(1,))
+    assert ckpt.kept_bytes() == 0
+    ckpt.plan(state, 0)
+    assert ckpt.step(state, 0)
+    ckpt.close()

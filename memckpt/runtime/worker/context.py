@@ -86,8 +86,8 @@ class WorkerContext(RestoreAndStep):
         self._ram_root = ram_root
         self.ckpt = RankCheckpointer(cfg, spec.rank, spec.world_size,
                                      own_dir(ram_root, cfg.job_name, node_id), self._sealed,
-                                     node_ranks=len(spec.node_ranks) or 1,
-                                     node_copies=len(spec.node_copies))
+                                     node_ranks=spec.node_ranks,
+                                     node_copies=spec.node_copies)
         # readiness, reports, heartbeats: through the node's store
         self.link = link if link is not None else NodeLink(spec, node_id).start()
         self.replicator = Replicator(spec, self.ckpt, self.link)
@@ -175,6 +175,9 @@ class WorkerContext(RestoreAndStep):
                 "source": self.restore_source,
                 "seconds": round(restored.fetch_and_load_s, 4)})
             self.ckpt.resume_at(step)
+        # every rank, before this generation maps a slot: the node's RAM budget is checked
+        # against the real sizes of the ranks it runs and keeps copies of (a collective)
+        self.ckpt.plan(state, step)
         if instr is not None and instr.reshard is None and self.ckpt.holds(step):
             # Its own slot holds the step (a process restarted on its node, or a peer's copy
             # fetched straight into the slot): no second copy. Holders placement moved are
