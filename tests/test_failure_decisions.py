@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memckpt.errors import FallBehindError, MemckptError, RecoveryError, StateError
+from memckpt.errors import (FallBehindError, MemckptError, MemoryBudgetError, RecoveryError,
+                            StateError)
 from memckpt.policy.failure import (ERROR_SETTLE_S, Action, Decision, Observation, State,
                                      decide, is_peer_failure, next_state)
 
@@ -112,6 +113,20 @@ def test_a_bug_in_user_code_raises_the_user_error():
 def test_the_lowest_rank_error_decides():
     d = decide(obs(pending=(), errors=((3, PEER_LOST), (1, USER_BUG))))
     assert d.error is USER_BUG
+    other = KeyError("w")
+    assert decide(obs(pending=(), errors=((2, other), (1, USER_BUG)))).error is USER_BUG
+
+
+def test_the_error_that_failed_the_others_collectives_decides_whatever_its_rank():
+    """Rank 2 raised; ranks 0 and 1 only saw their collective fail with it. Acting on
+    rank 0's "lost a peer" would retry a job that fails the same way each time."""
+    d = decide(obs(pending=(), errors=((0, PEER_LOST), (1, PEER_LOST), (2, USER_BUG))))
+    assert d.action is Action.RAISE and d.error is USER_BUG
+    over = MemoryBudgetError("node n2 holds 9 GiB of an 8 GiB ram_budget")
+    d = decide(obs(pending=(), errors=((0, USER_BUG), (1, PEER_LOST), (2, over))))
+    assert d.action is Action.RAISE and d.error is over  # not retryable: it stops the job
+    d = decide(obs(pending=(), errors=((0, PEER_LOST), (2, PEER_LOST))))
+    assert d.action is Action.RECOVER and d.what.startswith("rank 0 lost a peer")
 
 
 @pytest.mark.parametrize("text, peer", [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from memckpt.errors import MemckptError, RecoveryError
 
@@ -116,6 +116,20 @@ def hung_what(hung: list[int], silent_nodes: tuple[str, ...]) -> str:
     return f"{what}: rank(s) {hung} lost"
 
 
+def _root_cause(errors: Sequence[tuple[int, BaseException]]) -> tuple[int, BaseException]:
+    """The error the job should act on when several ranks raised: a non-retryable memckpt
+    error from any rank (a node over its RAM budget stops the job, though the lower ranks
+    only saw their collective fail), else one that is not a lost peer (the error that made
+    the others' collectives fail), else the lowest rank's."""
+    ranked = sorted(errors, key=lambda e: e[0])
+    for pick in (lambda c: isinstance(c, MemckptError) and not c.retryable,
+                 lambda c: not is_peer_failure(c)):
+        found = [e for e in ranked if pick(e[1])]
+        if found:
+            return found[0]
+    return ranked[0]
+
+
 def _classify(obs: Observation) -> Decision:
     if obs.during is not None and obs.during not in RECOVERY_PHASES:
         raise ValueError(f"Observation.during={obs.during!r}: one of {RECOVERY_PHASES} or None")
@@ -144,7 +158,7 @@ def _classify(obs: Observation) -> Decision:
         if obs.unreachable:
             dead = sorted(obs.unreachable)
             return Decision(Action.RECOVER, f"rank(s) {dead} unreachable", died=tuple(dead))
-        rank, cause = sorted(obs.errors, key=lambda e: e[0])[0]
+        rank, cause = _root_cause(obs.errors)
         if isinstance(cause, MemckptError) and not cause.retryable:
             return Decision(Action.RAISE, error=cause)
         if is_peer_failure(cause):
