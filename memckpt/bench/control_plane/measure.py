@@ -5,15 +5,19 @@ Real: the :class:`~memckpt.runtime.coordinator.coordinator.Coordinator`, in a pr
 its own on an asyncio loop as its actor runs (:mod:`.transport`), every call to it pickled
 and sent over an OS pipe and its reply pickled back; one
 :class:`~memckpt.runtime.node.uplink.Uplink` per node (the replica store's line to the
-coordinator, hosting the node's aggregator), with its heartbeat thread at the job's
-interval; ``node_ready`` held at the coordinator until the step commits and its answer
-handed to every rank's ``wait_commit``; the driver's polls at their rates (``progress``
+coordinator, hosting the node's aggregator), ticked every interval as its heartbeat
+thread ticks it; relay groups as a job of that many nodes has them (``control``:
+``group_ready`` from each group's leader, ``node_ready`` from a node alone), held at the
+coordinator until the step commits and its answer handed to every rank's
+``wait_commit``; the driver's polls at their rates (``progress``
 and ``pending_faults`` every :data:`~memckpt.runtime.driver.driver.POLL_S`, ``liveness``
 every heartbeat interval) and the janitor's ``committed`` once a second.
 
 Stood in for: Ray's actor RPC (gRPC, the raylet, the object store) by the pipe; the
 ranks' calls to their store (a Ray call each in a job) by direct calls on its ``Uplink``
-from one thread that plays every rank; the workers themselves. Steps are paced at
+from one thread that plays every rank; each node's heartbeat thread by one
+:class:`Ticker` for all (the same ticks, spread over the interval); a member's call to
+its leader's store (a Ray call between stores) by a direct call; the workers themselves. Steps are paced at
 ``step_s`` (1 s) of wall time, every rank of every node reporting, beating and saying its
 shard is placed each step.
 
@@ -22,7 +26,7 @@ process's CPU per step (and of it: inside its methods, and (de)serializing), the
 argument bytes it took per step by method, its state writes per step, the commit latency
 (from the last node's batch going out until every node's answer is back, through the
 pipe) p50 / p99, the node side's CPU per node per step (every ``Uplink`` call of its ranks
-and its heartbeat thread), the achieved step time; then optionally a frozen node (one
+and its ticks), the achieved step time; then optionally a frozen node (one
 ``Uplink`` closed: its heartbeats stop) until the driver's ``liveness`` names it, in real
 time; and the recovery plan's CPU after a node loss (:func:`plan.time_plan`).
 """
@@ -96,6 +100,31 @@ class Driver(threading.Thread):
             self.error = e
 
 
+TICK_SLICES = 16  # the ticker spreads each interval's node ticks over this many slices
+
+
+class Ticker(threading.Thread):
+    """Every node's interval tick (``Uplink.tick``: a relay's overdue batches, the
+    heartbeat if due) from one thread, the nodes spread over the interval as their own
+    threads' phases would be. In a job each store ticks on its own node; here one thread
+    stands in for thousands (one per node would spend the bench's CPU switching between
+    them under the GIL, not in the work a node does)."""
+
+    def __init__(self, uplinks: list[Any], interval_s: float) -> None:
+        super().__init__(daemon=True, name="memckpt-node-heartbeat")
+        self.uplinks, self.interval_s = uplinks, interval_s
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        n = len(self.uplinks)
+        gap, i = self.interval_s / TICK_SLICES, 0
+        while not self.stop.wait(gap):
+            start = i * n // TICK_SLICES
+            for up in self.uplinks[start:(i + 1) * n // TICK_SLICES]:
+                up.tick()
+            i = (i + 1) % TICK_SLICES
+
+
 class LeaderStore:
     """A relay group's leader store as its members call it (``relay_ready``): the leader
     ``Uplink``'s merge point in this process, its future handed back at once. In a job it is
@@ -158,8 +187,12 @@ class Job:
         self.nodes: dict[str, list[int]] = {}
         for r in sorted(lay.assignment):
             self.nodes.setdefault(lay.assignment[r], []).append(r)
-        self.uplinks = {n: Uplink(n, get=link.get, sample=lambda pid: None)
+        own_thread = "beat_thread" not in inspect.signature(Uplink).parameters  # older
+        self.uplinks = {n: Uplink(n, get=link.get, sample=lambda pid: None,
+                                  **({} if own_thread else {"beat_thread": False}))
                         for n in self.nodes}
+        self.ticker = None if own_thread else Ticker(list(self.uplinks.values()),
+                                                     HEARTBEAT_INTERVAL_S)
         self.groups = relay_groups(list(self.nodes), control.relay_fanout,
                                    control.relay_min_nodes)
         if self.groups and not hasattr(next(iter(self.uplinks.values())), "relay"):
@@ -194,6 +227,8 @@ class Job:
             for r in rs:
                 _join(self.uplinks[n], r, rs, self.holders[r], self.link.handle,
                       self.timeout_s, relay)
+        if self.ticker is not None:
+            self.ticker.start()
 
     def step(self, step: int) -> tuple[float, float, float]:
         """Every rank's step: report, beat, shard placed; then every rank's wait for the
@@ -227,6 +262,8 @@ class Job:
         return [t for t in threading.enumerate() if t.name == "memckpt-node-heartbeat"]
 
     def close(self) -> None:
+        if self.ticker is not None:
+            self.ticker.stop.set()
         for up in self.uplinks.values():
             up.close()
 

@@ -75,11 +75,13 @@ class Uplink:
     at ``join``) is called as an actor handle (``.method.remote(...)``), whose references
     ``get`` resolves (default: ``ray.get``); ``sample`` looks at a rank's process (default:
     :func:`memckpt.runtime.node.procstat.sample`); ``footprint``, when given, measures the
-    node's memckpt RAM and budget for a heartbeat every :data:`FOOTPRINT_EVERY_S`."""
+    node's memckpt RAM and budget for a heartbeat every :data:`FOOTPRINT_EVERY_S`;
+    ``beat_thread``: False leaves the ticks (:meth:`tick`, every interval) to the caller
+    (a simulation of many nodes in one process)."""
 
     def __init__(self, node: str, clock: Callable[[], float] = time.monotonic,
                  get: Get = ray_get, sample: Sample = procstat.sample,
-                 footprint: Optional[Footprint] = None) -> None:
+                 footprint: Optional[Footprint] = None, beat_thread: bool = True) -> None:
         self.node = node
         self.clock = clock
         self.get = get
@@ -97,6 +99,7 @@ class Uplink:
         self._cond = threading.Condition()
         self._answers: dict[tuple[int, int], Any] = {}  # (gen, step) -> ref of the answer
         self._thread: Optional[threading.Thread] = None
+        self._beat_thread = beat_thread
         self._closed = threading.Event()
         self._beat: Optional[tuple[int, Any]] = None  # (gen, ref of the answer) of the last beat
         self._spoke_at = float("-inf")  # when a batch or metrics last went (a sign of life)
@@ -141,7 +144,7 @@ class Uplink:
                 if relay is not None:
                     self._join_relay(gen, tuple(relay[0]), relay[1])
                 self.agg.beat(rank, gen, -1, self.clock())  # alive from its own join
-            if self._thread is None:
+            if self._thread is None and self._beat_thread:
                 self._thread = threading.Thread(target=self._beat_loop, daemon=True,
                                                 name="memckpt-node-heartbeat")
                 self._thread.start()
@@ -439,10 +442,17 @@ class Uplink:
             self.floor = max(self.floor, gen + 1)
             self._cond.notify_all()
 
+    def tick(self) -> None:
+        """What the node does every interval: a group's batches that waited long enough for
+        a member go (where it leads one), then its heartbeat if one is due. Never raises."""
+        if self._closed.is_set():
+            return
+        try:
+            self.relay.tick()
+            self.heartbeat_once()
+        except Exception:  # noqa: BLE001 - a coordinator restarting: the next tick
+            pass
+
     def _beat_loop(self) -> None:
         while not self._closed.wait(self.interval_s):
-            try:
-                self.relay.tick()  # a group's batches that waited long enough for a member
-                self.heartbeat_once()
-            except Exception:  # noqa: BLE001 - a coordinator restarting: the next tick
-                pass
+            self.tick()
