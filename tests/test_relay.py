@@ -1,5 +1,5 @@
 """Relays: one store per group of nodes merges their step batches into one message to the
-coordinator (memckpt.policy.relay, memckpt.runtime.node.relay, the Uplink's member side),
+coordinator (memckpt.policy.relay_groups, memckpt.runtime.node.relay, the Uplink's member side),
 without Ray: the real Uplinks, the real Coordinator on an event loop of its own (as in
 test_uplink), and the leader's store reached through a stand-in for its actor handle that
 runs the leader Uplink's ``relay_ready`` on a thread, as Ray would. The stand-in can play a
@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 import pytest
 
 from memckpt.config import ConfigError, ControlConfig
-from memckpt.policy.relay import RelayGroup, relay_groups
+from memckpt.policy.relay_groups import RelayGroup, relay_groups
 from memckpt.runtime.coordinator.messages import ReadyBatch
 from memckpt.runtime.coordinator.readiness import PlacementMismatch
 from memckpt.runtime.node.uplink import Uplink

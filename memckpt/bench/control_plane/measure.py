@@ -45,7 +45,7 @@ from memckpt.bench.control_plane import transport
 from memckpt.bench.control_plane.plan import layout, time_plan
 from memckpt.bench.control_plane.sim import rank_metrics
 from memckpt.config import ControlConfig, FailureConfig
-from memckpt.policy.relay import relay_groups
+from memckpt.policy.relay_groups import relay_groups
 
 HEARTBEAT_TIMEOUT_S = FailureConfig().heartbeat_timeout_s  # the defaults
 HEARTBEAT_INTERVAL_S = FailureConfig().heartbeat_interval_s

@@ -17,7 +17,7 @@ from memckpt.engine.buffers import remove_path, resolve_ram_root
 from memckpt.config import Config
 from memckpt.errors import ConfigError
 from memckpt.policy.placement import node_domains
-from memckpt.policy.relay import relay_groups
+from memckpt.policy.relay_groups import relay_groups
 from memckpt.policy.recovery_plan import served_ranks
 from memckpt.runtime.ray_nodes import alive_node_ids, on_node
 from memckpt.runtime.coordinator.coordinator import (COORDINATOR_NAMESPACE, Coordinator,
@@ -47,7 +47,7 @@ def failure_domains(config: Config, nodes: Iterable[str],
 
 def relay_members(config: Config, nodes: Iterable[str]) -> dict[str, tuple[str, ...]]:
     """node -> its relay group's members, leader first (``config.control``;
-    :mod:`memckpt.policy.relay`): a rack's nodes together where the job names failure
+    :mod:`memckpt.policy.relay_groups`): a rack's nodes together where the job names failure
     domains. {} on a job too small for relays (no look at the cluster then)."""
     control, nodes = config.control, sorted(set(nodes))
     if control.relay_fanout < 2 or len(nodes) < control.relay_min_nodes:

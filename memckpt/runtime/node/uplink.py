@@ -27,7 +27,7 @@ to the coordinator net of what its process waited for a CPU (:mod:`memckpt.polic
 so a rank starved by something else on the node is not taken for a hung one.
 
 On a large job the store's batches go through its group's leader
-(:mod:`memckpt.policy.relay`, :mod:`memckpt.runtime.node.relay`), given at ``join``: the
+(:mod:`memckpt.policy.relay_groups`, :mod:`memckpt.runtime.node.relay`), given at ``join``: the
 leader answers with the coordinator's reference once the group's message went. A leader
 that does not answer within :attr:`Uplink.relay_patience_s`, that died, or whose answer
 cannot be read (it owned the reference) costs one resend: the store sends the batch to the
