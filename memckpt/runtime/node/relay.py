@@ -1,5 +1,5 @@
 """A group leader's store merging its group's step batches into one message
-(:mod:`memckpt.policy.relay` says who leads which nodes, and why).
+(:mod:`memckpt.policy.relay_groups` says who leads which nodes, and why).
 
 Each member's store hands the leader its :class:`ReadyBatch` for a step (``take``, the
 store's ``relay_ready`` call) and gets back a future of the coordinator's answer: a

@@ -43,7 +43,7 @@ class WorkerSpec:
     # the ranks whose copies this rank's node keeps (what its slots are planned against)
     node_copies: tuple[int, ...] = ()
     # the nodes whose step batches one store merges, this rank's node among them, leader
-    # first (memckpt.policy.relay); () sends them to the coordinator itself
+    # first (memckpt.policy.relay_groups); () sends them to the coordinator itself
     relay: tuple[str, ...] = ()
 
 
