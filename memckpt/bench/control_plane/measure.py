@@ -188,8 +188,8 @@ class Job:
         for r in sorted(lay.assignment):
             self.nodes.setdefault(lay.assignment[r], []).append(r)
         own_thread = "beat_thread" not in inspect.signature(Uplink).parameters  # older
-        self.uplinks = {n: Uplink(n, get=link.get, sample=lambda pid: None,
-                                  **({} if own_thread else {"beat_thread": False}))
+        ticked: dict[str, Any] = {} if own_thread else {"beat_thread": False}
+        self.uplinks = {n: Uplink(n, get=link.get, sample=lambda pid: None, **ticked)
                         for n in self.nodes}
         self.ticker = None if own_thread else Ticker(list(self.uplinks.values()),
                                                      HEARTBEAT_INTERVAL_S)
