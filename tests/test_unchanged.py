@@ -274,3 +274,145 @@ def test_a_process_killed_half_way_through_a_step_that_skipped_its_base(tmp_path
     assert again.restore(memckpt.TrainState(fresh, fresh_opt)) == 5
     again.close()
     _assert_same(_snapshot_state(fresh, fresh_opt), expect)
+
+
+# -- the capture kept between steps: it must never hand the engine a stale alias ------------
+
+def _walks(monkeypatch) -> list[int]:
+    """Counts the state_dict walks of a root model (a capture that reuses its last walk
+    makes none)."""
+    calls: list[int] = []
+    real = torch.nn.Module.state_dict
+
+    def counted(self, *args, **kwargs):
+        if not kwargs.get("prefix"):
+            calls.append(1)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(torch.nn.Module, "state_dict", counted)
+    return calls
+
+
+def _assert_capture_is_fresh(state: memckpt.TrainState, model, opt) -> None:
+    """``state``'s capture (maybe reusing its last walk) is what a new TrainState captures:
+    the same names, each aliasing the same bytes the same way, the same frozen and stable
+    sets and the same metadata."""
+    got, ref = state.capture(1), memckpt.TrainState(model, opt).capture(1)
+    assert [n for n, _ in got.tensors] == [n for n, _ in ref.tensors]
+    for (name, a), (_, b) in zip(got.tensors, ref.tensors):
+        if not name.startswith(("model/", "optim/")):  # the RNG state: a new tensor each time
+            assert torch.equal(a, b), name
+            continue
+        assert (a.dtype, a.shape, a.stride(), a.data_ptr(), a.requires_grad) == \
+            (b.dtype, b.shape, b.stride(), b.data_ptr(), b.requires_grad), name
+        assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr(), name
+    assert got.frozen == ref.frozen and got.stable == ref.stable
+    assert got.meta == ref.meta
+
+
+def _square(model) -> torch.nn.Module:
+    return model[0]
+
+
+MUTATIONS = {
+    "a frozen parameter added": lambda m: _square(m).register_parameter(
+        "extra", torch.nn.Parameter(torch.ones(3), requires_grad=False)),
+    "a buffer added": lambda m: _square(m).register_buffer("count", torch.zeros(2)),
+    "a buffer made non-persistent": lambda m: _square(m).register_buffer(
+        "count", _square(m).count, persistent=False),
+    "a parameter removed": lambda m: delattr(_square(m), "extra"),
+    "a parameter swapped by setattr": lambda m: setattr(_square(m), "weight", torch.nn.Parameter(
+        _square(m).weight.detach() + 1, requires_grad=False)),
+    "a parameter swapped in its dict (no hook)": lambda m: _square(m)._parameters.__setitem__(
+        "weight", torch.nn.Parameter(_square(m).weight.detach() * 2, requires_grad=False)),
+    "p.data swapped": lambda m: setattr(_square(m).weight, "data",
+                                        torch.randn_like(_square(m).weight)),
+    "p.data transposed (same address and shape)": lambda m: setattr(
+        _square(m).weight, "data", _square(m).weight.data.t()),
+    "p.data viewed as another dtype": lambda m: setattr(
+        _square(m).bias, "data", _square(m).bias.data.view(torch.int32)),
+    "a frozen bias resized in place": lambda m: _square(m).bias.resize_(256),
+    "requires_grad flipped on": lambda m: _square(m).weight.requires_grad_(True),
+    "requires_grad flipped off": lambda m: m[1].bias.requires_grad_(False),
+    "a submodule appended": lambda m: m.append(torch.nn.Linear(512, 512)),
+    "a weight tied": lambda m: setattr(m[2], "weight", _square(m).weight),
+    "a submodule swapped in its dict": lambda m: m._modules.__setitem__(
+        "2", torch.nn.Linear(512, 512)),
+    "a state_dict post-hook": lambda m: _square(m).register_state_dict_post_hook(
+        lambda *a: None),
+}
+
+
+def test_a_kept_capture_follows_every_change_of_the_model(monkeypatch):
+    """The models' part of a capture is kept from one capture to the next (no state_dict walk)
+    while the models are what they were, and walked again after any change that makes their
+    state_dict or its tensors other: each change below, one after the other, leaves a capture
+    equal to a new TrainState's."""
+    model, opt = _lora_like()
+    state = memckpt.TrainState(model, opt)
+    walks = _walks(monkeypatch)
+    state.capture(0)
+    for step in range(1, 3):
+        _train(model, opt, step)
+        _assert_capture_is_fresh(state, model, opt)
+    walks.clear()
+    state.capture(3)
+    assert walks == [], "a model unchanged but for training is walked again"
+    for what, change in MUTATIONS.items():
+        with torch.no_grad():
+            change(model)
+        try:
+            _assert_capture_is_fresh(state, model, opt)
+        except AssertionError as e:
+            raise AssertionError(f"after {what}: {e}") from None
+
+
+@pytest.mark.parametrize("mode", ["verify", "trust"])
+@pytest.mark.parametrize("change", ["p.data swapped", "a parameter swapped in its dict (no hook)",
+                                    "p.data transposed (same address and shape)"])
+def test_a_frozen_tensor_replaced_behind_the_capture_is_copied(tmp_path, mode, change):
+    """Through a Checkpointer: a frozen weight replaced in ways no version counter sees is
+    copied, and both slots restore their own step bit for bit."""
+    model, opt = _lora_like()
+    state = memckpt.TrainState(model, opt)
+    cfg = _config(tmp_path, f"replaced-{mode}", mode)
+    ckpt = memckpt.Checkpointer(cfg)
+    ckpt.restore(state)
+    expect = {}
+    for step in range(1, 7):
+        _train(model, opt, step)
+        if step == 5:
+            with torch.no_grad():
+                MUTATIONS[change](model)
+        assert ckpt.step(state, step)
+        ckpt.wait()
+        expect[step] = _snapshot_state(model, opt)
+        if step == 5:
+            assert ckpt.engine.stats.last_copied_bytes >= model[0].weight.nbytes
+    ckpt.close()
+    for step in (5, 6):
+        _assert_same(_restored(cfg, step), expect[step])
+
+
+def test_trust_compares_a_tensor_whose_requires_grad_was_flipped_on(tmp_path):
+    """A frozen weight made trainable, then written through ``p.data`` (no version bump):
+    it is no longer frozen, so "trust" compares its bytes and copies it."""
+    model, opt = _lora_like()
+    state = memckpt.TrainState(model, opt)
+    cfg = _config(tmp_path, "flipped", "trust")
+    ckpt = memckpt.Checkpointer(cfg)
+    ckpt.restore(state)
+    expect = {}
+    for step in range(1, 7):
+        _train(model, opt, step)
+        if step == 4:
+            model[0].weight.requires_grad_(True)
+        if step == 5:
+            model[0].weight.data.copy_(torch.full_like(model[0].weight, 2.0))
+        assert ckpt.step(state, step)
+        ckpt.wait()
+        expect[step] = _snapshot_state(model, opt)
+    ckpt.close()
+    restored = _restored(cfg, 5)
+    assert torch.equal(restored["m/0.weight"], torch.full_like(model[0].weight, 2.0))
+    _assert_same(restored, expect[5])
+    _assert_same(_restored(cfg, 6), expect[6])

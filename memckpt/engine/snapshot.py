@@ -93,6 +93,7 @@ class SnapshotEngine:
             raise ValueError(f"skip_unchanged={skip_unchanged!r}: one of {SKIP_UNCHANGED}")
         self.skip_unchanged = skip_unchanged
         self._frozen: frozenset[str] = frozenset()  # the snapshot under way's (Captured.frozen)
+        self._layout: Optional[tuple[list, fmt.Layout]] = None  # the last capture's
         # called with a slot file's size before one is made or resized: raises when the
         # node cannot afford slots of that size (Checkpointer's RAM budget)
         self.room_check = room_check
@@ -328,11 +329,19 @@ class SnapshotEngine:
         """Until slots being prepared in the background (:meth:`prepare`) are mapped."""
         self._await_reserve()
 
+    def _layout_of(self, tensors: list[tuple[str, torch.Tensor]]) -> fmt.Layout:
+        """``fmt.Layout.of(tensors)``, made again only when a name, shape or dtype changed."""
+        key = [(n, t.shape, t.dtype) for n, t in tensors]
+        if self._layout is None or self._layout[0] != key:
+            self._layout = (key, fmt.Layout.of(tensors))
+        return self._layout[1]
+
     def _prepare(self, slot: Slot, captured: Captured) -> None:
-        layout = fmt.Layout.of(captured.tensors)
+        layout = self._layout_of(captured.tensors)
         meta_len = len(json.dumps(captured.meta, separators=(",", ":")))
         need = meta_len + fmt.table_bytes(layout) + 1024
         if slot.layout == layout and slot.region is not None and need <= slot.header_capacity:
+            slot.layout = layout  # the same: the next compare is by identity
             return
         self._map_slot(slot, layout, fmt.header_capacity_for(layout, meta_hint=meta_len))
 
@@ -412,7 +421,9 @@ class SnapshotEngine:
         if compare:
             same = same_bytes_many([(t, held) for _, t, held in compare], self.map_fn)
             found.update(name for (name, _, _), ok in zip(compare, same) if ok)
-        nbytes = sum(t.numel() * t.element_size() for name, t in tensors if name in found)
+        assert slot.layout is not None  # _prepare laid the slot out
+        where = slot.layout.spans
+        nbytes = sum(where[name][1] - where[name][0] for name in found)
         self.stats.unchanged_bytes += nbytes
         self.stats.last_unchanged_bytes += nbytes
         return found

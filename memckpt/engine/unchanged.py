@@ -23,14 +23,27 @@ from memckpt.format import shard as fmt
 
 
 def stamp(t: torch.Tensor) -> tuple:
-    """What must be the same for a tensor's bytes to be unchanged since its last copy: its
+    """What must be the same for a tensor's bytes to be unchanged since its last copy: the
+    tensor object itself, its version counter (shared with the live tensor it aliases and
+    bumped by every in-place op autograd sees, in ``no_grad`` too), where it points, its
     storage (held by the stamp, so no other storage can take its address meanwhile: a
     capture's detached views of a parameter share it, a new RNG state tensor does not),
-    its version counter (shared by those views; bumped by every in-place op autograd sees,
-    in ``no_grad`` too), where it points and its shape."""
+    its shape, strides, dtype and device."""
     storage = t.untyped_storage()
-    return (storage, storage._cdata, t._version, t.data_ptr(), tuple(t.shape), t.stride(),
+    return (t, t._version, t.data_ptr(), storage, storage._cdata, tuple(t.shape), t.stride(),
             t.dtype, t.device)
+
+
+def same_stamp(old: tuple, t: torch.Tensor) -> bool:
+    """Whether ``t``'s :func:`stamp` now is ``old``. The same tensor object (a capture's alias
+    of a parameter, kept from one capture to the next while the parameter is what it was:
+    :class:`memckpt.format.state.TrainState`) is checked on its version counter and address
+    alone: every in-place op on it, those that change its shape or storage too (``set_``,
+    ``resize_``, ``t_``), bumps its version."""
+    if old[0] is t:
+        return old[1] == t._version and old[2] == t.data_ptr()
+    new = stamp(t)
+    return old[1:3] == new[1:3] and old[4:] == new[4:]
 
 
 def verdict(old: Optional[tuple], t: torch.Tensor, held: torch.Tensor, mode: str,
@@ -41,7 +54,7 @@ def verdict(old: Optional[tuple], t: torch.Tensor, held: torch.Tensor, mode: str
     stamp, then the bytes (a GPU tensor cannot be compared cheaply: False); "trust": the
     stamp alone for a ``frozen`` parameter (no optimizer writes it, through ``p.data`` or a
     fused kernel, as they may a trained one's), "verify" for the rest; "off": False."""
-    if mode == "off" or old is None or old[1:] != stamp(t)[1:]:
+    if mode == "off" or old is None or not same_stamp(old, t):
         return False
     if mode == "trust" and frozen:
         return True

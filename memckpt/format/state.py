@@ -11,8 +11,10 @@ weights are stored once. Nothing here knows about Ray or storage.
 from __future__ import annotations
 
 import json
+import operator
 import random
 from collections import ChainMap
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -97,7 +99,7 @@ class _Flattener:
         if isinstance(obj, (tuple, list)):
             # A run of plain scalars (an RNG state: ~1250 ints captured every step) is JSON
             # as it is: no call and no path string per element.
-            items = list(obj) if all(type(v) in _SCALARS for v in obj) else \
+            items = list(obj) if _SCALARS.issuperset(map(type, obj)) else \
                 [self(v, f"{path}/{i}") for i, v in enumerate(obj)]
             return {"__tuple__": items} if isinstance(obj, tuple) else items
         if isinstance(obj, Mapping):
@@ -184,6 +186,119 @@ def _storage_key(t: torch.Tensor) -> tuple:
             tuple(t.stride()), t.dtype)
 
 
+def _plain(m: torch.nn.Module) -> bool:
+    """``m``'s state_dict is what its parameter, buffer and submodule dicts hold: no override,
+    extra state or hook adds to it or acts on its own."""
+    cls, base = type(m), torch.nn.Module
+    return (cls.state_dict is base.state_dict and cls._save_to_state_dict is base._save_to_state_dict
+            and getattr(cls, "get_extra_state", base.get_extra_state) is base.get_extra_state
+            and not m._state_dict_hooks and not m._state_dict_pre_hooks
+            and not {"state_dict", "_save_to_state_dict", "get_extra_state"} & m.__dict__.keys())
+
+
+def _reusable(t: torch.Tensor) -> bool:
+    """A plain strided tensor on a device ``is_set_to`` runs on (not meta)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided \
+        and t.device.type in ("cpu", "cuda")
+
+
+# what a module's state_dict is made of, read from its __dict__ in one C call
+_containers = operator.itemgetter("_parameters", "_buffers", "_modules",
+                                  "_non_persistent_buffers_set", "_state_dict_hooks",
+                                  "_state_dict_pre_hooks")
+
+
+class _ModelsPart:
+    """The models' share of a capture (their state_dict's tensors as detached aliases, a tied
+    weight once), kept from one capture to the next while :meth:`holds`: a few C-level passes
+    over modules and tensors instead of walking each model's state_dict and detaching again.
+
+    It holds while every module has the same class and the same parameter, buffer and
+    submodule dicts mapping the same names to the same objects (no more, no fewer), the
+    same non-persistent buffer names and no state_dict hook; and every tensor's alias still
+    is it (``is_set_to``: storage, offset, shape, strides; and its dtype and
+    ``requires_grad`` are the same). A swapped, added or removed parameter, buffer or module,
+    ``p.data = ...`` or ``requires_grad_()`` makes the next capture walk again; models whose
+    state_dict is not their dicts' (:func:`_plain`), or with DTensors, are walked every time."""
+
+    def __init__(self, models: Mapping[str, torch.nn.Module]) -> None:
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        self.stable: set[str] = set()
+        self.dtensors: dict[str, Any] = {}
+        self.aliases: dict[str, str] = {}
+        self.keys: dict[str, list[str]] = {}
+        self.live: list[torch.Tensor] = []
+        self.local: list[torch.Tensor] = []  # each live tensor's alias (tied ones' too)
+        frozen: set[str] = set()
+        seen: dict[tuple, str] = {}
+        for mname, m in models.items():
+            params = {fqn for fqn, _ in m.named_parameters(remove_duplicate=False)}
+            keys = self.keys[mname] = []
+            for key, t in m.state_dict(keep_vars=True).items():  # detached below, cheaper
+                name = f"model/{mname}/{key}"
+                keys.append(key)
+                if key in params and not t.requires_grad:
+                    frozen.add(name)
+                alias = _local_alias(t, name, self.dtensors)
+                self.live.append(t)
+                self.local.append(alias)
+                skey = _storage_key(alias)
+                if skey in seen and alias.numel():  # tied weight: store once, remember the alias
+                    self.aliases[name] = seen[skey]
+                    self.dtensors.pop(name, None)  # the alias's target holds the layout
+                    continue
+                seen[skey] = name
+                self.tensors.append((name, alias))
+                if key in params:
+                    self.stable.add(name)
+        self.frozen = frozenset(frozen)
+        self.param_names: dict[int, str] = {}
+        for mname, m in models.items():
+            for fqn, p in m.named_parameters():
+                self.param_names.setdefault(id(p), f"{mname}/{fqn}")
+        self.mods = list(dict.fromkeys(x for m in models.values() for x in m.modules()))
+        self.reusable = (not self.dtensors and all(map(_plain, self.mods))
+                         and all(map(_reusable, self.live)))
+        try:  # what holds() compares
+            self.reusable = self.reusable and self._signature()
+        except KeyError:  # a module without the usual dicts
+            self.reusable = False
+
+    def _signature(self) -> bool:
+        self.types = list(map(type, self.mods))
+        self.vars = [x.__dict__ for x in self.mods]
+        self.conts = [c for x in self.vars for c in _containers(x)]
+        self.lens = list(map(len, self.conts))
+        self.sets = [x._non_persistent_buffers_set for x in self.mods]
+        self.set_copies = [frozenset(s) for s in self.sets]
+        links = [(d, k, v) for x in self.mods  # every (dict, name, object) of every module
+                 for d in (x._parameters, x._buffers, x._modules) for k, v in d.items()]
+        self.dicts: list[dict[str, Any]] = [d for d, _, _ in links]
+        self.names: list[str] = [k for _, k, _ in links]
+        self.values: list[Any] = [v for _, _, v in links]
+        self.grads = [t.requires_grad for t in self.live]
+        self.dtypes = [t.dtype for t in self.live]
+        return True
+
+    def holds(self) -> bool:
+        """Whether the models' state_dict is still what this part captured (see the class)."""
+        try:
+            return self.reusable and self._holds()
+        except (RuntimeError, TypeError, KeyError):  # a meta tensor (no is_set_to), ...
+            return False
+
+    def _holds(self) -> bool:
+        return (list(map(type, self.mods)) == self.types
+                and all(map(operator.is_, chain.from_iterable(map(_containers, self.vars)),
+                            self.conts))
+                and list(map(len, self.conts)) == self.lens
+                and all(map(operator.is_, map(dict.get, self.dicts, self.names), self.values))
+                and all(map(operator.eq, self.sets, self.set_copies))
+                and [t.requires_grad for t in self.live] == self.grads
+                and [t.dtype for t in self.live] == self.dtypes
+                and all(map(torch.Tensor.is_set_to, self.live, self.local)))
+
+
 @dataclass
 class TrainState:
     """Everything that must come back for a run to continue bit-identically.
@@ -219,6 +334,7 @@ class TrainState:
                                  "load_state_dict(); wrap it or use memckpt.ResumableSampler")
         if not isinstance(self.extras, dict):
             raise StateError("extras must be a dict of JSON-able values")
+        self._models_part: Optional[_ModelsPart] = None  # the last capture's, while it holds
 
     # -- parameter names -----------------------------------------------------------------
     def _param_names(self) -> dict[int, str]:
@@ -258,35 +374,18 @@ class TrainState:
     # -- capture ---------------------------------------------------------------------------
     def capture(self, step: int) -> Captured:
         """Named live tensors and metadata for ``step``. Copies nothing large."""
-        tensors: list[tuple[str, torch.Tensor]] = []
-        stable: set[str] = set()
-        frozen: set[str] = set()
         world_size, rank = dt.world()
-        dtensors: dict[str, Any] = {}
+        part = self._models_part
+        if part is None or not part.holds():
+            part = self._models_part = _ModelsPart(self.models)
+        tensors = list(part.tensors)
+        stable = set(part.stable)
+        dtensors = dict(part.dtensors)
         meta: dict[str, Any] = {"step": step, "world_size": world_size, "rank": rank,
-                                "models": {}, "aliases": {}, "dtensors": dtensors}
+                                "models": {k: list(v) for k, v in part.keys.items()},
+                                "aliases": dict(part.aliases), "dtensors": dtensors}
         flat = _Flattener(tensors, dtensors)
-        seen: dict[tuple, str] = {}
-        for mname, m in self.models.items():
-            params = {fqn for fqn, _ in m.named_parameters(remove_duplicate=False)}
-            keys = []
-            for key, t in m.state_dict(keep_vars=True).items():  # detached below, cheaper
-                name = f"model/{mname}/{key}"
-                keys.append(key)
-                if key in params and not t.requires_grad:
-                    frozen.add(name)
-                t = _local_alias(t, name, dtensors)
-                skey = _storage_key(t)
-                if skey in seen and t.numel():  # tied weight: store once, remember the alias
-                    meta["aliases"][name] = seen[skey]
-                    dtensors.pop(name, None)  # the alias's target holds the layout
-                    continue
-                seen[skey] = name
-                tensors.append((name, t))
-                if key in params:
-                    stable.add(name)
-            meta["models"][mname] = keys
-        names = self._param_names()
+        names = part.param_names
         meta["optimizers"] = {}
         for oname, wrapper in self.optimizers.items():
             opt = _local_optimizer(wrapper)
@@ -315,7 +414,7 @@ class TrainState:
             meta["extras"] = json.loads(json.dumps(self.extras))
         except (TypeError, ValueError) as e:
             raise StateError(f"extras must be JSON-able: {e}") from None
-        return Captured(tensors, frozenset(stable), meta, frozenset(frozen))
+        return Captured(tensors, frozenset(stable), meta, part.frozen)
 
     # -- load ------------------------------------------------------------------------------
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
