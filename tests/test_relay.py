@@ -191,6 +191,45 @@ def test_a_failed_leader_costs_one_resend_then_members_go_direct(coordinator, mo
     assert sorted(e["node"] for e in bypassed) == ["b", "c", "d"]
 
 
+def summaries_only(ups: dict[str, Uplink], step: int) -> None:
+    """Every rank reports ``step`` without a snapshot of it (``snapshot_every`` > 1)."""
+    for n, up in ups.items():
+        for r in NODES[n]:
+            assert up.report(r, 0, step, {"loss": 1.0 / step, "stall_s": 0.0}, False)
+
+
+def until(what: Any, timeout_s: float = 10.0) -> None:
+    stop = threading.Event()
+    for _ in range(int(timeout_s / 0.05)):
+        if what():
+            return
+        stop.wait(0.05)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
+def test_a_step_no_rank_snapshotted_sends_its_summaries_through_the_relay(coordinator):
+    ups, _ = group_links(coordinator)
+    c = coordinator.c
+    for step in (1, 2, 3):  # the first goes at once; none has a readiness batch
+        summaries_only(ups, step)
+    until(lambda: c.steps.progress(0, 8, None).min_step == 3)
+    assert c.received["group_ready"] == 3 and not c.received["node_metrics"], c.received
+    assert c.ready.in_flight() == []  # summaries ready no rank
+    assert c.steps.losses["3"] == 1.0 / 3  # rank 0's
+
+
+@pytest.mark.parametrize("mode", ["dead", "unaware"])
+def test_summaries_a_failed_leader_did_not_send_go_direct(coordinator, mode):
+    ups, store = group_links(coordinator)
+    c = coordinator.c
+    store.mode = mode
+    summaries_only(ups, 1)
+    until(lambda: c.steps.progress(0, 8, None).min_step == 1)
+    assert c.received["node_metrics"] == 3 and c.received["group_ready"] == 1  # a's own
+    bypassed = {e["node"] for e in events(coordinator, "relay_bypassed")}
+    assert bypassed == ({"b", "c", "d"} if mode == "dead" else set())
+
+
 def test_a_leader_that_does_not_lead_the_generation_yet_is_bypassed_for_that_step(coordinator):
     ups, store = group_links(coordinator)
     store.mode = "unaware"

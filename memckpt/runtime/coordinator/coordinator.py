@@ -326,12 +326,15 @@ class Coordinator(PersistCalls, DrillCalls):
         one commit check and one wait for them all. O(the nodes in it), without the cost of
         a message each. A part that disagrees with the placement is logged and the others
         taken before the error is raised (each member then sends its own, and only that
-        node's fails)."""
+        node's fails). A part that readies no rank carries the summaries of a step no rank
+        snapshotted: taken as ``node_metrics`` takes them; a group of those alone is
+        answered at once."""
         if not parts:
             return self._commit_view()
         gen, step = parts[0][1].gen, parts[0][1].step
         await self._rebuilt()
         mismatch: Optional[PlacementMismatch] = None
+        readies = any(b.ready or b.placed for _, b in parts)  # else step summaries alone
         async with self._cond:
             if gen != self.s.gen:
                 for node, batch in parts:
@@ -347,10 +350,13 @@ class Coordinator(PersistCalls, DrillCalls):
                     self._take_batch(node, batch)
                 except PlacementMismatch as e:
                     mismatch = e
-            self._maybe_commit(step)
+            if readies:
+                self._maybe_commit(step)
             self._save_if_due()
         if mismatch is not None:
             raise mismatch
+        if not readies:  # no one waits on summaries: answered at once
+            return self._commit_view()
         return await self.wait_commit(gen, step, wait_s)
 
     def _take_batch(self, node: str, batch: ReadyBatch) -> None:
@@ -358,6 +364,8 @@ class Coordinator(PersistCalls, DrillCalls):
         summaries, its ranks' readiness (checked against placement)."""
         self.alive.node_spoke(node, batch.step, self.ready.members.node_ranks.get(node, ()))
         self.steps.take(batch.gen, node, batch.metrics, self.world_size, self.s.committed)
+        if not (batch.ready or batch.placed):
+            return  # a step's summaries alone (a step no rank snapshotted, relayed)
         try:
             self.ready.node(node, batch)
         except PlacementMismatch as e:

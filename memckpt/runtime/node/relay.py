@@ -2,7 +2,8 @@
 (:mod:`memckpt.policy.relay_groups` says who leads which nodes, and why).
 
 Each member's store hands the leader its :class:`ReadyBatch` for a step (``take``, the
-store's ``relay_ready`` call) and gets back a future of the coordinator's answer: a
+store's ``relay_ready`` call; a step no rank snapshotted: a batch of its summaries alone,
+``ready`` 0, merged apart from the readiness batches) and gets back a future of the coordinator's answer: a
 reference the member resolves itself, so its ranks hear the commit from the coordinator
 directly and a leader that dies after forwarding costs nothing. The leader sends the
 group's batches as one ``group_ready`` once every member's is in, or, when one is missing
@@ -23,8 +24,10 @@ from typing import Any, Callable, Optional
 
 from memckpt.runtime.coordinator.messages import ReadyBatch
 
-KEEP_STEPS = 4  # steps a leader keeps forwarded answers of (a few steps in flight)
-Key = tuple[int, int]  # (generation, step)
+KEEP_STEPS = 8  # keys a leader remembers as sent (a few steps in flight, batches and summaries)
+# (generation, step, 0 for a batch that readies ranks or 1 for step summaries alone): a
+# step's two kinds of message are merged apart
+Key = tuple[int, int, int]
 
 
 class NotLeader(Exception):
@@ -69,7 +72,7 @@ class RelayPoint:
                 fut.set_exception(NotLeader(
                     f"{self.node} does not relay {node}'s batches of generation {batch.gen}"))
                 return fut
-            key = (batch.gen, batch.step)
+            key = (batch.gen, batch.step, 0 if batch.ready or batch.placed else 1)
             self._parts.setdefault(key, {})[node] = batch
             self._first.setdefault(key, self.clock())
             self._futures.setdefault(key, {})[node] = fut

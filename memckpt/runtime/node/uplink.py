@@ -47,6 +47,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from memckpt.policy.liveness import LATE_BEATS, ProcSample, StarvationCredit, net_silence
+from memckpt.policy.step_metrics import StepSummary
 from memckpt.runtime.node import procstat
 from memckpt.runtime.coordinator.messages import ReadyBatch
 from memckpt.runtime.node.aggregator import Heartbeat, NodeAggregator
@@ -109,6 +110,8 @@ class Uplink:
         # (gen, step) -> (the leader's answer, the batch, when sent): not resolved yet
         self._relayed: dict[tuple[int, int], tuple[Any, ReadyBatch, float]] = {}
         self._batches: dict[tuple[int, int], ReadyBatch] = {}  # relayed batches, kept to resend
+        # step summaries handed to the leader alone: (its answer, the batch, when sent)
+        self._metrics_relayed: list[tuple[Any, ReadyBatch, float]] = []
 
     # -- called by the node's ranks -------------------------------------------------------
     def join(self, rank: int, gen: int, ranks: Iterable[int], coordinator: Any,
@@ -184,14 +187,11 @@ class Uplink:
             batch = self.agg.ready(rank, gen, step, holders, self.clock())
             if batch is not None:
                 key = (gen, step)
-                via = self._relay_to
-                if via is None or via[0] != gen or self._bypassed >= gen:
+                via = self._relay_via(gen)
+                if via is None:
                     self._answers[key] = self._send_direct(batch)
                 else:  # through the group's leader (the leader itself: in this process)
-                    ref = (self.relay.take(self.node, batch) if self.relay.gen == gen
-                           and self.node in self.relay.members
-                           else via[1].relay_ready.options(concurrency_group=COMMIT_GROUP)
-                           .remote(self.node, batch, COMMIT_WAIT_S))
+                    ref = self._to_relay(via, batch)
                     self._answers[key] = ref
                     self._relayed[key] = (ref, batch, self.clock())
                     self._batches[key] = batch
@@ -201,6 +201,20 @@ class Uplink:
                     self._batches.pop(old, None)
                 self._cond.notify_all()
         return True
+
+    def _relay_via(self, gen: int) -> Optional[Any]:
+        """The leader's store to hand ``gen``'s batches to, or None: go direct (no relay,
+        another generation's, or it failed this generation)."""
+        via = self._relay_to
+        return None if via is None or via[0] != gen or self._bypassed >= gen else via[1]
+
+    def _to_relay(self, leader: Any, batch: ReadyBatch) -> Any:
+        """Hand ``batch`` to the group's leader: its future in this process when this node
+        leads, else the leader store's answer to ``relay_ready``."""
+        if self.relay.gen == batch.gen and self.node in self.relay.members:
+            return self.relay.take(self.node, batch)
+        return leader.relay_ready.options(concurrency_group=COMMIT_GROUP).remote(
+            self.node, batch, COMMIT_WAIT_S)
 
     def _send_direct(self, batch: ReadyBatch) -> Any:
         self._spoke_at = self.clock()
@@ -245,14 +259,17 @@ class Uplink:
         return coord
 
     def _bypass(self, key: tuple[int, int], batch: ReadyBatch, why: Optional[str]) -> Any:
-        """Send ``batch`` to the coordinator; ``why`` (the leader failed, not just unready
-        for the step): for the rest of the generation too, said once."""
-        gen = key[0]
-        if why is not None and self._bypassed < gen:
-            self._bypassed = gen
-            self.coordinator.log_event.remote("relay_bypassed", {
-                "gen": gen, "step": key[1], "node": self.node, "why": why})
+        """Send ``batch`` to the coordinator (see :meth:`_relay_failed`)."""
+        self._relay_failed(batch, why)
         return self._send_direct(batch)
+
+    def _relay_failed(self, batch: ReadyBatch, why: Optional[str]) -> None:
+        """``why`` (the leader failed, not just unready for the step): the generation's
+        batches go direct from now on, said once."""
+        if why is not None and self._bypassed < batch.gen:
+            self._bypassed = batch.gen
+            self.coordinator.log_event.remote("relay_bypassed", {
+                "gen": batch.gen, "step": batch.step, "node": self.node, "why": why})
 
     def report(self, rank: int, gen: int, step: int, metrics: Mapping[str, float],
                snapshotted: bool) -> bool:
@@ -261,9 +278,47 @@ class Uplink:
                 return False
             out = self.agg.report(rank, gen, step, metrics, snapshotted, self.clock())
             if out:
-                self.coordinator.node_metrics.remote(self.node, gen, tuple(out))
-                self._spoke_at = self.clock()
+                via = self._relay_via(gen)
+                if via is None:
+                    self._send_metrics(gen, tuple(out))
+                else:  # a step's summaries alone: a batch that readies no rank
+                    batch = ReadyBatch(gen, max(m.step for m in out), 0, "",
+                                       metrics=tuple(out))
+                    self._metrics_relayed.append((self._to_relay(via, batch), batch,
+                                                  self.clock()))
         return True
+
+    def _send_metrics(self, gen: int, summaries: tuple[StepSummary, ...]) -> None:
+        self.coordinator.node_metrics.remote(self.node, gen, summaries)
+        self._spoke_at = self.clock()
+
+    def _settle_metrics(self) -> None:
+        """Summaries handed to the leader that it failed to send (it died, froze, or did not
+        lead the generation) go direct; a failed leader is bypassed for the generation, as
+        for a batch. No one waits for these: looked at once a tick."""
+        with self._cond:
+            pending, self._metrics_relayed = self._metrics_relayed, []
+            patience = self.relay_patience_s
+        kept = []
+        for ref, batch, sent_at in pending:
+            why: Optional[str] = None
+            try:
+                sent = ref.result(0) if isinstance(ref, Future) else self.get(ref, 0.0)
+            except TimeoutError:
+                if self.clock() - sent_at < patience:
+                    kept.append((ref, batch, sent_at))
+                    continue
+                sent, why = None, f"no answer in {patience:g} s"
+            except Exception as e:  # noqa: BLE001 - the leader died: go direct
+                sent, why = None, repr(e)
+            with self._cond:
+                if sent is not None:
+                    self._spoke_at = max(self._spoke_at, sent_at)
+                    continue
+                self._relay_failed(batch, why)
+                self._send_metrics(batch.gen, batch.metrics)
+        with self._cond:
+            self._metrics_relayed[:0] = kept
 
     def beat(self, rank: int, gen: int, step: int) -> bool:
         with self._cond:
@@ -449,6 +504,7 @@ class Uplink:
             return
         try:
             self.relay.tick()
+            self._settle_metrics()
             self.heartbeat_once()
         except Exception:  # noqa: BLE001 - a coordinator restarting: the next tick
             pass
