@@ -64,6 +64,7 @@ Sample = Callable[[int], Optional[ProcSample]]  # a pid -> its state and CPU wai
 Footprint = Callable[[], tuple[int, int]]  # () -> (bytes memckpt holds on the node, budget)
 # a node's relay group at join: (its members, leader first; the leader's store handle)
 Relay = tuple[Sequence[str], Any]
+PENDING = object()  # a leader's answer not in yet, within its patience
 
 
 def ray_get(ref: Any, timeout_s: float) -> Any:
@@ -234,18 +235,9 @@ class Uplink:
             if entry is None:
                 return self._answers.get(key)
         ref, batch, sent_at = entry
-        patience = sent_at + self.relay_patience_s
-        why: Optional[str] = None
-        coord: Any = None
-        try:
-            wait = max(0.01, min(deadline, patience) - self.clock())
-            coord = ref.result(wait) if isinstance(ref, Future) else self.get(ref, wait)
-        except TimeoutError:
-            if self.clock() < patience:
-                return None
-            why = f"no answer in {self.relay_patience_s:g} s"
-        except Exception as e:  # noqa: BLE001 - the leader died: go direct
-            why = repr(e)
+        coord, why = self._leader_answer(ref, sent_at, deadline)
+        if coord is PENDING:
+            return None
         with self._cond:
             if self._relayed.get(key) is not entry:  # another waiter settled it
                 return self._answers.get(key)
@@ -257,6 +249,22 @@ class Uplink:
                 coord = self._bypass(key, batch, why)
             self._answers[key] = coord
         return coord
+
+    def _leader_answer(self, ref: Any, sent_at: float, until: float) -> tuple[Any, Optional[str]]:
+        """The leader's answer to what was handed it at ``sent_at``, waited for until
+        ``until`` at most (never past :attr:`relay_patience_s`): (the coordinator's
+        reference, None); (None, None): it does not lead that generation; (None, why): it
+        failed; (:data:`PENDING`, None): not yet, within its patience."""
+        patience = sent_at + self.relay_patience_s
+        try:
+            wait = max(0.0, min(until, patience) - self.clock())
+            return (ref.result(wait) if isinstance(ref, Future) else self.get(ref, wait)), None
+        except TimeoutError:
+            if self.clock() < patience:
+                return PENDING, None
+            return None, f"no answer in {self.relay_patience_s:g} s"
+        except Exception as e:  # noqa: BLE001 - the leader died: go direct
+            return None, repr(e)
 
     def _bypass(self, key: tuple[int, int], batch: ReadyBatch, why: Optional[str]) -> Any:
         """Send ``batch`` to the coordinator (see :meth:`_relay_failed`)."""
@@ -298,19 +306,12 @@ class Uplink:
         for a batch. No one waits for these: looked at once a tick."""
         with self._cond:
             pending, self._metrics_relayed = self._metrics_relayed, []
-            patience = self.relay_patience_s
         kept = []
         for ref, batch, sent_at in pending:
-            why: Optional[str] = None
-            try:
-                sent = ref.result(0) if isinstance(ref, Future) else self.get(ref, 0.0)
-            except TimeoutError:
-                if self.clock() - sent_at < patience:
-                    kept.append((ref, batch, sent_at))
-                    continue
-                sent, why = None, f"no answer in {patience:g} s"
-            except Exception as e:  # noqa: BLE001 - the leader died: go direct
-                sent, why = None, repr(e)
+            sent, why = self._leader_answer(ref, sent_at, self.clock())
+            if sent is PENDING:
+                kept.append((ref, batch, sent_at))
+                continue
             with self._cond:
                 if sent is not None:
                     self._spoke_at = max(self._spoke_at, sent_at)
