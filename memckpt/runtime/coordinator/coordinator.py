@@ -334,7 +334,7 @@ class Coordinator(PersistCalls, DrillCalls):
         gen, step = parts[0][1].gen, parts[0][1].step
         await self._rebuilt()
         mismatch: Optional[PlacementMismatch] = None
-        readies = any(b.ready or b.placed for _, b in parts)  # else step summaries alone
+        readies = any(b.readies for _, b in parts)  # else step summaries alone
         async with self._cond:
             if gen != self.s.gen:
                 for node, batch in parts:
@@ -364,7 +364,7 @@ class Coordinator(PersistCalls, DrillCalls):
         summaries, its ranks' readiness (checked against placement)."""
         self.alive.node_spoke(node, batch.step, self.ready.members.node_ranks.get(node, ()))
         self.steps.take(batch.gen, node, batch.metrics, self.world_size, self.s.committed)
-        if not (batch.ready or batch.placed):
+        if not batch.readies:
             return  # a step's summaries alone (a step no rank snapshotted, relayed)
         try:
             self.ready.node(node, batch)

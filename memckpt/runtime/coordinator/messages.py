@@ -40,6 +40,12 @@ class ReadyBatch:
     placed: dict[int, tuple[str, ...]] = field(default_factory=dict)
     metrics: tuple[StepSummary, ...] = ()
 
+    @property
+    def readies(self) -> bool:
+        """It says where ranks placed (False: a step's summaries alone, relayed for a step
+        no rank snapshotted: a node runs at least one rank, so a real batch names some)."""
+        return bool(self.ready or self.placed)
+
 
 @dataclass(frozen=True)
 class Heartbeat:

@@ -72,7 +72,7 @@ class RelayPoint:
                 fut.set_exception(NotLeader(
                     f"{self.node} does not relay {node}'s batches of generation {batch.gen}"))
                 return fut
-            key = (batch.gen, batch.step, 0 if batch.ready or batch.placed else 1)
+            key = (batch.gen, batch.step, 0 if batch.readies else 1)
             self._parts.setdefault(key, {})[node] = batch
             self._first.setdefault(key, self.clock())
             self._futures.setdefault(key, {})[node] = fut
