@@ -96,12 +96,15 @@ class LocalCluster:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         import ray
-        from ray._private.utils import write_ray_address
+        from ray._private.utils import get_ray_address_file, write_ray_address
         from ray.cluster_utils import Cluster
 
         self.cpus_per_node = cpus_per_node
         self.object_store_mb = object_store_mb
         self._added = 0  # nodes added so far: names each one's temp dir
+        # Ray's Cluster also writes the machine-wide "auto" file (/tmp/ray/ray_current_cluster)
+        # and fails where that folder was never made (a machine no Ray ran on before)
+        os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
             temp_dir=os.path.join(self.temp_dir, "head"),
             num_cpus=0, object_store_memory=object_store_mb << 20, include_dashboard=dashboard,
