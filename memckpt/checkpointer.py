@@ -24,7 +24,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, S
 import torch
 
 from memckpt.format import shard as fmt
-from memckpt.engine.buffers import (RamRegion, allocated_bytes, free_bytes, remove_path,
+from memckpt.engine.buffers import (allocated_bytes, free_bytes, remove_path,
                                     resolve_ram_root)
 from memckpt.config import Config
 from memckpt.errors import ChecksumError, MemckptError, MemoryBudgetError, StateError
@@ -35,8 +35,10 @@ from memckpt.persist.manifest import ShardEntry
 from memckpt.persist.uploader import Persister, persisted_restore
 from memckpt.engine.populate import MIN_BYTES, POOL
 from memckpt.engine.restore import VerifiedViews, load_memory
+from memckpt.engine.shared_pages import open_slot
 from memckpt.engine.slot import newest_layout_in
-from memckpt.engine.snapshot import EngineStats, SnapshotEngine
+from memckpt.engine.snapshot import SnapshotEngine
+from memckpt.engine.stats import EngineStats
 from memckpt.policy.footprint import NodeFootprint, budget_bytes, over_budget
 from memckpt.policy.threads import hash_threads, local_ranks_from, usable_cores
 from memckpt.format.state import Captured, TrainState, restore_allocations, same_layout
@@ -119,7 +121,8 @@ class Checkpointer(RestoreAndStep):
                       "fingerprint": config.fingerprint()},
             gated=not self.commits_when_sealed, on_complete=self._sealed, on_sealing=config.engine.on_sealing,
             seal_threads=hash_threads(config.engine.seal_threads, usable_cores(), local),
-            room_check=self._check_room, skip_unchanged=config.engine.skip_unchanged)
+            room_check=self._check_room, skip_unchanged=config.engine.skip_unchanged,
+            share_unchanged=config.engine.share_unchanged)
         self._on_sealed = on_sealed
         self._hooks: dict[int, Any] = {}  # id(optimizer) -> its pre-hook handle
         self.control = Control(config.stop_file)
@@ -305,7 +308,7 @@ class Checkpointer(RestoreAndStep):
     def _restore(self, state: TrainState, source: Optional[str | Path]) -> int:
         if source is not None:
             try:
-                region = RamRegion.open(Path(source))
+                region = open_slot(Path(source))
             except MemckptError as e:  # an empty file: as truncated as it gets
                 raise ChecksumError(f"{source}: cannot read it as a shard: {e.message}") from None
             shard = fmt.open_shard(region.array, str(source), verify=False)

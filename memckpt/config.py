@@ -266,18 +266,25 @@ class EngineConfig:
     parameter that bypasses autograd's version counter (``p.data.copy_(...)``) is then
     missed: only for jobs that never write their frozen parameters that way. ``"off"``:
     copy everything.
+    ``share_unchanged``: where a data chunk of the snapshot being written is the same as the
+    committed one's (what ``skip_unchanged`` did not copy), the two slots share one copy of
+    its pages instead of holding it twice (:mod:`memckpt.engine.shared_pages`): a job whose
+    state is mostly frozen holds about one copy of it per place, not two. Off with
+    ``skip_unchanged="off"`` and on CUDA hosts (pinned slots are registered page by page).
     """
 
     seal_threads: int = 0
     on_sealing: str = "wait"
     prepare_slots: bool = True
     skip_unchanged: str = "verify"
+    share_unchanged: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("engine.seal_threads", self.seal_threads, minimum=0)
         _choice("engine.on_sealing", self.on_sealing, SEALING_POLICIES)
         _bool("engine.prepare_slots", self.prepare_slots)
         _choice("engine.skip_unchanged", self.skip_unchanged, SKIP_UNCHANGED)
+        _bool("engine.share_unchanged", self.share_unchanged)
 
 
 @dataclass(frozen=True)

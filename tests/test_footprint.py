@@ -114,14 +114,16 @@ def test_ranks_sharing_a_node_are_planned_together(tmp_path, monkeypatch):
 
 
 def test_a_checkpointer_within_budget_holds_two_slots_at_its_peak(tmp_path):
-    """One process, no replicas: its footprint is its two slots, 2x the state (plus the
-    headers), sampled over real snapshots and a restore."""
+    """One process, no replicas, every tensor changing each step: its footprint is its two
+    slots, 2x the state (plus the headers), sampled over real snapshots and a restore."""
     state = _state(512)
     cfg = memckpt.Config(job_name="within", ram_root=str(tmp_path), ram_budget=64 * MiB)
     with PeakFootprint(tmp_path / "within", every_s=0.005) as held:
         ckpt = memckpt.Checkpointer(cfg)
         ckpt.restore(state)
         for step in range(1, 6):
+            for opt in state.optimizers.values():
+                opt.step()  # the gradients stay: every parameter and moment moves
             assert ckpt.step(state, step)
         ckpt.close()
         again = memckpt.Checkpointer(cfg)
@@ -155,9 +157,9 @@ def test_a_resized_slot_lets_its_old_pages_go_before_taking_new_ones(tmp_path, m
     seen = []
     create = RamRegion.create
 
-    def spy(p, size, pin=False):
+    def spy(p, size, pin=False, populate=True):
         seen.append((p.exists(), allocated_bytes(tmp_path)))
-        return create(p, size, pin=pin)
+        return create(p, size, pin=pin, populate=populate)
 
     monkeypatch.setattr(RamRegion, "create", staticmethod(spy))
     region = RamRegion.reuse_or_create(path, 8 * MiB)

@@ -58,6 +58,7 @@ def test_a_lora_job_resumes_bit_identical_and_sends_only_its_adapter(lora, refer
     assert got["losses"] == reference["losses"]
     assert got["final_digest"] == reference["final_digest"]
     # both slots in each place, the base included (held once per place: not yet, #50)
+    print("LORA FOOTPRINT", held.ratio, held.at_peak)
     assert held.ratio <= 4.1, (held.ratio, held.at_peak)
     # the network: each holder slot got the whole shard once; after that only the chunks
     # that changed (the adapter, its moments, the RNG streams) crossed. The reference's

@@ -13,7 +13,7 @@ import torch.nn as nn
 import memckpt
 from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, StateError
-from memckpt.engine.snapshot import verify_slot
+from memckpt.engine.slot import verify_slot
 
 
 def _region_with(tensors, step=7, header=None):

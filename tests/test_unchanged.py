@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import memckpt
+from memckpt.engine import shared_pages
 from memckpt.errors import ConfigError
 from memckpt.format import shard as fmt
 
@@ -96,9 +97,12 @@ def test_a_frozen_base_is_copied_once_per_slot_and_every_step_restores_exactly(t
             with ckpt.engine.reading(held, verify=True) as shard:
                 assert shard.step == held
     ckpt.close()
-    # the first snapshot into each slot copies the base; every later one skips it
-    assert unchanged[:2] == [0, 0] and all(u == base for u in unchanged[2:]), unchanged
-    assert all(c < copied[0] - base + MiB // 8 for c in copied[2:]), copied
+    # the first snapshot copies the base; every later one skips it (unchanged since the
+    # newest snapshot, whose pages the slot being written shares); frozen tensors are laid
+    # out first, and those in the chunk where the trained ones start are copied with them
+    chunk = fmt.chunk_bytes_for(1)
+    assert unchanged[0] == 0 and all(base - chunk <= u <= base for u in unchanged[1:]), unchanged
+    assert all(c < copied[0] - base + MiB // 8 for c in copied[1:]), copied
     for step in (5, 6):
         _assert_same(_restored(cfg, step), expect[step])
 
@@ -267,6 +271,8 @@ def test_a_process_killed_half_way_through_a_step_that_skipped_its_base(tmp_path
     cfg = memckpt.Config(job_name="killed", ram_root=str(root))
     ckpt = memckpt.Checkpointer(cfg)
     assert ckpt.engine.steps() == [5]  # step 6's slot is torn: not listed
+    # the slot step 6 was being written into shares step 5's pages (its base)
+    assert shared_pages.read_away(shared_pages.partner(ckpt.engine.path_of(5)))
     ckpt.close()
     fresh, fresh_opt = _lora_like(seed=7)
     _train(fresh, fresh_opt, 0)

@@ -151,7 +151,7 @@ class RamRegion:
                 # Populated: the kernel allocates every page in one pass, so the first
                 # snapshot does not pay a fault per 4 KiB (about as fast as zero-filling
                 # from here, measured, and it leaves the pages to the first real write).
-                self._mm = map_memory(fd, max(size, 1))
+                self._mm = map_memory(fd, max(size, 1), populate)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -178,6 +178,10 @@ class RamRegion:
                 self._registered = int(rc) == 0
 
     @property
+    def mm(self) -> mmap.mmap:
+        return self._mm
+
+    @property
     def tensor(self) -> "torch.Tensor":
         """The region as a uint8 tensor (torch is imported on first use: a replica store
         only moves bytes and never needs it)."""
@@ -187,7 +191,7 @@ class RamRegion:
         return self._tensor
 
     @staticmethod
-    def create(path: Path, size: int, pin: bool = False) -> "RamRegion":
+    def create(path: Path, size: int, pin: bool = False, populate: bool = True) -> "RamRegion":
         # A tmpfs that runs out of room kills the writer with SIGBUS instead of raising:
         # check the room first and say what to change.
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -200,27 +204,30 @@ class RamRegion:
                 f"{room / 2**30:.2f} GiB free there, {avail / 2**30:.2f} GiB RAM available; free "
                 "RAM, enlarge the tmpfs, point ram_root elsewhere, or snapshot less state")
         try:
-            return RamRegion(path, size, create=True, pin=pin)
+            return RamRegion(path, size, create=True, pin=pin, populate=populate)
         except OSError as e:
             raise MemckptError(f"cannot allocate {size} bytes for a snapshot at {path} "
                                f"({e.strerror}): free RAM or point ram_root at a larger tmpfs") from None
 
     @staticmethod
-    def reuse_or_create(path: Path, size: int, pin: bool = False) -> "RamRegion":
+    def reuse_or_create(path: Path, size: int, pin: bool = False,
+                        populate: bool = True) -> "RamRegion":
         """``path`` mapped at ``size`` bytes for the caller to overwrite. A file of exactly
         that size is mapped as it is: its pages are already in RAM, where a new file takes
         fresh memory (0.3 s per GiB on bare metal, 1.5-2.8 s on a VM that hands freed pages
         back to its host, like this project's). Anything else is created anew, zeroed; a file
         of another size is unlinked first, so that its pages go back before the new ones are
         taken (the caller drops its own mappings of it first): replaced in place by a rename,
-        the two would be held together for a moment, a third slot's worth at the peak."""
+        the two would be held together for a moment, a third slot's worth at the peak.
+        ``populate=False``: no page is faulted in (a slot that will share most of its
+        partner's pages takes only those it writes)."""
         try:
             if path.stat().st_size == size:
-                return RamRegion(path, size, create=False, pin=pin)
+                return RamRegion(path, size, create=False, pin=pin, populate=populate)
             path.unlink()
         except FileNotFoundError:
             pass
-        return RamRegion.create(path, size, pin=pin)
+        return RamRegion.create(path, size, pin=pin, populate=populate)
 
     @staticmethod
     def open(path: Path, populate: bool = True, pin: bool = False) -> "RamRegion":

@@ -11,7 +11,8 @@ from typing import Any, Optional
 import torch
 
 from memckpt.engine.buffers import RamRegion
-from memckpt.errors import MemckptError
+from memckpt.engine.shared_pages import open_slot
+from memckpt.errors import ChecksumError, MemckptError
 from memckpt.format import shard as fmt
 
 
@@ -31,6 +32,9 @@ class Slot:
     kept: dict[str, tuple] = field(default_factory=dict)
     digests: Optional[list[str]] = None
     dirty: list[tuple[int, int]] = field(default_factory=list)  # written by the snapshot under way
+    # per data chunk, True where its pages live in the other slot's file (shared with it:
+    # memckpt.engine.shared_pages); None: every chunk in this slot's own file
+    away: Optional[list[bool]] = None
 
     def forget(self) -> None:
         self.kept, self.digests = {}, None
@@ -49,12 +53,13 @@ class Slot:
 
 def read_slot(path: Path, populate: bool, pin: bool = False
                ) -> Optional[tuple[RamRegion, dict[str, Any], fmt.Layout, int]]:
-    """A slot file's mapping, header, layout and header capacity; None when there is no
-    file, or it is torn or foreign."""
+    """A slot file's mapping (with the pages it shares with its partner:
+    :func:`memckpt.engine.shared_pages.open_slot`), header, layout and header capacity; None
+    when there is no file, or it is torn or foreign."""
     if not path.exists():
         return None
     try:
-        region = RamRegion.open(path, populate=populate, pin=pin)
+        region = open_slot(path, populate=populate, pin=pin)
         return (region, *fmt.read_header(region.array, str(path)))
     except MemckptError:
         return None
@@ -81,3 +86,12 @@ def has_size(path: Path, nbytes: int) -> bool:
         return path.stat().st_size == nbytes
     except FileNotFoundError:
         return False
+
+
+def verify_slot(path: Path) -> fmt.Shard:
+    """Open and fully verify a slot or shard file (raises :class:`ChecksumError`)."""
+    try:
+        region = open_slot(path)
+    except (OSError, MemckptError) as e:
+        raise ChecksumError(f"{path}: cannot open ({e})") from None
+    return fmt.open_shard(region.array, str(path), verify=True)

@@ -28,7 +28,6 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -37,10 +36,12 @@ import torch
 
 from memckpt.format import shard as fmt
 from memckpt.engine.buffers import RamRegion
+from memckpt.engine import shared_pages, sharing
 from memckpt.engine.landing import Landing, all_landed
 from memckpt.engine.slot import Slot, has_size, read_slot
-from memckpt.engine.unchanged import known_chunks, same_bytes_many, stamp, verdict
-from memckpt.errors import ChecksumError, MemckptError, NoSnapshotError
+from memckpt.engine.stats import EngineStats
+from memckpt.engine.unchanged import held_unchanged, known_chunks, stamp
+from memckpt.errors import MemckptError, NoSnapshotError
 from memckpt.config import SKIP_UNCHANGED
 from memckpt.format.state import Captured
 
@@ -48,27 +49,6 @@ log = logging.getLogger("memckpt")
 
 
 SKIP_LOG_INTERVAL_S = 30.0  # a skipped snapshot is logged at most this often
-
-
-@dataclass
-class EngineStats:
-    snapshots: int = 0  # snapshots started (their copy taken)
-    landed: int = 0  # snapshots sealed: complete and restorable
-    skipped: int = 0  # due but not taken: the previous one was still busy (policy "skip")
-    waited_s: float = 0.0  # fall-behind policy "wait": time the step spent waiting
-    allocations: int = 0  # slot (re)allocations; stays flat after warm-up
-    copied_bytes: int = 0  # tensor bytes copied into slots, all snapshots
-    unchanged_bytes: int = 0  # tensor bytes found unchanged in their slot: not copied
-    last_copied_bytes: int = 0  # the newest snapshot's
-    last_unchanged_bytes: int = 0
-    last_stall_s: float = 0.0
-    last_step: Optional[int] = None
-    last_seal_s: float = 0.0  # the seal of the newest snapshot (on a GPU it runs behind the copy)
-
-    @property
-    def requested(self) -> int:
-        """Snapshots that were due: taken or skipped."""
-        return self.snapshots + self.skipped
 
 
 class SnapshotEngine:
@@ -87,7 +67,7 @@ class SnapshotEngine:
                  on_complete: Optional[Callable[[int, Path], None]] = None,
                  gated: bool = False, seal_threads: int = 1, on_sealing: str = "wait",
                  room_check: Optional[Callable[[int], None]] = None,
-                 skip_unchanged: str = "verify") -> None:
+                 skip_unchanged: str = "verify", share_unchanged: bool = True) -> None:
         self.directory = Path(directory)
         if skip_unchanged not in SKIP_UNCHANGED:
             raise ValueError(f"skip_unchanged={skip_unchanged!r}: one of {SKIP_UNCHANGED}")
@@ -123,6 +103,12 @@ class SnapshotEngine:
         self._aborted: Optional[BaseException] = None  # raised by every later snapshot
         self._newest: Optional[int] = None  # index of the slot written last (maybe in flight)
         self._pin = torch.cuda.is_available()
+        # the two slots share unchanged chunks' pages: not on pinned (CUDA-registered) slots,
+        # whose pages must stay where they were registered
+        self.share = (share_unchanged and skip_unchanged != "off" and not self._pin
+                      and shared_pages.supported())
+        self._skip: Optional[set[str]] = None  # the snapshot under way's unchanged tensors
+        self._known: Optional[Slot] = None  # the slot whose digests its unchanged chunks keep
         self._stream = torch.cuda.Stream() if self._pin else None
         self.slots = [Slot(self.directory / n) for n in fmt.SLOT_NAMES]
         self._adopt_existing()
@@ -137,6 +123,10 @@ class SnapshotEngine:
             slot.region, slot.layout, slot.header_capacity = region, layout, cap
             slot.step, slot.complete = int(header["step"]), True
             slot.views = fmt.tensor_views(region.tensor, layout, cap)
+            sharing.found(slot)
+            chunks = fmt.Chunks.of(header, fmt.data_offset(cap))
+            if chunks is not None and len(chunks.digests) == sharing.geometry(slot).chunks:
+                slot.digests = list(chunks.digests)  # what the next snapshot's unchanged chunks keep
             if self._newest is None or slot.age > self.slots[self._newest].age:
                 self._newest = i
 
@@ -160,8 +150,7 @@ class SnapshotEngine:
                 slot.step, slot.complete, slot.views = None, False, {}
                 slot.forget()
             self._newest = None
-            for slot, src in zip(self.slots, files):
-                src.replace(slot.path)
+            sharing.move_in(self.slots, files)
             for slot in self.slots[len(files):]:
                 slot.path.unlink(missing_ok=True)
             self._adopt_existing()
@@ -184,6 +173,10 @@ class SnapshotEngine:
             slot.complete, slot.step, slot.dirty = False, None, []
             self._frozen = captured.frozen
             self.stats.last_copied_bytes = self.stats.last_unchanged_bytes = 0
+            self._skip, self._known = None, slot
+            partner = self._partner(target)
+            if partner is not None:
+                self._skip, self._known = self._share_with(slot, partner, captured.tensors), partner
             meta_blob = captured.meta
             background = [(n, t) for n, t in captured.tensors
                           if self.mode == "overlap" and n in captured.stable]
@@ -229,6 +222,7 @@ class SnapshotEngine:
         def into(nbytes: int) -> np.ndarray:
             if slot.region is None or slot.region.size != nbytes:
                 self._map_file(slot, nbytes)
+            sharing.unshare(slot, self._other(slot), rewritten=True)
             fmt.mark_writing(slot.mem.array)
             return slot.mem.array
 
@@ -243,6 +237,8 @@ class SnapshotEngine:
                 self._cond.notify_all()
             raise
         slot.views = fmt.tensor_views(slot.mem.tensor, slot.layout, slot.header_capacity)
+        if shard.chunks is not None:  # what the next snapshot's unchanged chunks keep
+            slot.digests = list(shard.chunks.digests)
         with self._cond:
             slot.step, slot.complete = step, True
             self._cond.notify_all()
@@ -256,7 +252,8 @@ class SnapshotEngine:
         slot, other = self.slots[target], self.slots[1 - target]
         if other.region is not None or slot.layout is None:
             return
-        self._reserving = self._pool.submit(self._map_slot, other, slot.layout, slot.header_capacity)
+        self._reserving = self._pool.submit(self._map_slot, other, slot.layout,
+                                            slot.header_capacity, not self.share)
 
     def _await_reserve(self) -> None:
         future, self._reserving = self._reserving, None
@@ -314,14 +311,19 @@ class SnapshotEngine:
         instead of allocating it on the training thread. Slots holding a snapshot are
         left alone."""
         self._await_reserve()
-        layout = fmt.Layout.of(captured.tensors)
+        layout = self._layout_of(captured)
         cap = fmt.header_capacity_for(
             layout, meta_hint=len(json.dumps(captured.meta, separators=(",", ":"))))
         free = [slot for slot in self.slots if slot.region is None]
+        # where slots share pages, one that will share its partner's takes only the pages
+        # it writes, at its first snapshot: populated is the one the first snapshot writes
+        # with no partner to share with
+        first = None if any(s.complete for s in self.slots) else \
+            self.slots[0 if self._newest is None else 1 - self._newest]
 
         def run() -> None:
             for slot in free:
-                self._map_slot(slot, layout, cap)
+                self._map_slot(slot, layout, cap, populate=not self.share or slot is first)
         if free:
             self._reserving = self._pool.submit(run)
 
@@ -329,39 +331,52 @@ class SnapshotEngine:
         """Until slots being prepared in the background (:meth:`prepare`) are mapped."""
         self._await_reserve()
 
-    def _layout_of(self, tensors: list[tuple[str, torch.Tensor]]) -> fmt.Layout:
-        """``fmt.Layout.of(tensors)``, made again only when a name, shape or dtype changed."""
-        key = [(n, t.shape, t.dtype) for n, t in tensors]
+    def _layout_of(self, captured: Captured) -> fmt.Layout:
+        """The slots' layout for ``captured``, made again only when a name, shape or dtype
+        changed. Frozen tensors first where slots share pages: they then fill whole chunks
+        that stay shared, instead of chunks shared with a trained tensor beside them."""
+        key = [(n, t.shape, t.dtype, self.share and n in captured.frozen)
+               for n, t in captured.tensors]
         if self._layout is None or self._layout[0] != key:
+            tensors = captured.tensors
+            if self.share and captured.frozen:
+                tensors = sorted(tensors, key=lambda nt: nt[0] not in captured.frozen)
             self._layout = (key, fmt.Layout.of(tensors))
         return self._layout[1]
 
     def _prepare(self, slot: Slot, captured: Captured) -> None:
-        layout = self._layout_of(captured.tensors)
+        layout = self._layout_of(captured)
         meta_len = len(json.dumps(captured.meta, separators=(",", ":")))
         need = meta_len + fmt.table_bytes(layout) + 1024
         if slot.layout == layout and slot.region is not None and need <= slot.header_capacity:
             slot.layout = layout  # the same: the next compare is by identity
             return
-        self._map_slot(slot, layout, fmt.header_capacity_for(layout, meta_hint=meta_len))
+        other = self._other(slot)
+        self._map_slot(slot, layout, fmt.header_capacity_for(layout, meta_hint=meta_len),
+                       populate=not (self.share and other.complete and other.layout == layout))
 
-    def _map_slot(self, slot: Slot, layout: fmt.Layout, cap: int) -> None:
+    def _map_slot(self, slot: Slot, layout: fmt.Layout, cap: int, populate: bool = True) -> None:
         """Map ``slot``'s file sized for ``layout`` with a header of ``cap`` bytes."""
         slot.forget()  # the bytes move (or are new)
-        self._map_file(slot, fmt.region_size(layout, cap))
+        self._map_file(slot, fmt.region_size(layout, cap), populate)
         slot.layout, slot.header_capacity = layout, cap
         slot.views = fmt.tensor_views(slot.mem.tensor, layout, cap)
 
-    def _map_file(self, slot: Slot, nbytes: int) -> None:
+    def _map_file(self, slot: Slot, nbytes: int, populate: bool = True) -> None:
         """(Re)map ``slot``'s file at ``nbytes``, in place when it already has that size."""
         if self.room_check is not None and not has_size(slot.path, nbytes):
             self.room_check(nbytes)
+        sharing.unshare(slot, self._other(slot), rewritten=not has_size(slot.path, nbytes))
         if slot.region is not None:
             slot.views = {}  # the old mapping's last users: its pages go when they do
             slot.region.close(unlink=False)
             slot.region = None
-        slot.region = RamRegion.reuse_or_create(slot.path, nbytes, pin=self._pin)
+        slot.region = RamRegion.reuse_or_create(slot.path, nbytes, pin=self._pin,
+                                                populate=populate)
         self.stats.allocations += 1
+
+    def _other(self, slot: Slot) -> Slot:
+        return self.slots[1 - self.slots.index(slot)]
 
     def _copy(self, slot: Slot, tensors: list[tuple[str, torch.Tensor]],
               landing: Optional[Landing] = None) -> Landing:
@@ -372,7 +387,7 @@ class SnapshotEngine:
         try:
             assert slot.layout is not None  # _prepare laid the slot out
             where = slot.layout.spans
-            kept = self._unchanged(slot, tensors)
+            kept = self._unchanged(slot, tensors) if self._skip is None else self._skip
             with torch.no_grad():
                 if self._stream is not None and any(t.is_cuda for _, t in tensors):
                     # Device-to-host into pinned memory on a side stream, after the compute
@@ -403,24 +418,30 @@ class SnapshotEngine:
             landing.queued(spans)
         return landing
 
-    def _unchanged(self, slot: Slot, tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
-        """The names of ``tensors`` whose bytes ``slot`` still holds
-        (:mod:`memckpt.engine.unchanged`): they are not copied, and their chunks are neither
-        hashed nor sent again. The byte compares run on the seal threads."""
-        if self.skip_unchanged == "off" or not slot.kept:
-            return set()
-        found, compare = set(), []
+    def _partner(self, target: int) -> Optional[Slot]:
+        """The slot the one being written (``target``) may share chunks with."""
+        return sharing.partner_for(self.slots[target], self.slots[1 - target]) \
+            if self.share else None
+
+    def _share_with(self, slot: Slot, partner: Slot, tensors: list[tuple[str, torch.Tensor]]
+                    ) -> set[str]:
+        """Before ``slot`` is written: the tensors whose bytes are ``partner``'s (the newest
+        complete snapshot), not copied, their chunks mapped to the partner's pages
+        (:func:`memckpt.engine.sharing.share`)."""
+        same = self._unchanged(partner, tensors, compare_unknown=True)
+        sharing.share(slot, partner, (n for n, _ in tensors), same)
         for name, t in tensors:
-            held = slot.views[name]
-            says = verdict(slot.kept.get(name), t, held, self.skip_unchanged,
-                           name in self._frozen)
-            if says:
-                found.add(name)
-            elif says is None:
-                compare.append((name, t, held))
-        if compare:
-            same = same_bytes_many([(t, held) for _, t, held in compare], self.map_fn)
-            found.update(name for (name, _, _), ok in zip(compare, same) if ok)
+            if name in same:
+                slot.kept[name] = stamp(t)
+        return same
+
+    def _unchanged(self, slot: Slot, tensors: list[tuple[str, torch.Tensor]],
+                   compare_unknown: bool = False) -> set[str]:
+        """:func:`memckpt.engine.unchanged.held_unchanged` with this engine's mode, counted."""
+        if self.skip_unchanged == "off":
+            return set()
+        found = held_unchanged(slot.kept, slot.views, tensors, self.skip_unchanged,
+                               self._frozen, self.map_fn, compare_unknown)
         assert slot.layout is not None  # _prepare laid the slot out
         where = slot.layout.spans
         nbytes = sum(where[name][1] - where[name][0] for name in found)
@@ -447,7 +468,8 @@ class SnapshotEngine:
             chunks: list[str] = []
             fmt.seal(slot.mem.array, slot.layout, slot.header_capacity, step, header,
                      self.map_fn, ready=all_landed([landed, copy_done]),
-                     known=known_chunks(slot.digests, slot.layout.data_len, slot.dirty),
+                     known=known_chunks((self._known or slot).digests, slot.layout.data_len,
+                                        slot.dirty),
                      chunks_out=chunks)
             slot.digests = chunks
             self.stats.last_seal_s = time.perf_counter() - t0
@@ -563,18 +585,11 @@ class SnapshotEngine:
             self._pool.shutdown(wait=True)
             self.hashers.shutdown(wait=True)
             for slot in self.slots:
+                if unlink:
+                    shared_pages.sidecar(slot.path).unlink(missing_ok=True)
                 if slot.region is not None:
                     slot.views = {}
                     slot.region.close(unlink=unlink)
                     slot.region = None
                 elif unlink and slot.path.exists():
                     slot.path.unlink()
-
-
-def verify_slot(path: Path) -> fmt.Shard:
-    """Open and fully verify a slot or shard file (raises :class:`ChecksumError`)."""
-    try:
-        region = RamRegion.open(path)
-    except (OSError, MemckptError) as e:
-        raise ChecksumError(f"{path}: cannot open ({e})") from None
-    return fmt.open_shard(region.array, str(path), verify=True)

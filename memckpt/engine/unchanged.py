@@ -14,7 +14,7 @@ stale.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -61,6 +61,36 @@ def verdict(old: Optional[tuple], t: torch.Tensor, held: torch.Tensor, mode: str
     if t.is_cuda or not t.is_contiguous() or not held.is_contiguous():
         return False
     return None
+
+
+def held_unchanged(kept: Mapping[str, tuple], views: Mapping[str, torch.Tensor],
+                   tensors: Sequence[tuple[str, torch.Tensor]], mode: str,
+                   frozen: Collection[str], map_fn: Callable[[Callable[[Any], Any], Iterable[Any]],
+                                                             Iterator[Any]],
+                   compare_unknown: bool = False) -> set[str]:
+    """The names of ``tensors`` whose bytes a slot (its ``views``, the stamps it ``kept``)
+    still holds: :func:`verdict`, then the byte compares on ``map_fn``'s threads.
+    ``compare_unknown``: a tensor the slot holds no stamp of (a slot a previous process
+    wrote, the one a restore loaded) is compared too, where it can be cheaply."""
+    if not (kept or compare_unknown):
+        return set()
+    found, compare = set(), []
+    for name, t in tensors:
+        held = views[name]
+        old = kept.get(name)
+        if old is None and compare_unknown:
+            says = None if (not t.is_cuda and t.is_contiguous() and held.is_contiguous()
+                            and t.dtype == held.dtype and t.shape == held.shape) else False
+        else:
+            says = verdict(old, t, held, mode, name in frozen)
+        if says:
+            found.add(name)
+        elif says is None:
+            compare.append((name, t, held))
+    if compare:
+        same = same_bytes_many([(t, held) for _, t, held in compare], map_fn)
+        found.update(name for (name, _, _), ok in zip(compare, same) if ok)
+    return found
 
 
 COMPARE_PIECE = 8 << 20  # bytes a compare task takes: a big tensor spreads over the threads

@@ -37,7 +37,8 @@ import xxhash
 
 from memckpt.format import shard as fmt
 from memckpt.engine.buffers import RamRegion, allocated_bytes, remove_path, resolve_ram_root
-from memckpt.policy.footprint import RamBudget, budget_bytes
+from memckpt.engine.shared_pages import open_slot, sidecar
+from memckpt.policy.footprint import RamBudget, budget_bytes, human_bytes
 from memckpt.runtime.node.shard_server import ShardServer
 from memckpt.runtime.coordinator.messages import ReadyBatch
 from memckpt.runtime.node.uplink import Uplink, View
@@ -83,6 +84,19 @@ class _Put:
     prior_len: int = 0  # that shard's data length
 
 
+def _identity(path: Path) -> Optional[tuple[int, int]]:
+    """What a cached mapping of slot file ``path`` is valid for: its inode and its sidecar's
+    (the pages it shares with its partner, :mod:`memckpt.engine.shared_pages`)."""
+    try:
+        ino = path.stat().st_ino
+    except FileNotFoundError:
+        return None
+    try:
+        return ino, sidecar(path).stat().st_ino
+    except FileNotFoundError:
+        return ino, 0
+
+
 class ReplicaStore:
     """Per-node holder of shards. Thread-safe; run as a threaded Ray actor."""
 
@@ -105,7 +119,8 @@ class ReplicaStore:
         self._fenced: set[int] = set()  # tickets of transfers a newer generation fenced off
         self.generation = -1  # writes from older generations of workers are refused
         self._server: Optional[ShardServer] = None
-        self._mapped: dict[Path, tuple[Optional[int], RamRegion]] = {}  # shard file -> (inode, mapping)
+        # shard file -> (its identity: _identity, its mapping)
+        self._mapped: dict[Path, tuple[Optional[tuple[int, int]], RamRegion]] = {}
         self._fill_backoff: dict[int, int] = {}  # rank -> puts left that skip the fill wait
         # the node's readiness, metrics, heartbeats (and every few seconds its footprint)
         self.uplink = Uplink(node_id, footprint=self.footprint)
@@ -355,7 +370,7 @@ class ReplicaStore:
         costs a page fault per 4 KiB (3x the copy itself, measured). With ``nbytes`` (a
         replica this store writes) the file is made that size if it is not; without, the
         file is only read (a worker's own slot, which this store must never replace)."""
-        ino = path.stat().st_ino if path.exists() else None
+        ino = _identity(path)
         cached = self._mapped.get(path)
         if cached is not None and cached[0] == ino and nbytes in (None, cached[1].size):
             return cached[1]
@@ -364,21 +379,40 @@ class ReplicaStore:
                 self._mapped.pop(path)
                 cached[1].close()
             region = RamRegion.reuse_or_create(path, nbytes)
-            ino = path.stat().st_ino  # only this store writes its replica files
-        else:  # the inode seen before mapping: a file replaced meanwhile is remapped next time
-            region = RamRegion.open(path)
+            ino = _identity(path)  # only this store writes its replica files
+        else:  # the identity seen before mapping: a file replaced meanwhile (or sharing
+            # other pages with its partner: a new sidecar) is remapped next time
+            region = open_slot(path)
         self._mapped[path] = (ino, region)
         return region
 
     def _check_memory(self, rank: int, nbytes: int, path: Path) -> None:
+        """Refuse, before a byte is allocated, ``rank``'s replica of ``nbytes`` into ``path``
+        where the node lacks the RAM or it would take this node's memckpt files (its ranks'
+        slots and the replicas it keeps: :meth:`footprint`) over ``ram_budget``: a node that
+        only holds replicas checks its budget nowhere else. A file of the same size is
+        reused (no new bytes), one of another size replaced (its bytes go back first)."""
         reuse = path.stat().st_size if path.exists() else 0
         need = max(0, nbytes - reuse)
+        if not need:
+            return
         avail = psutil.virtual_memory().available
-        if need and avail - need < RAM_HEADROOM:
+        if avail - need < RAM_HEADROOM:
             raise PlacementError(
                 f"node {self.node_id[:12]} lacks RAM for rank {rank}'s replica: needs "
                 f"{need / 2**30:.2f} GiB more, {avail / 2**30:.2f} GiB available; lower "
                 "placement.replicas, use fewer ranks per node, or add RAM")
+        held, budget = self.footprint()
+        if held + need > budget:
+            raise PlacementError(
+                f"node {self.node_id[:12]} refuses rank {rank}'s replica: memckpt's files hold "
+                f"{human_bytes(held)} of host RAM there (its ranks' slots and the replicas it "
+                f"keeps) and this replica needs {human_bytes(need)} more, "
+                f"{human_bytes(held + need)} in all, more than ram_budget allows "
+                f"({human_bytes(budget)}). Lower it with fewer copies (placement.replicas), "
+                "fewer ranks per node (workers.workers_per_node), less state per rank (more "
+                "ranks, ZeRO/FSDP sharding, snapshot less state), or raise Config.ram_budget "
+                "(a fraction of the node's RAM, or bytes)")
 
     def write(self, ticket: int, offset: int, chunk: np.ndarray) -> int:
         """Copy one chunk of transfer ``ticket`` in (an in-process path; see :meth:`receive`)."""

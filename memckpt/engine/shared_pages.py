@@ -1,0 +1,261 @@
+"""Two slots that share the pages of what did not change.
+
+A rank's two slot files (``slot0.shard``, ``slot1.shard``) each hold one step. Where a data
+chunk of the slot being written is the same as the other slot's (a frozen base model, a
+buffer nothing wrote), the two share one physical copy: the chunk's *home* is a page range
+in one of the two files, and a slot whose chunk lives in its partner's file says so in a
+sidecar, ``slot<i>.shard.homes`` (byte ranges, and the partner file's inode so a replaced
+partner is noticed). Readers map the slot file and map the partner's pages over those
+ranges (:func:`open_slot`), so every reader sees one contiguous shard, as before.
+
+The rule that keeps a complete slot whole: a page a complete slot uses is never written.
+A chunk the new snapshot writes goes to the home its partner does *not* use: its own file's
+page, or, where the partner itself lives in this slot's file there, the partner file's page
+(which the partner then does not use). A home neither slot uses is punched out of its file
+(the RAM goes back). See :func:`plan` (pure) and :func:`apply` (acts on the files).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from memckpt.engine.buffers import RamRegion, populate_mapping
+from memckpt.errors import MemckptError
+from memckpt.format import shard as fmt
+
+SUFFIX = ".homes"
+_PUNCH = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+# -- pure: where each chunk lives ------------------------------------------------------------
+@dataclass(frozen=True)
+class Plan:
+    """For the slot being written: ``away[c]`` is True where its chunk ``c`` lives in the
+    partner's file; ``punch_own`` / ``punch_partner`` the chunks whose page in this slot's
+    file / the partner's file no slot uses any more."""
+
+    away: tuple[bool, ...]
+    punch_own: tuple[int, ...]
+    punch_partner: tuple[int, ...]
+
+
+def plan(n: int, partner_away: Optional[Sequence[bool]], share: Iterable[int],
+         keep: Iterable[int] = (), current: Optional[Sequence[bool]] = None) -> Plan:
+    """Where the ``n`` chunks of the slot being written live.
+
+    ``partner_away``: the complete partner's homes (None: no complete partner of the same
+    layout: every chunk is written into this slot's own file, nothing is punched).
+    ``share``: chunks equal to the partner's, which take the partner's home. ``keep``:
+    chunks this slot already holds as they are to be (a holder's copy two steps back),
+    left in ``current`` homes where those differ from the partner's. Every other chunk is
+    written, into the home the partner does not use."""
+    if partner_away is None:
+        return Plan((False,) * n, (), ())
+    if len(partner_away) != n:
+        raise ValueError(f"partner has {len(partner_away)} chunks, this slot {n}")
+    shared, kept = set(share), set(keep)
+    away: list[bool] = []
+    for c in range(n):
+        theirs = partner_away[c]  # True: the partner's chunk is in *this* slot's file
+        if c in shared:
+            away.append(not theirs)  # the partner's home, seen from here
+        elif c in kept and current is not None and current[c] == theirs:
+            away.append(current[c])  # ours differs from the partner's home: stays put
+        else:
+            away.append(theirs)  # the other home
+    punch_own = tuple(c for c in range(n) if away[c] and not partner_away[c])
+    punch_partner = tuple(c for c in range(n) if not away[c] and partner_away[c])
+    return Plan(tuple(away), punch_own, punch_partner)
+
+
+def runs(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted chunk indices as [first, end) runs."""
+    out: list[tuple[int, int]] = []
+    for c in sorted(indices):
+        if out and out[-1][1] == c:
+            out[-1] = (out[-1][0], c + 1)
+        else:
+            out.append((c, c + 1))
+    return out
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where a slot's data chunks sit in its file: what turns chunk runs into page ranges."""
+
+    data_offset: int
+    chunk_bytes: int
+    data_len: int
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.data_len // self.chunk_bytes)
+
+    def byte_ranges(self, indices: Iterable[int]) -> list[tuple[int, int]]:
+        """(offset, length) in the file of each run of ``indices``; page-aligned starts."""
+        out = []
+        for a, b in runs(indices):
+            start = self.data_offset + a * self.chunk_bytes
+            end = self.data_offset + min(b * self.chunk_bytes, self.data_len)
+            out.append((start, end - start))
+        return out
+
+    def indices(self, ranges: Iterable[tuple[int, int]]) -> set[int]:
+        out: set[int] = set()
+        for off, length in ranges:
+            first = (off - self.data_offset) // self.chunk_bytes
+            out.update(range(first, first + -(-length // self.chunk_bytes)))
+        return out
+
+    @staticmethod
+    def of(layout: fmt.Layout, header_capacity: int) -> "Geometry":
+        return Geometry(fmt.data_offset(header_capacity), fmt.chunk_bytes_for(layout.data_len),
+                        layout.data_len)
+
+
+# -- the files -------------------------------------------------------------------------------
+def sidecar(path: Path) -> Path:
+    return path.with_name(path.name + SUFFIX)
+
+
+def partner(path: Path) -> Path:
+    """The other slot file of the pair ``path`` is one of."""
+    names = fmt.SLOT_NAMES
+    if path.name not in names:
+        raise ValueError(f"{path} is not a slot file ({names})")
+    return path.with_name(names[1 - names.index(path.name)])
+
+
+def read_away(path: Path) -> list[tuple[int, int]]:
+    """The byte ranges of slot ``path`` that live in its partner's file ([] for none).
+    Raises :class:`MemckptError` when the sidecar is torn or its partner file was replaced
+    since (those bytes are gone: the slot cannot be read)."""
+    try:
+        body = json.loads(sidecar(path).read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        raise MemckptError(f"{sidecar(path)}: unreadable ({e})") from None
+    try:
+        ino = partner(path).stat().st_ino
+    except FileNotFoundError:
+        ino = -1
+    if body.get("partner_ino") != ino:
+        raise MemckptError(f"{path}: the partner file its shared pages live in was replaced")
+    return [(int(a), int(n)) for a, n in body["ranges"]]
+
+
+def write_away(path: Path, ranges: Sequence[tuple[int, int]]) -> None:
+    """Record (atomically, before the slot is flagged complete) which byte ranges of
+    ``path`` live in its partner's file; none removes the record."""
+    side = sidecar(path)
+    if not ranges:
+        side.unlink(missing_ok=True)
+        return
+    tmp = side.with_name(side.name + ".tmp")
+    tmp.write_text(json.dumps({"partner_ino": partner(path).stat().st_ino,
+                               "ranges": [list(r) for r in ranges]}))
+    os.replace(tmp, side)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    libc.fallocate.restype = ctypes.c_int
+    return libc
+
+
+def supported() -> bool:
+    """Whether pages can be mapped over a mapping and punched out of files here (Linux)."""
+    try:
+        _libc()
+        return hasattr(mmap, "MAP_SHARED") and os.uname().sysname == "Linux"
+    except (OSError, AttributeError):
+        return False
+
+
+def map_over(region: RamRegion, source: Path, ranges: Iterable[tuple[int, int]]) -> None:
+    """Map ``source``'s pages over ``region``'s at the same offsets (the partner's, for
+    shared chunks; the slot's own file, to take a chunk back). The pages are not faulted in."""
+    base = region.array.ctypes.data
+    fd = os.open(source, os.O_RDWR)
+    try:
+        for off, length in ranges:
+            got = _libc().mmap(base + off, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                               mmap.MAP_SHARED | 0x10, fd, off)  # 0x10: MAP_FIXED
+            if got is None or got == ctypes.c_void_p(-1).value or got != base + off:
+                raise MemckptError(f"cannot map {source} over {region.path} at {off} "
+                                   f"({os.strerror(ctypes.get_errno())})")
+    finally:
+        os.close(fd)
+
+
+def punch(path: Path, ranges: Iterable[tuple[int, int]]) -> None:
+    """Give the pages of ``ranges`` in ``path`` back (its size stays; they read as zeros)."""
+    ranges = list(ranges)
+    if not ranges:
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for off, length in ranges:
+            if _libc().fallocate(fd, _PUNCH, off, length) != 0:
+                raise MemckptError(f"cannot free pages of {path} "
+                                   f"({os.strerror(ctypes.get_errno())})")
+    finally:
+        os.close(fd)
+
+
+def open_slot(path: Path, populate: bool = True, pin: bool = False) -> RamRegion:
+    """Map slot file ``path`` as one shard: its partner's pages over the ranges that live
+    there (``pin``, CUDA registration, only for a slot that shares none). Raises
+    :class:`MemckptError` when those cannot be found (see :func:`read_away`)."""
+    away = read_away(path) if path.name in fmt.SLOT_NAMES else []
+    if not away:
+        return RamRegion.open(path, populate=populate, pin=pin)
+    region = RamRegion.open(path, populate=False)  # a hole faulted in would take RAM
+    map_over(region, partner(path), away)
+    if populate:
+        populate_mapping(region.mm)
+    return region
+
+
+def apply(region: RamRegion, geometry: Geometry, was: Sequence[bool], new: Plan) -> None:
+    """Make the mapping ``region`` of the slot being written (flagged incomplete) follow
+    ``new``: remap the chunks whose home moved, record them, and punch the homes no slot
+    uses. ``was``: its homes until now."""
+    path = region.path
+    moved_away = [c for c in range(len(new.away)) if new.away[c] and not was[c]]
+    moved_home = [c for c in range(len(new.away)) if was[c] and not new.away[c]]
+    # punched before they are mapped over: our own mapping of them goes with them
+    punch(path, geometry.byte_ranges(new.punch_own))
+    map_over(region, partner(path), geometry.byte_ranges(moved_away))
+    map_over(region, path, geometry.byte_ranges(moved_home))
+    punch(partner(path), geometry.byte_ranges(new.punch_partner))
+    write_away(path, geometry.byte_ranges(c for c, a in enumerate(new.away) if a))
+
+
+def take_home(region: RamRegion, away: Sequence[tuple[int, int]]) -> None:
+    """Copy the pages slot ``region`` has in its partner's file into its own and map them
+    there, then drop the record: before the partner's file is replaced or rewritten whole
+    (a resize, a restore into it), which would otherwise take this slot's bytes with it."""
+    if not away:
+        return
+    own = RamRegion.open(region.path, populate=False)
+    try:
+        for off, length in away:
+            own.array[off: off + length] = region.array[off: off + length]
+    finally:
+        own.close()
+    write_away(region.path, [])
+    map_over(region, region.path, away)
