@@ -146,10 +146,9 @@ def sender(store):
 
 def held_replica(store, rank: int, step: int):
     """The bytes of ``rank``'s replica of ``step`` as ``store`` holds it on disk."""
-    import numpy as np
-
+    from memckpt.engine.shared_pages import read_bytes
     from memckpt.runtime.wire.ram_files import scan
-    return np.fromfile(scan(store.replicas)[rank][step], dtype=np.uint8)
+    return read_bytes(scan(store.replicas)[rank][step])
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
+
 from memckpt.engine.buffers import RamRegion, populate_mapping
 from memckpt.errors import MemckptError
 from memckpt.format import shard as fmt
@@ -188,6 +190,9 @@ def supported() -> bool:
 def map_over(region: RamRegion, source: Path, ranges: Iterable[tuple[int, int]]) -> None:
     """Map ``source``'s pages over ``region``'s at the same offsets (the partner's, for
     shared chunks; the slot's own file, to take a chunk back). The pages are not faulted in."""
+    ranges = list(ranges)
+    if not ranges:
+        return
     base = region.array.ctypes.data
     fd = os.open(source, os.O_RDWR)
     try:
@@ -228,6 +233,18 @@ def open_slot(path: Path, populate: bool = True, pin: bool = False) -> RamRegion
     if populate:
         populate_mapping(region.mm)
     return region
+
+
+def read_bytes(path: Path) -> np.ndarray:
+    """A copy of the bytes of the shard file ``path`` as readers see them (a slot's shared
+    pages included): ``np.fromfile`` reads a slot's own file alone."""
+    if path.name in fmt.SLOT_NAMES and read_away(path):
+        region = open_slot(path, populate=False)
+        try:
+            return np.array(region.array)
+        finally:
+            region.close()
+    return np.fromfile(path, dtype=np.uint8)
 
 
 def apply(region: RamRegion, geometry: Geometry, was: Sequence[bool], new: Plan) -> None:

@@ -7,6 +7,7 @@ to the page the partner does not use, where the copy then lands.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -16,9 +17,13 @@ from memckpt.engine.slot import Slot
 
 
 def partner_for(slot: Slot, other: Slot) -> Optional[Slot]:
-    """``other`` if ``slot`` may share chunks with it: complete and laid out alike."""
-    if (not other.complete or other.region is None or other.layout != slot.layout
-            or other.header_capacity != slot.header_capacity):
+    """``other`` if ``slot`` may share chunks with it: complete, its data where ``slot``'s
+    is, in chunks of the same size (its layout may differ: the chunks both lay out alike
+    are shared)."""
+    if not other.complete or other.region is None or other.layout is None or not slot.layout:
+        return None
+    mine, theirs = geometry(slot), geometry(other)
+    if (mine.data_offset, mine.chunk_bytes) != (theirs.data_offset, theirs.chunk_bytes):
         return None
     return other
 
@@ -33,41 +38,65 @@ def ranges(slot: Slot, chunks: list[bool]) -> list[tuple[int, int]]:
     return geometry(slot).byte_ranges(c for c, a in enumerate(chunks) if a)
 
 
-def share(slot: Slot, partner: Slot, names: Iterable[str], same: set[str]) -> None:
+def share(slot: Slot, partner: Slot, names: Iterable[str], same: set[str]) -> set[str]:
     """Lay out ``slot`` (flagged incomplete, about to be written) against ``partner``:
-    ``same`` names the tensors whose bytes are the partner's, the rest of ``names`` will
-    be copied. A chunk no copied tensor touches takes the partner's pages; the others get
-    pages of their own, with the partner's bytes of that chunk first where an unchanged
-    tensor has bytes in it (one that straddles the chunk's edge): then no unchanged
-    tensor is copied, and no chunk is half shared."""
+    ``same`` names the tensors whose bytes are the partner's. Returns those left uncopied:
+    the ones the partner lays out where ``slot`` does. A chunk no copied tensor touches,
+    laid out alike in both, takes the partner's pages; the others get pages of their own,
+    with the partner's bytes of that chunk first where an uncopied tensor has bytes in it
+    (one that straddles the chunk's edge): no chunk is half shared."""
     assert slot.layout is not None and slot.region is not None
-    assert partner.region is not None
-    geo = geometry(slot)
-    size, spans = geo.chunk_bytes, slot.layout.spans
+    assert partner.layout is not None and partner.region is not None
+    geo, theirs = geometry(slot), geometry(partner)
+    size, spans, their_spans = geo.chunk_bytes, slot.layout.spans, partner.layout.spans
+    same = {name for name in same if their_spans.get(name) == spans[name]}
 
-    def chunks_of(name: str) -> range:
-        start, end = spans[name]
-        return range(start // size, (end - 1) // size + 1) if end > start else range(0)
-    written = {c for name in names if name not in same for c in chunks_of(name)}
-    mixed = {c for name in same for c in chunks_of(name) if c in written}
-    n = geo.chunks
-    new = shared_pages.plan(n, partner.away or [False] * n,
-                            share=(c for c in range(n) if c not in written))
+    def chunks_of(span: tuple[int, int]) -> range:
+        return range(span[0] // size, (span[1] - 1) // size + 1) if span[1] > span[0] else range(0)
+
+    def contents(layout_spans: dict[str, tuple[int, int]]) -> dict[int, set[tuple[str, tuple]]]:
+        out: dict[int, set[tuple[str, tuple]]] = {}
+        for name, span in layout_spans.items():
+            for c in chunks_of(span):
+                out.setdefault(c, set()).add((name, span))
+        return out
+    written = {c for name in names if name not in same for c in chunks_of(spans[name])}
+    n, m = geo.chunks, theirs.chunks
+    mine_in, theirs_in = contents(spans), contents(their_spans)
+    alike = {c for c in range(min(n, m)) if mine_in.get(c) == theirs_in.get(c)
+             and geo.byte_ranges([c]) == theirs.byte_ranges([c])}
+    written |= set(range(n)) - alike
+    mixed = {c for name in same for c in chunks_of(spans[name]) if c in written}
+    # the seal hashes every chunk written here; the shared ones keep the partner's digests
+    slot.dirty.extend((c * size, min((c + 1) * size, geo.data_len)) for c in sorted(written))
+    partner_away = [bool(partner.away and c < m and partner.away[c]) for c in range(n)]
+    new = shared_pages.plan(n, partner_away, share=(c for c in range(n) if c not in written))
     shared_pages.apply(slot.region, geo, slot.away or [False] * n, new)
     slot.away = list(new.away) if any(new.away) else None
     for off, length in geo.byte_ranges(written):  # faulted in now, not a page per copy
         populate_mapping(slot.region.mm, MADV_POPULATE_WRITE, off, length)
     for off, length in geo.byte_ranges(mixed):
+        length = min(length, theirs.data_offset + theirs.data_len - off)
         slot.region.array[off: off + length] = partner.region.array[off: off + length]
+    return same
 
 
-def unshare(slot: Slot, partner: Slot, rewritten: bool) -> None:
-    """Before ``slot`` is remapped or received into: it takes its own pages back, and where
-    its file is about to be replaced or ``rewritten`` whole, ``partner`` first copies home
-    the pages it has in it (:func:`memckpt.engine.shared_pages.take_home`)."""
-    if rewritten and partner.away and partner.region is not None and partner.layout:
-        shared_pages.take_home(partner.region, ranges(partner, partner.away))
-        partner.away = None
+def unshare(slot: Slot, partner: Slot, nbytes: Optional[int] = None) -> None:
+    """Before ``slot`` is remapped at ``nbytes`` (None: kept, but received into whole): it
+    takes its own pages back, and the pages ``partner`` has in its file stay the partner's.
+    A file that grows is grown in place (its pages stay, and another process's mapping of
+    it stays valid); one rewritten whole or made anew (smaller) has the partner copy those
+    pages home first (:func:`memckpt.engine.shared_pages.take_home`)."""
+    try:
+        size: Optional[int] = slot.path.stat().st_size
+    except FileNotFoundError:
+        size = None
+    if partner.away and partner.region is not None and partner.layout and size is not None:
+        if nbytes is not None and nbytes > size:
+            os.truncate(slot.path, nbytes)
+        elif nbytes is None or nbytes != size:
+            shared_pages.take_home(partner.region, ranges(partner, partner.away))
+            partner.away = None
     if slot.away and slot.region is not None:
         shared_pages.map_over(slot.region, slot.path, ranges(slot, slot.away))
     slot.away = None

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from memckpt.format import shard as fmt
-from memckpt.engine.buffers import RamRegion
+from memckpt.engine.buffers import RamRegion, populate_mapping
 from memckpt.engine import shared_pages, sharing
 from memckpt.engine.landing import Landing, all_landed
 from memckpt.engine.slot import Slot, has_size, read_slot
@@ -174,7 +174,7 @@ class SnapshotEngine:
             self._frozen = captured.frozen
             self.stats.last_copied_bytes = self.stats.last_unchanged_bytes = 0
             self._skip, self._known = None, slot
-            partner = self._partner(target)
+            partner = sharing.partner_for(slot, self.slots[1 - target]) if self.share else None
             if partner is not None:
                 self._skip, self._known = self._share_with(slot, partner, captured.tensors), partner
             meta_blob = captured.meta
@@ -222,7 +222,7 @@ class SnapshotEngine:
         def into(nbytes: int) -> np.ndarray:
             if slot.region is None or slot.region.size != nbytes:
                 self._map_file(slot, nbytes)
-            sharing.unshare(slot, self._other(slot), rewritten=True)
+            sharing.unshare(slot, self._other(slot))
             fmt.mark_writing(slot.mem.array)
             return slot.mem.array
 
@@ -338,10 +338,11 @@ class SnapshotEngine:
         key = [(n, t.shape, t.dtype, self.share and n in captured.frozen)
                for n, t in captured.tensors]
         if self._layout is None or self._layout[0] != key:
-            tensors = captured.tensors
+            tensors, at = captured.tensors, -1
             if self.share and captured.frozen:
                 tensors = sorted(tensors, key=lambda nt: nt[0] not in captured.frozen)
-            self._layout = (key, fmt.Layout.of(tensors))
+                at = sum(n in captured.frozen for n, _ in tensors)
+            self._layout = (key, fmt.Layout.of(tensors, chunk_at=at))
         return self._layout[1]
 
     def _prepare(self, slot: Slot, captured: Captured) -> None:
@@ -358,7 +359,10 @@ class SnapshotEngine:
     def _map_slot(self, slot: Slot, layout: fmt.Layout, cap: int, populate: bool = True) -> None:
         """Map ``slot``'s file sized for ``layout`` with a header of ``cap`` bytes."""
         slot.forget()  # the bytes move (or are new)
-        self._map_file(slot, fmt.region_size(layout, cap), populate)
+        # the data faulted in; the header's room only where a seal writes it
+        self._map_file(slot, fmt.region_size(layout, cap), populate=False)
+        if populate:
+            populate_mapping(slot.mem.mm, offset=fmt.data_offset(cap))
         slot.layout, slot.header_capacity = layout, cap
         slot.views = fmt.tensor_views(slot.mem.tensor, layout, cap)
 
@@ -366,7 +370,7 @@ class SnapshotEngine:
         """(Re)map ``slot``'s file at ``nbytes``, in place when it already has that size."""
         if self.room_check is not None and not has_size(slot.path, nbytes):
             self.room_check(nbytes)
-        sharing.unshare(slot, self._other(slot), rewritten=not has_size(slot.path, nbytes))
+        sharing.unshare(slot, self._other(slot), nbytes)
         if slot.region is not None:
             slot.views = {}  # the old mapping's last users: its pages go when they do
             slot.region.close(unlink=False)
@@ -418,18 +422,17 @@ class SnapshotEngine:
             landing.queued(spans)
         return landing
 
-    def _partner(self, target: int) -> Optional[Slot]:
-        """The slot the one being written (``target``) may share chunks with."""
-        return sharing.partner_for(self.slots[target], self.slots[1 - target]) \
-            if self.share else None
-
     def _share_with(self, slot: Slot, partner: Slot, tensors: list[tuple[str, torch.Tensor]]
                     ) -> set[str]:
         """Before ``slot`` is written: the tensors whose bytes are ``partner``'s (the newest
         complete snapshot), not copied, their chunks mapped to the partner's pages
         (:func:`memckpt.engine.sharing.share`)."""
-        same = self._unchanged(partner, tensors, compare_unknown=True)
-        sharing.share(slot, partner, (n for n, _ in tensors), same)
+        found = self._unchanged(partner, tensors, compare_unknown=True)
+        same = sharing.share(slot, partner, [n for n, _ in tensors], found)
+        assert slot.layout is not None
+        moved = sum(e - s for s, e in (slot.layout.spans[n] for n in found - same))
+        self.stats.unchanged_bytes -= moved  # laid out elsewhere here: copied, counted so
+        self.stats.last_unchanged_bytes -= moved
         for name, t in tensors:
             if name in same:
                 slot.kept[name] = stamp(t)

@@ -76,7 +76,9 @@ def held_unchanged(kept: Mapping[str, tuple], views: Mapping[str, torch.Tensor],
         return set()
     found, compare = set(), []
     for name, t in tensors:
-        held = views[name]
+        held = views.get(name)
+        if held is None:  # the slot was laid out without it
+            continue
         old = kept.get(name)
         if old is None and compare_unknown:
             says = None if (not t.is_cuda and t.is_contiguous() and held.is_contiguous()
@@ -118,13 +120,14 @@ def same_bytes_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
 def known_chunks(digests: Optional[Sequence[str]], data_len: int,
                  dirty: Iterable[tuple[int, int]]) -> Optional[dict[int, str]]:
     """Of a slot's last seal's chunk ``digests``, those that still hold: the chunks no byte
-    range in ``dirty`` (the tensors the snapshot under way copied) touches. None when the
-    slot has no usable digests."""
+    range in ``dirty`` (the tensors the snapshot under way copied, the chunks it wrote)
+    touches. None when the slot has no usable digests. Digests of a shard laid out in
+    another length (a partner of another layout) count up to the shorter one's end: its
+    chunks that differ are in ``dirty``."""
     if digests is None:
         return None
     size = fmt.chunk_bytes_for(data_len)
-    if len(digests) != -(-data_len // size):
-        return None
+    digests = digests[: -(-data_len // size)]
     touched: set[int] = set()
     for start, end in dirty:
         if end > start:

@@ -192,9 +192,13 @@ class Layout:
     data_len: int
 
     @staticmethod
-    def of(tensors: Sequence[tuple[str, torch.Tensor]]) -> "Layout":
+    def of(tensors: Sequence[tuple[str, torch.Tensor]], chunk_at: int = -1) -> "Layout":
+        """Tensors one after the other; the one at index ``chunk_at`` starts a new chunk
+        (the first trained tensor after the frozen ones: no chunk holds both)."""
         entries, offset = [], 0
-        for name, t in tensors:
+        for i, (name, t) in enumerate(tensors):
+            if i == chunk_at and offset:
+                offset = _round_up(offset, CHUNK_BYTES)
             nbytes = t.numel() * t.element_size()
             entries.append(TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
             offset = _round_up(offset + nbytes, TENSOR_ALIGN)
@@ -228,9 +232,14 @@ class Layout:
         return Layout(tuple(entries), data_len)
 
 
+HEADER_ALIGN = 64 << 10  # a header grows in these steps: a few more tensors keep its size
+
+
 def header_capacity_for(layout: Layout, meta_hint: int = 0) -> int:
-    """Room for the header: the tensor table plus generous space for metadata."""
-    return _round_up(table_bytes(layout) + 2 * meta_hint + 64 * 1024, DATA_ALIGN) - PREFIX.size
+    """Room for the header: the tensor table plus generous space for metadata, rounded so
+    that a layout that gained a few tensors (Adam's moments after the first step) keeps
+    its data where it was: the slots of the two layouts then share unchanged chunks."""
+    return _round_up(table_bytes(layout) + 2 * meta_hint + 64 * 1024, HEADER_ALIGN) - PREFIX.size
 
 
 def table_bytes(layout: Layout) -> int:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import numpy as np
 
 from memckpt.format import shard as shardfmt
-from memckpt.errors import ChecksumError, StateError
+from memckpt.engine import shared_pages
+from memckpt.errors import ChecksumError, MemckptError, StateError
 from memckpt.util.fsutil import replace_atomic
 from memckpt.persist.manifest import Manifest
 
@@ -47,9 +48,10 @@ def _open(source: ShardSource, store: Optional["CheckpointStore"]) -> tuple[shar
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         try:
-            region = np.fromfile(path, dtype=np.uint8)
-        except OSError as e:
-            raise ChecksumError(f"{path}: cannot read it as a shard: {e.strerror or e}") from None
+            region = shared_pages.read_bytes(path)  # a RAM slot's shared pages included
+        except (OSError, MemckptError) as e:
+            why = (e.strerror if isinstance(e, OSError) else None) or e
+            raise ChecksumError(f"{path}: cannot read it as a shard: {why}") from None
         return shardfmt.open_shard(region, str(path), verify=True), str(path)
     if isinstance(source, (bytes, memoryview)):
         region = np.frombuffer(source, dtype=np.uint8).copy()  # writable, owned

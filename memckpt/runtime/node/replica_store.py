@@ -27,7 +27,7 @@ import itertools
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -37,8 +37,9 @@ import xxhash
 
 from memckpt.format import shard as fmt
 from memckpt.engine.buffers import RamRegion, allocated_bytes, remove_path, resolve_ram_root
-from memckpt.engine.shared_pages import open_slot, sidecar
+from memckpt.engine.shared_pages import open_slot
 from memckpt.policy.footprint import RamBudget, budget_bytes, human_bytes
+from memckpt.runtime.node import replica_pages
 from memckpt.runtime.node.shard_server import ShardServer
 from memckpt.runtime.coordinator.messages import ReadyBatch
 from memckpt.runtime.node.uplink import Uplink, View
@@ -82,19 +83,7 @@ class _Put:
     # are left in place, neither sent nor copied
     prior: Optional[fmt.Chunks] = None
     prior_len: int = 0  # that shard's data length
-
-
-def _identity(path: Path) -> Optional[tuple[int, int]]:
-    """What a cached mapping of slot file ``path`` is valid for: its inode and its sidecar's
-    (the pages it shares with its partner, :mod:`memckpt.engine.shared_pages`)."""
-    try:
-        ino = path.stat().st_ino
-    except FileNotFoundError:
-        return None
-    try:
-        return ino, sidecar(path).stat().st_ino
-    except FileNotFoundError:
-        return ino, 0
+    before: list[tuple[int, int]] = field(default_factory=list)  # its homes before the reset
 
 
 class ReplicaStore:
@@ -119,8 +108,10 @@ class ReplicaStore:
         self._fenced: set[int] = set()  # tickets of transfers a newer generation fenced off
         self.generation = -1  # writes from older generations of workers are refused
         self._server: Optional[ShardServer] = None
-        # shard file -> (its identity: _identity, its mapping)
+        # shard file -> (its identity: replica_pages.identity, its mapping)
         self._mapped: dict[Path, tuple[Optional[tuple[int, int]], RamRegion]] = {}
+        # replica file -> the ranges its mapping takes from its partner's file (replica_pages)
+        self._homes: dict[Path, list[tuple[int, int]]] = {}
         self._fill_backoff: dict[int, int] = {}  # rank -> puts left that skip the fill wait
         # the node's readiness, metrics, heartbeats (and every few seconds its footprint)
         self.uplink = Uplink(node_id, footprint=self.footprint)
@@ -215,6 +206,8 @@ class ReplicaStore:
                 log.info("memckpt: a new transfer of rank %d's replica of step %d supersedes "
                          "one still open (its sender died or stalled mid-shard)", rank, step)
                 self._mapped.pop(stale.path, None)
+                self._homes.pop(stale.path, None)
+                replica_pages.release(stale.path, self._mapping)
                 remove_path(stale.path)
             path = self._slot_for(rank, step)
             if peek_step(path) == step:
@@ -230,9 +223,12 @@ class ReplicaStore:
             invalidate(path)
             region = self._mapping(path, nbytes)
             fmt.mark_writing(region.array)
+            before = self._homes.get(path, [])
+            self._homes[path] = replica_pages.reset(region, path, before)
+            self._mapped[path] = (replica_pages.identity(path), region)  # its record changed
             ticket = next(self._tickets)
             self._open[ticket] = _Put(rank, step, gen, path, region, prior=prior,
-                                      prior_len=prior_len)
+                                      prior_len=prior_len, before=before)
             self._current[(rank, step)] = ticket
             return ticket
 
@@ -299,6 +295,7 @@ class ReplicaStore:
                             and chunks.span(i, data_len) == prior.span(i, put.prior_len)):
                         filled.add(i)
             other = self._other_slot(put.path)
+            filled = self._share(put, chunks, data_len, other, filled)
             for source in ([other] if other is not None else []) + self._fill_sources(rank, step):
                 theirs = source.chunks
                 if theirs is None or theirs.chunk_bytes != chunks.chunk_bytes:
@@ -319,6 +316,25 @@ class ReplicaStore:
                      rank, step, e)
         put.filled = (chunks, filled)  # finish() need not hash them again
         return sorted(filled)
+
+    def _share(self, put: _Put, chunks: fmt.Chunks, data_len: int,
+               other: Optional[fmt.Shard], kept: set[int]) -> set[int]:
+        """Map the chunks of ``put`` its complete partner ``other`` holds to the partner's
+        pages and keep the ``kept`` ones in place (:func:`replica_pages.lay_out`); returns
+        the chunks so filled. Laid out again as at :meth:`begin` if that fails half way,
+        so that nothing received lands on a page the partner uses."""
+        with self._lock:  # the mapping is this transfer's alone: laid out outside the lock
+            homes = self._homes.get(put.path, [])
+        try:
+            filled, homes = replica_pages.lay_out(put.region, put.path, chunks, data_len,
+                                                  other, kept, homes, put.before)
+        except (OSError, MemckptError) as e:
+            log.info("memckpt: sharing rank %d's replica pages failed: %s", put.rank, e)
+            filled, homes = set(), replica_pages.reset(put.region, put.path, homes)
+        with self._lock:
+            self._homes[put.path] = homes
+            self._mapped[put.path] = (replica_pages.identity(put.path), put.region)
+        return filled
 
     def _other_slot(self, path: Path) -> Optional[fmt.Shard]:
         """The complete shard in the other slot of the replica ``path`` is a slot of
@@ -370,7 +386,7 @@ class ReplicaStore:
         costs a page fault per 4 KiB (3x the copy itself, measured). With ``nbytes`` (a
         replica this store writes) the file is made that size if it is not; without, the
         file is only read (a worker's own slot, which this store must never replace)."""
-        ino = _identity(path)
+        ino = replica_pages.identity(path)
         cached = self._mapped.get(path)
         if cached is not None and cached[0] == ino and nbytes in (None, cached[1].size):
             return cached[1]
@@ -378,8 +394,8 @@ class ReplicaStore:
             if cached is not None:  # resized: let the old mapping's pages go first
                 self._mapped.pop(path)
                 cached[1].close()
-            region = RamRegion.reuse_or_create(path, nbytes)
-            ino = _identity(path)  # only this store writes its replica files
+            region, self._homes[path] = replica_pages.open_for_write(path, nbytes, self._mapping)
+            ino = replica_pages.identity(path)  # only this store writes its replica files
         else:  # the identity seen before mapping: a file replaced meanwhile (or sharing
             # other pages with its partner: a new sidecar) is remapped next time
             region = open_slot(path)
@@ -543,6 +559,7 @@ class ReplicaStore:
                     for f in rank_dir.iterdir():
                         freed += f.stat().st_size
                         self._mapped.pop(f, None)
+                        self._homes.pop(f, None)
                     remove_path(rank_dir)
                     removed.append(f"{sub}/{rank_dir.name}")
         return Freed(tuple(removed), freed)
@@ -564,6 +581,7 @@ class ReplicaStore:
             self._open.clear()
             self._current.clear()
             self._mapped.clear()
+            self._homes.clear()
             if self._server is not None:
                 self._server.close()
                 self._server = None
