@@ -14,6 +14,7 @@ from typing import Iterable, Optional, Sequence
 from memckpt.engine import shared_pages
 from memckpt.engine.buffers import MADV_POPULATE_WRITE, populate_mapping
 from memckpt.engine.slot import Slot
+from memckpt.errors import MemckptError
 
 
 def partner_for(slot: Slot, other: Slot) -> Optional[Slot]:
@@ -115,6 +116,17 @@ def move_in(slots: Sequence[Slot], files: Sequence[Path]) -> None:
     for slot in slots:
         slot.away = None
         shared_pages.sidecar(slot.path).unlink(missing_ok=True)
+    for src in files:  # one moving without its partner takes its pages home first
+        if shared_pages.partner(src) not in files and shared_pages.sidecar(src).exists():
+            try:
+                region = shared_pages.open_slot(src, populate=False)
+            except MemckptError:  # its partner's pages are gone: a restore's verify says so
+                shared_pages.sidecar(src).unlink()
+                continue
+            try:
+                shared_pages.take_home(region, shared_pages.read_away(src))
+            finally:
+                region.close()
     for slot, src in zip(slots, files):
         src.replace(slot.path)
         if shared_pages.sidecar(src).exists():

@@ -155,6 +155,7 @@ class LoraBench:
             out.append(dict(variant=v.name, skip_unchanged=v.skip_unchanged, whole=v.whole,
                             state_bytes=v.state.capture(0).nbytes, steps=v.steps[WARMUP:],
                             warmup=WARMUP, ram_bytes=allocated_bytes(v.ckpt.directory),
+                            holder_bytes=allocated_bytes(v.store.replicas),
                             foreign_cpu=self.foreign_cpu, quiet_timeouts=self.quiet_timeouts))
         return out
 

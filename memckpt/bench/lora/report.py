@@ -21,14 +21,16 @@ def _x(ratio: Optional[float]) -> str:
 
 def format_table(rows: list[Row]) -> str:
     lines = ["| checkpointer | state | blocked / step | × off | × trainable alone | "
-             "copied / step | sent to a holder / step | seal | slots in RAM |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "copied / step | sent to a holder / step | seal | own slots in RAM | "
+             "own + holder's (× state) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         sent = f"{human_bytes(r.sent_bytes)} ({100 * r.sent_vs_shard:.0f}% of the shard)"
         lines.append(f"| {r.label} | {human_bytes(r.state_bytes)} | {human_s(r.blocked_s)} | "
                      f"{_x(r.blocked_vs_off)} | {_x(r.blocked_vs_trainable)} | "
                      f"{human_bytes(r.copied_bytes)} | {sent} | {human_s(r.seal_s)} | "
-                     f"{human_bytes(r.ram_bytes)} ({r.ram_over_state:.2f}× state) |")
+                     f"{human_bytes(r.ram_bytes)} ({r.ram_over_state:.2f}× state) | "
+                     f"{human_bytes(r.ram_bytes + r.holder_bytes)} ({r.held_over_state:.2f}×) |")
     return "\n".join(lines)
 
 

@@ -34,6 +34,8 @@ class Row:
     send_s: float
     ram_bytes: int  # allocated bytes of the checkpointer's two slots
     ram_over_state: float  # ram_bytes / state_bytes
+    holder_bytes: int  # allocated bytes of its holder's two replica slots
+    held_over_state: float  # (ram_bytes + holder_bytes) / state_bytes: the footprint, k=1
     blocked_vs_off: Optional[float]
     blocked_vs_trainable: Optional[float]
     copied_vs_off: Optional[float]
@@ -72,7 +74,8 @@ def derive(measured: list[dict[str, Any]], preset: str, job_state_bytes: int,
             warmup=m["warmup"], blocked_s=d["blocked_s"], stall_s=d["stall_s"], seal_s=d["seal_s"],
             copied_bytes=int(d["copied_bytes"]), unchanged_bytes=int(d["unchanged_bytes"]),
             sent_bytes=int(d["sent_bytes"]), send_s=d["send_s"], ram_bytes=m["ram_bytes"],
-            ram_over_state=m["ram_bytes"] / m["state_bytes"],
+            ram_over_state=m["ram_bytes"] / m["state_bytes"], holder_bytes=m["holder_bytes"],
+            held_over_state=(m["ram_bytes"] + m["holder_bytes"]) / m["state_bytes"],
             blocked_vs_off=_ratio(d, off, "blocked_s"),
             blocked_vs_trainable=_ratio(d, alone, "blocked_s"),
             copied_vs_off=_ratio(d, off, "copied_bytes"),

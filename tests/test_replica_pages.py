@@ -1,0 +1,168 @@
+"""A holder's two replica slots of a rank share the pages of the chunks that did not change
+(#50): a frozen weight is held once per holder, every replica is the sender's bytes exactly,
+and a transfer cut half way, superseded, or into a slot whose layout grew never touches the
+committed copy. No Ray: a real ReplicaStore on the tmpfs, real TCP transfers from real
+Checkpointers' slots, allocated blocks counted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import memckpt
+from memckpt.engine import shared_pages
+from memckpt.engine.buffers import allocated_bytes
+from memckpt.format import shard as fmt
+from memckpt.runtime.wire.data_plane import (PutRequest, StoreConnection, _chunks_msg,
+                                             recv_go_ahead, send_msg, spans)
+
+from conftest import held_replica
+from test_replica_fill import (PARAM_BYTES, _moments_move, _send, _snapshot, _state,  # noqa: F401
+                               sender_rank, senders)
+
+KiB = 1 << 10
+
+
+def _assert_holds(store, step: int, shard: fmt.Shard) -> None:
+    """``store``'s replica of ``step`` is ``shard`` bit for bit, on disk, and as served."""
+    held = held_replica(store, 0, step)
+    assert np.array_equal(held, shard.raw)
+    assert fmt.open_shard(held, "replica", verify=True).step == step
+    assert np.array_equal(store.read(0, step), shard.raw)
+
+
+def _cut(store, shard: fmt.Shard, upto: int) -> None:
+    """Send ``shard`` over a new connection and drop it once ``upto`` bytes crossed (the
+    sender's node lost mid-shard), at the byte aimed at."""
+    conn = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
+    sock = conn._sock
+    send_msg(sock, PutRequest(rank=0, step=shard.step, nbytes=len(shard.raw),
+                              checksum=shard.header["data_xxh3"], gen=0,
+                              chunks=_chunks_msg(shard.chunks)))
+    go = recv_go_ahead(sock)
+    assert go["send"]
+    view, left = memoryview(shard.raw).cast("B"), upto
+    for off, n in spans(len(view), shard.chunks, [int(i) for i in go.get("filled", ())]):
+        sock.sendall(view[off: off + min(n, left)])
+        left -= min(n, left)
+        if not left:
+            break
+    conn.close()  # the transfer stays open, half written, until a new one supersedes it
+
+
+def test_a_holder_holds_a_frozen_weight_once_and_every_replica_is_exact(store, sender,
+                                                                        sender_rank):
+    state = _state(moment_shift=0.0)
+    shards = {}
+    for step in (1, 2, 3, 4):
+        _moments_move(state, 0.5)
+        shards[step] = _snapshot(sender_rank, state, step)
+        _send(sender, shards[step])
+        _assert_holds(store, step, shards[step])
+    assert store.inventory() == {0: [3, 4]}
+    _assert_holds(store, 3, shards[3])  # the older copy too, after the newer one landed
+    size = len(shards[4].raw)
+    # two slots of the shard, less one copy of the 3 MiB weight (header room not written
+    # stays unallocated)
+    assert allocated_bytes(store.replicas) <= 2 * size - PARAM_BYTES + 64 * KiB
+
+
+def test_a_transfer_cut_half_way_through_the_shared_bytes_leaves_the_committed_copy_whole(
+        store, sender, sender_rank):
+    """Steps 1 and 2 share the weight's pages; step 3 changes the weight, and its transfer
+    into step 1's slot is cut half way through those chunks: step 2, committed, is
+    untouched, and a new transfer of step 3 lands exactly."""
+    state = _state(moment_shift=0.0)
+    shards = {}
+    for step in (1, 2):
+        _moments_move(state, 0.5)
+        shards[step] = _snapshot(sender_rank, state, step)
+        _send(sender, shards[step])
+    (weight,) = state.model.parameters()
+    with torch.no_grad():
+        weight.add_(1.0)
+    shards[3] = _snapshot(sender_rank, state, 3)
+    # the header, then half the weight's bytes: into pages step 2 must not be using
+    _cut(store, shards[3], upto=fmt.data_offset(shards[3].header_capacity) + PARAM_BYTES // 2)
+    assert store.inventory() == {0: [2]}
+    _assert_holds(store, 2, shards[2])
+    again = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
+    try:
+        assert _send(again, shards[3]) > PARAM_BYTES  # the changed weight crossed
+    finally:
+        again.close()
+    _assert_holds(store, 3, shards[3])
+    _assert_holds(store, 2, shards[2])
+
+
+def test_a_superseded_transfer_keeps_the_committed_copy_whole(store, sender, sender_rank):
+    """A transfer of step 3 stalls half way (its sender stuck) and a new one of the same
+    shard supersedes it: the stalled one's file is replaced, after the committed step 2
+    took home the pages it kept in it."""
+    state = _state(moment_shift=0.0)
+    shards = {}
+    for step in (1, 2):
+        _moments_move(state, 0.5)
+        shards[step] = _snapshot(sender_rank, state, step)
+        _send(sender, shards[step])
+    _moments_move(state, 0.5)
+    shards[3] = _snapshot(sender_rank, state, 3)
+    raw = shards[3].raw
+    stalled = store.begin(0, 3, len(raw), shards[3].header["data_xxh3"])
+    store.fill_local(stalled, shards[3].chunks)
+    store.write(stalled, 0, raw[: 64 * KiB])
+    _send(sender, shards[3])  # supersedes the stalled transfer
+    with pytest.raises(memckpt.errors.MemckptError):
+        store.write(stalled, 64 * KiB, raw[64 * KiB: 128 * KiB])
+    _assert_holds(store, 3, shards[3])
+    _assert_holds(store, 2, shards[2])
+
+
+def test_a_replica_slot_whose_layout_grows_keeps_its_partner_whole(store, sender, senders):
+    """Step 1 has no optimizer state; from step 2 on Adam's moments make the shard larger.
+    Step 2's replica shares the weight with step 1's slot; step 3 goes into step 1's slot,
+    which grows in place under the pages step 2 keeps there."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 768, bias=False)
+    model.requires_grad_(False)
+    head = torch.nn.Linear(768, 4)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2)
+    state = memckpt.TrainState(model=torch.nn.Sequential(model, head), optimizer=opt)
+    ckpt = senders(0)
+    shards = {}
+    for step in (1, 2, 3):
+        if step > 1:
+            head(model(torch.ones(2, 1024))).sum().backward()
+            opt.step()
+        shards[step] = _snapshot(ckpt, state, step)
+        _send(sender, shards[step])
+        _assert_holds(store, step, shards[step])
+    assert len(shards[2].raw) > len(shards[1].raw)
+    _assert_holds(store, 2, shards[2])
+    assert allocated_bytes(store.replicas) < 2 * len(shards[3].raw) - PARAM_BYTES // 2
+
+
+@pytest.mark.parametrize("both", [True, False])
+def test_replica_files_adopted_as_a_ranks_own_slots_restore_exactly(store, sender, sender_rank,
+                                                                    both):
+    """A rank moved to its holder's node takes the replicas there as its own slots (renamed):
+    both (still partners), or the newest alone (it takes home the pages it kept in the
+    other's file first)."""
+    from memckpt.engine.snapshot import SnapshotEngine
+    state = _state(moment_shift=0.0)
+    shards = {}
+    for step in (1, 2):
+        _moments_move(state, 0.5)
+        shards[step] = _snapshot(sender_rank, state, step)
+        _send(sender, shards[step])
+    files = [store.locate(0, 2)] + ([store.locate(0, 1)] if both else [])
+    assert shared_pages.read_away(files[0])  # step 2 keeps the weight in step 1's file
+    engine = SnapshotEngine(store.own / "rank0")  # the same tmpfs: renamed, not copied
+    try:
+        assert engine.adopt(files) == ([2, 1] if both else [2])
+        for step in engine.steps():
+            with engine.reading(step, verify=True) as shard:
+                assert np.array_equal(shard.raw, shards[step].raw)
+    finally:
+        engine.close()
