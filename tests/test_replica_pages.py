@@ -143,12 +143,13 @@ def test_a_replica_slot_whose_layout_grows_keeps_its_partner_whole(store, sender
     assert allocated_bytes(store.replicas) < 2 * len(shards[3].raw) - PARAM_BYTES // 2
 
 
-@pytest.mark.parametrize("both", [True, False])
+@pytest.mark.parametrize("both,share", [(True, True), (False, True), (True, False)])
 def test_replica_files_adopted_as_a_ranks_own_slots_restore_exactly(store, sender, sender_rank,
-                                                                    both):
+                                                                    both, share):
     """A rank moved to its holder's node takes the replicas there as its own slots (renamed):
     both (still partners), or the newest alone (it takes home the pages it kept in the
-    other's file first)."""
+    other's file first). Its next snapshot, sharing or not (a CUDA host's pinned slots do
+    not), never writes over the pages the step before it keeps in the slot it writes."""
     from memckpt.engine.snapshot import SnapshotEngine
     state = _state(moment_shift=0.0)
     shards = {}
@@ -158,11 +159,20 @@ def test_replica_files_adopted_as_a_ranks_own_slots_restore_exactly(store, sende
         _send(sender, shards[step])
     files = [store.locate(0, 2)] + ([store.locate(0, 1)] if both else [])
     assert shared_pages.read_away(files[0])  # step 2 keeps the weight in step 1's file
-    engine = SnapshotEngine(store.own / "rank0")  # the same tmpfs: renamed, not copied
+    engine = SnapshotEngine(store.own / "rank0", share_unchanged=share)  # the same tmpfs
     try:
         assert engine.adopt(files) == ([2, 1] if both else [2])
         for step in engine.steps():
             with engine.reading(step, verify=True) as shard:
                 assert np.array_equal(shard.raw, shards[step].raw)
+        with torch.no_grad():
+            next(iter(state.model.parameters())).add_(1.0)  # the weight changes too
+        assert engine.snapshot(state.capture(3), 3)
+        engine.wait()
+        assert engine.steps() == [3, 2]
+        with engine.reading(2, verify=True) as shard:
+            assert np.array_equal(shard.raw, shards[2].raw)
+        with engine.reading(3, verify=True) as shard:
+            assert torch.equal(shard.tensors["model/model/weight"], state.model.weight)
     finally:
         engine.close()

@@ -174,9 +174,13 @@ class SnapshotEngine:
             self._frozen = captured.frozen
             self.stats.last_copied_bytes = self.stats.last_unchanged_bytes = 0
             self._skip, self._known = None, slot
-            partner = sharing.partner_for(slot, self.slots[1 - target]) if self.share else None
+            other = self.slots[1 - target]
+            partner = sharing.partner_for(slot, other) if self.share else None
             if partner is not None:
                 self._skip, self._known = self._share_with(slot, partner, captured.tensors), partner
+            elif slot.away or other.away:  # shared pages, but no sharing this time: none kept
+                sharing.unshare(slot, other)
+                slot.forget()
             meta_blob = captured.meta
             background = [(n, t) for n, t in captured.tensors
                           if self.mode == "overlap" and n in captured.stable]
