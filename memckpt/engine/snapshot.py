@@ -173,11 +173,11 @@ class SnapshotEngine:
             slot.complete, slot.step, slot.dirty = False, None, []
             self._frozen = captured.frozen
             self.stats.last_copied_bytes = self.stats.last_unchanged_bytes = 0
-            self._skip, self._known = None, slot
             other = self.slots[1 - target]
             partner = sharing.partner_for(slot, other) if self.share else None
+            self._skip, self._known = None, partner or slot
             if partner is not None:
-                self._skip, self._known = self._share_with(slot, partner, captured.tensors), partner
+                self._skip = self._share_with(slot, partner, captured.tensors)
             elif slot.away or other.away:  # shared pages, but no sharing this time: none kept
                 sharing.unshare(slot, other)
                 slot.forget()
@@ -226,7 +226,7 @@ class SnapshotEngine:
         def into(nbytes: int) -> np.ndarray:
             if slot.region is None or slot.region.size != nbytes:
                 self._map_file(slot, nbytes)
-            sharing.unshare(slot, self._other(slot))
+            sharing.unshare(slot, self.slots[1 - self.slots.index(slot)])
             fmt.mark_writing(slot.mem.array)
             return slot.mem.array
 
@@ -356,7 +356,7 @@ class SnapshotEngine:
         if slot.layout == layout and slot.region is not None and need <= slot.header_capacity:
             slot.layout = layout  # the same: the next compare is by identity
             return
-        other = self._other(slot)
+        other = self.slots[1 - self.slots.index(slot)]
         self._map_slot(slot, layout, fmt.header_capacity_for(layout, meta_hint=meta_len),
                        populate=not (self.share and other.complete and other.layout == layout))
 
@@ -374,7 +374,7 @@ class SnapshotEngine:
         """(Re)map ``slot``'s file at ``nbytes``, in place when it already has that size."""
         if self.room_check is not None and not has_size(slot.path, nbytes):
             self.room_check(nbytes)
-        sharing.unshare(slot, self._other(slot), nbytes)
+        sharing.unshare(slot, self.slots[1 - self.slots.index(slot)], nbytes)
         if slot.region is not None:
             slot.views = {}  # the old mapping's last users: its pages go when they do
             slot.region.close(unlink=False)
@@ -382,9 +382,6 @@ class SnapshotEngine:
         slot.region = RamRegion.reuse_or_create(slot.path, nbytes, pin=self._pin,
                                                 populate=populate)
         self.stats.allocations += 1
-
-    def _other(self, slot: Slot) -> Slot:
-        return self.slots[1 - self.slots.index(slot)]
 
     def _copy(self, slot: Slot, tensors: list[tuple[str, torch.Tensor]],
               landing: Optional[Landing] = None) -> Landing:
