@@ -117,7 +117,7 @@ def move_in(slots: Sequence[Slot], files: Sequence[Path]) -> None:
         slot.away = None
         shared_pages.sidecar(slot.path).unlink(missing_ok=True)
     for src in files:  # one moving without its partner takes its pages home first
-        if shared_pages.partner(src) not in files and shared_pages.sidecar(src).exists():
+        if shared_pages.sidecar(src).exists() and shared_pages.partner(src) not in files:
             try:
                 region = shared_pages.open_slot(src, populate=False)
             except MemckptError:  # its partner's pages are gone: a restore's verify says so
