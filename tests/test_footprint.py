@@ -11,6 +11,8 @@ import torch
 
 import memckpt
 from memckpt.engine.buffers import PeakFootprint, allocated_bytes
+from memckpt.engine.snapshot import SnapshotEngine
+from memckpt.format.state import Captured
 from memckpt.errors import ConfigError, MemoryBudgetError
 from memckpt.policy.footprint import (NodeFootprint, budget_bytes, check_ram_budget,
                                       human_bytes, over_budget, spare_room)
@@ -136,14 +138,16 @@ def test_a_checkpointer_within_budget_holds_two_slots_at_its_peak(tmp_path):
 def test_peak_footprint_leaves_out_a_removed_nodes_files(tmp_path):
     """A node a drill removed took its RAM with it; on one machine its tmpfs files stay."""
     for node, rank in (("n1", 0), ("n2", 1)):
-        d = tmp_path / node / "own" / f"rank{rank}"
-        d.mkdir(parents=True)
-        for slot in ("slot0.shard", "slot1.shard"):
-            with open(d / slot, "wb") as f:
-                f.write(os.urandom(MiB))
+        engine = SnapshotEngine(tmp_path / node / "own" / f"rank{rank}", share_unchanged=False)
+        for step in (1, 2):  # two slots, each 1 MiB of tensor bytes
+            data = torch.frombuffer(bytearray(os.urandom(MiB)), dtype=torch.uint8)
+            assert engine.snapshot(Captured([("t", data)], frozenset(), {}), step)
+            engine.wait()
+        engine.close()
     with PeakFootprint(tmp_path, gone={"n2"}) as held:
         pass
-    assert held.state_bytes == MiB and held.peak == 2 * MiB
+    # the state: tensor bytes; held: the two slots with their headers
+    assert held.state_bytes == MiB and 2 * MiB < held.peak < 2 * MiB + 64 * 1024
     assert list(held.at_peak) == ["n1/own/rank0"]
 
 

@@ -69,8 +69,10 @@ class PeakFootprint:
     ``folder`` (``<job>/<node>/own``, ``.../replicas``, a spare's file). What a benchmark or
     drill reports as memckpt's host-RAM footprint (a peak between two samples is missed:
     sample faster than slots are made). :attr:`state_bytes` is what it is measured against:
-    one copy of each rank's shard, the largest own slot file (``rank<r>/slot*.shard`` not
-    under ``replicas``) seen for each rank. Files under a first-level folder named in ``gone``
+    one copy of each rank's state, the tensor bytes of the largest own slot
+    (``rank<r>/slot*.shard`` not under ``replicas``) seen for each rank, from its header (a
+    slot's header room and alignment are memckpt's: held, not state). Files under a
+    first-level folder named in ``gone``
     (a job's folder holds one per node: nodes a drill removed, whose RAM went with them, but
     whose files a one-machine cluster's shared tmpfs keeps) count from then on no more."""
 
@@ -80,7 +82,8 @@ class PeakFootprint:
         self.gone = gone
         self.peak = 0
         self.at_peak: dict[str, int] = {}
-        self._shards: dict[str, int] = {}  # rank<r> -> its largest own slot file
+        self._shards: dict[str, int] = {}  # rank<r> -> the tensor bytes of its largest own slot
+        self._read: dict[tuple[str, int, int], int] = {}  # (file, inode, size) -> tensor bytes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="memckpt-footprint")
 
@@ -109,10 +112,28 @@ class PeakFootprint:
                     continue
                 parts[key] = parts.get(key, 0) + st.st_blocks * 512
                 if own and name in SLOT_NAMES:
-                    self._shards[rank] = max(self._shards.get(rank, 0), st.st_size)
+                    nbytes = self._tensor_bytes(os.path.join(dirpath, name), st)
+                    self._shards[rank] = max(self._shards.get(rank, 0), nbytes)
         total = sum(parts.values())
         if total > self.peak:
             self.peak, self.at_peak = total, parts
+
+    def _tensor_bytes(self, path: str, st: os.stat_result) -> int:
+        """The tensor bytes a slot file's header lays out (read once per file and size; 0
+        while it holds no complete header)."""
+        key = (path, st.st_ino, st.st_size)
+        if key not in self._read:
+            from memckpt.format.shard import PREFIX, header_end, read_header
+            try:
+                with open(path, "rb") as f:  # the prefix and header, never the data
+                    head = f.read(PREFIX.size)
+                    head += f.read(header_end(head, path) - len(head))
+                _, layout, _ = read_header(np.frombuffer(head, np.uint8), path,
+                                           check_length=False, require_complete=False)
+                self._read[key] = sum(e.nbytes for e in layout.entries)
+            except (OSError, MemckptError):
+                return 0  # being written: read once it is whole
+        return self._read[key]
 
     @property
     def state_bytes(self) -> int:

@@ -22,6 +22,7 @@ import functools
 import json
 import mmap
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -226,13 +227,29 @@ def open_slot(path: Path, populate: bool = True, pin: bool = False) -> RamRegion
     there (``pin``, CUDA registration, only for a slot that shares none). Raises
     :class:`MemckptError` when those cannot be found (see :func:`read_away`)."""
     away = read_away(path) if path.name in fmt.SLOT_NAMES else []
-    if not away:
-        return RamRegion.open(path, populate=populate, pin=pin)
-    region = RamRegion.open(path, populate=False)  # a hole faulted in would take RAM
-    map_over(region, partner(path), away)
-    if populate:
-        populate_mapping(region.mm)
+    region = RamRegion.open(path, populate=False, pin=pin and not away)
+    if away:
+        map_over(region, partner(path), away)
+    if populate:  # the data: a hole faulted in (the header's room) would take RAM
+        populate_mapping(region.mm, offset=data_start(region))
     return region
+
+
+def data_start(region: RamRegion) -> int:
+    """Where a shard's data begins in ``region`` (0 where its prefix is not one)."""
+    try:
+        magic, _, _, cap = fmt.PREFIX.unpack_from(region.array, 0)[:4]
+    except struct.error:
+        return 0
+    return fmt.PREFIX.size + cap if magic == fmt.MAGIC and cap > 0 else 0
+
+
+def punch_zeros(region: RamRegion) -> None:
+    """Give back the pages of a complete shard's mapping ``region`` that hold no byte of it
+    (:func:`memckpt.format.shard.zero_runs`: the header's room past the header, alignment
+    gaps), in whichever file each lives: they read as zeros, as they were."""
+    for off, length in fmt.zero_runs(region.array, str(region.path)):
+        region.mm.madvise(mmap.MADV_REMOVE, off, length)
 
 
 def read_bytes(path: Path) -> np.ndarray:

@@ -7,6 +7,7 @@ to the page the partner does not use, where the copy then lands.
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -15,18 +16,25 @@ from memckpt.engine import shared_pages
 from memckpt.engine.buffers import MADV_POPULATE_WRITE, populate_mapping
 from memckpt.engine.slot import Slot
 from memckpt.errors import MemckptError
+from memckpt.format import shard as fmt
 
 
 def partner_for(slot: Slot, other: Slot) -> Optional[Slot]:
     """``other`` if ``slot`` may share chunks with it: complete, its data where ``slot``'s
     is, in chunks of the same size (its layout may differ: the chunks both lay out alike
     are shared)."""
-    if not other.complete or other.region is None or other.layout is None or not slot.layout:
-        return None
-    mine, theirs = geometry(slot), geometry(other)
-    if (mine.data_offset, mine.chunk_bytes) != (theirs.data_offset, theirs.chunk_bytes):
+    if slot.layout is None or not alike(slot.layout, slot.header_capacity, other):
         return None
     return other
+
+
+def alike(layout: fmt.Layout, header_capacity: int, other: Slot) -> bool:
+    """Whether a slot laid out so may share chunks with ``other`` (see :func:`partner_for`)."""
+    if not other.complete or other.region is None or other.layout is None:
+        return False
+    mine = shared_pages.Geometry.of(layout, header_capacity)
+    return (mine.data_offset, mine.chunk_bytes) == (geometry(other).data_offset,
+                                                   geometry(other).chunk_bytes)
 
 
 def geometry(slot: Slot) -> shared_pages.Geometry:
@@ -131,3 +139,15 @@ def move_in(slots: Sequence[Slot], files: Sequence[Path]) -> None:
         src.replace(slot.path)
         if shared_pages.sidecar(src).exists():
             shared_pages.sidecar(src).replace(shared_pages.sidecar(slot.path))
+
+
+def clear_gaps(slot: Slot, punch: bool) -> None:
+    """Zero the pages of ``slot`` (about to be sealed) that hold no tensor byte
+    (:func:`memckpt.format.shard.gap_runs`): what its readers send as zeros. ``punch``: give
+    them back (they read as zeros) rather than write zeros (a CUDA-registered slot)."""
+    assert slot.layout is not None and slot.region is not None
+    for off, length in fmt.gap_runs(slot.layout, slot.header_capacity):
+        if punch:
+            slot.region.mm.madvise(mmap.MADV_REMOVE, off, length)
+        else:
+            slot.region.array[off: off + length] = 0

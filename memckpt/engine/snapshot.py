@@ -356,9 +356,9 @@ class SnapshotEngine:
         if slot.layout == layout and slot.region is not None and need <= slot.header_capacity:
             slot.layout = layout  # the same: the next compare is by identity
             return
-        other = self.slots[1 - self.slots.index(slot)]
-        self._map_slot(slot, layout, fmt.header_capacity_for(layout, meta_hint=meta_len),
-                       populate=not (self.share and other.complete and other.layout == layout))
+        cap = fmt.header_capacity_for(layout, meta_hint=meta_len)
+        self._map_slot(slot, layout, cap, populate=not (self.share and sharing.alike(
+            layout, cap, self.slots[1 - self.slots.index(slot)])))
 
     def _map_slot(self, slot: Slot, layout: fmt.Layout, cap: int, populate: bool = True) -> None:
         """Map ``slot``'s file sized for ``layout`` with a header of ``cap`` bytes."""
@@ -434,9 +434,7 @@ class SnapshotEngine:
         moved = sum(e - s for s, e in (slot.layout.spans[n] for n in found - same))
         self.stats.unchanged_bytes -= moved  # laid out elsewhere here: copied, counted so
         self.stats.last_unchanged_bytes -= moved
-        for name, t in tensors:
-            if name in same:
-                slot.kept[name] = stamp(t)
+        slot.kept.update((name, stamp(t)) for name, t in tensors if name in same)
         return same
 
     def _unchanged(self, slot: Slot, tensors: list[tuple[str, torch.Tensor]],
@@ -470,12 +468,15 @@ class SnapshotEngine:
             header = dict(self.identity, meta=meta, created_at=time.time())
             assert slot.layout is not None  # _prepare laid the slot out
             chunks: list[str] = []
+            sharing.clear_gaps(slot, punch=self.share)
             fmt.seal(slot.mem.array, slot.layout, slot.header_capacity, step, header,
                      self.map_fn, ready=all_landed([landed, copy_done]),
                      known=known_chunks((self._known or slot).digests, slot.layout.data_len,
                                         slot.dirty),
                      chunks_out=chunks)
             slot.digests = chunks
+            if self.share:  # not under CUDA's registration of the slot
+                shared_pages.punch_zeros(slot.mem)
             self.stats.last_seal_s = time.perf_counter() - t0
             self.stats.landed += 1
             slot.step, slot.complete = step, True

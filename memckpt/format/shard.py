@@ -394,6 +394,33 @@ class Chunks:
         return self.data_offset + start, min(self.chunk_bytes, data_len - start)
 
 
+def gap_runs(layout: Layout, header_capacity: int) -> list[tuple[int, int]]:
+    """(offset, length) of the whole pages of a shard's data that hold no tensor byte: the
+    gaps tensors are aligned across (a chunk boundary after the frozen ones)."""
+    base, at, out = data_offset(header_capacity), 0, []
+    for e in sorted(layout.entries, key=lambda e: e.offset):
+        start, stop = _round_up(base + at, 4096), (base + e.offset) // 4096 * 4096
+        if stop > start:
+            out.append((start, stop - start))
+        at = max(at, e.offset + e.nbytes)
+    return out
+
+
+def zero_runs(region: np.ndarray, source: str = "shard") -> list[tuple[int, int]]:
+    """(offset, length) of the whole pages of a complete shard that hold no byte of it: the
+    header's room past the header and :func:`gap_runs`. Zeros (a slot's engine clears its
+    gaps before it seals), left unallocated in a slot file: a reader sends them as zeros
+    instead of reading them (a hole read through a shared mapping takes a page). [] where
+    ``region`` does not start with a readable header."""
+    try:
+        end = header_end(region[:PREFIX.size], source)
+        _, layout, cap = read_header(region[:end], source, check_length=False)
+    except ChecksumError:
+        return []
+    start, stop = _round_up(end, 4096), data_offset(cap)
+    return ([(start, stop - start)] if stop > start else []) + gap_runs(layout, cap)
+
+
 def header_end(prefix: np.ndarray | bytes, source: str) -> int:
     """Where a shard's header ends, from its 64-byte prefix: the bytes to read for
     :func:`read_header` with ``check_length=False`` (a ranged read of a stored shard)."""

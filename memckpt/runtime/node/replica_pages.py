@@ -56,8 +56,7 @@ def open_for_write(path: Path, nbytes: int,
     """``path`` mapped at ``nbytes`` for a transfer to write, and the ranges of it mapped to
     its partner's file. A file of that size keeps its pages and its record; one that grows
     grows in place (the pages its partner keeps in it stay); anything else is made anew,
-    after the partner copied home what it kept in it (:func:`release`). Pages are faulted
-    in only where no partner may share them."""
+    after the partner copied home what it kept in it (:func:`release`)."""
     away = partner_away(path)
     try:
         size: Optional[int] = path.stat().st_size
@@ -75,7 +74,9 @@ def open_for_write(path: Path, nbytes: int,
         return RamRegion.open(path, populate=False), []
     release(path, partner_region)
     shared_pages.write_away(path, [])
-    return RamRegion.reuse_or_create(path, nbytes, populate=not away), []
+    # not faulted in: the chunks to receive are, once known (lay_out); the header's room is
+    # taken only as far as it is written
+    return RamRegion.reuse_or_create(path, nbytes, populate=False), []
 
 
 def release(path: Path, partner_region: Callable[[Path], RamRegion]) -> None:

@@ -37,7 +37,7 @@ import xxhash
 
 from memckpt.format import shard as fmt
 from memckpt.engine.buffers import RamRegion, allocated_bytes, remove_path, resolve_ram_root
-from memckpt.engine.shared_pages import open_slot
+from memckpt.engine.shared_pages import open_slot, punch_zeros
 from memckpt.policy.footprint import RamBudget, budget_bytes, human_bytes
 from memckpt.runtime.node import replica_pages
 from memckpt.runtime.node.shard_server import ShardServer
@@ -474,6 +474,7 @@ class ReplicaStore:
             shard = fmt.accept_received(put.region.array,
                                         f"replica of rank {put.rank} step {put.step}", put.step,
                                         verified=put.filled)
+            punch_zeros(put.region)  # the zeros received where the shard has no byte
         finally:
             with self._lock:
                 closed = None if self._open.pop(ticket, None) else self._not_open(ticket)

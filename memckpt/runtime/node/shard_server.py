@@ -14,7 +14,7 @@ import numpy as np
 from memckpt.format import shard as fmt
 from memckpt.errors import MemckptError
 from memckpt.runtime.wire.data_plane import (GoAhead, PutRequest, Received, Refusal, Request,
-                                             Sending, chunks_of, pieces, recv_into,
+                                             Sending, chunks_of, pieces, recv_into, send_shard_bytes,
                                              recv_request, refusal, send_msg, spans, tune)
 
 
@@ -80,12 +80,13 @@ class ShardServer:
             raw = self.store.serve_bytes(rank, step)
         except MemckptError as e:
             return send_msg(conn, refusal(e))
+        start, nbytes = 0, len(raw)
         if offset is not None:
-            start = max(0, int(offset))
-            raw = raw[start: start + max(0, int(length or 0))]
-        head: Sending = {"ok": True, "nbytes": len(raw)}
+            start = min(len(raw), max(0, int(offset)))
+            nbytes = min(len(raw) - start, max(0, int(length or 0)))
+        head: Sending = {"ok": True, "nbytes": nbytes}
         send_msg(conn, head)
-        conn.sendall(memoryview(raw).cast("B"))
+        send_shard_bytes(conn, raw, start, nbytes)
 
     def _put(self, conn: socket.socket, req: PutRequest) -> None:
         """Receive one shard: go-ahead (or refusal), bytes, verified acknowledgement."""

@@ -228,6 +228,32 @@ def spans(nbytes: int, chunks: Optional[fmt.Chunks], filled: list[int]) -> list[
     return out
 
 
+def send_shard_bytes(sock: socket.socket, raw: np.ndarray, offset: int, nbytes: int,
+                     zeros: Optional[list[tuple[int, int]]] = None) -> None:
+    """``sendall`` bytes ``offset .. offset+nbytes`` of the shard ``raw``, the pages that
+    hold none of its bytes (``zeros``: :func:`memckpt.format.shard.zero_runs`) sent as the
+    zeros they are instead of read from ``raw``: a slot leaves them unallocated, and reading
+    them through its mapping would allocate them."""
+    view = memoryview(raw).cast("B")
+    end, at = offset + nbytes, offset
+    for start, length in (fmt.zero_runs(raw) if zeros is None else zeros) + [(end, 0)]:
+        start, stop = max(start, at), min(start + length, end)
+        if start >= end:
+            break
+        if start > at:
+            sock.sendall(view[at: start])
+        while start < stop:
+            n = min(stop - start, len(_ZEROS))
+            sock.sendall(_ZEROS[:n])
+            start += n
+        at = max(at, stop)
+    if at < end:
+        sock.sendall(view[at: end])
+
+
+_ZEROS = memoryview(bytes(1 << 20))
+
+
 def _chunks_msg(chunks: Optional[fmt.Chunks]) -> Optional[ChunkTable]:
     return None if chunks is None else ChunkTable(data_offset=chunks.data_offset,
                                                   chunk_bytes=chunks.chunk_bytes,
@@ -279,14 +305,13 @@ class StoreConnection:
         go = recv_go_ahead(self._sock)
         if not go["send"]:
             return 0
-        view = memoryview(raw).cast("B")
-        sent = 0
-        for span in spans(len(view), chunks, [int(i) for i in go.get("filled", ())]):
+        sent, zeros = 0, fmt.zero_runs(raw)
+        for span in spans(len(raw), chunks, [int(i) for i in go.get("filled", ())]):
             for off, n in pieces(*span):
                 if cancelled():
                     self.close()  # the store drops the half-received slot
                     raise ConnectionError("replication cancelled")
-                self._sock.sendall(view[off: off + n])
+                send_shard_bytes(self._sock, raw, off, n, zeros)
                 sent += n
         recv_received(self._sock)
         return sent
