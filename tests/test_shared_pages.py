@@ -36,11 +36,6 @@ def test_a_written_chunk_goes_where_the_partner_is_not():
     assert got.punch_own == () and got.punch_partner == ()
 
 
-def test_a_kept_chunk_stays_only_where_it_differs_from_the_partners_home():
-    got = shared_pages.plan(2, [False, False], share=[], keep=[0, 1], current=[False, True])
-    assert got.away == (False, False)  # chunk 1 sat in the partner's own page: rewritten home
-
-
 def test_runs_and_byte_ranges():
     assert shared_pages.runs([5, 1, 2, 3, 7]) == [(1, 4), (5, 6), (7, 8)]
     geo = shared_pages.Geometry(data_offset=4096, chunk_bytes=8192, data_len=20000)

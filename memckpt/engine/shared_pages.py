@@ -49,44 +49,34 @@ class Plan:
     punch_partner: tuple[int, ...]
 
 
-def plan(n: int, partner_away: Optional[Sequence[bool]], share: Iterable[int],
-         keep: Iterable[int] = (), current: Optional[Sequence[bool]] = None) -> Plan:
+def plan(n: int, partner_away: Optional[Sequence[bool]], share: Iterable[int]) -> Plan:
     """Where the ``n`` chunks of the slot being written live.
 
-    ``partner_away``: the complete partner's homes (None: no complete partner of the same
-    layout: every chunk is written into this slot's own file, nothing is punched).
-    ``share``: chunks equal to the partner's, which take the partner's home. ``keep``:
-    chunks this slot already holds as they are to be (a holder's copy two steps back),
-    left in ``current`` homes where those differ from the partner's. Every other chunk is
-    written, into the home the partner does not use."""
+    ``partner_away``: the complete partner's homes (None: no complete partner laid out
+    alike: every chunk is written into this slot's own file, nothing is punched).
+    ``share``: chunks equal to the partner's, which take the partner's home. Every other
+    chunk is written, into the home the partner does not use (where a chunk this slot
+    holds as it is to be already lives, when its home is not the partner's)."""
     if partner_away is None:
         return Plan((False,) * n, (), ())
     if len(partner_away) != n:
         raise ValueError(f"partner has {len(partner_away)} chunks, this slot {n}")
-    shared, kept = set(share), set(keep)
-    away: list[bool] = []
-    for c in range(n):
-        theirs = partner_away[c]  # True: the partner's chunk is in *this* slot's file
-        if c in shared:
-            away.append(not theirs)  # the partner's home, seen from here
-        elif c in kept and current is not None and current[c] == theirs:
-            away.append(current[c])  # ours differs from the partner's home: stays put
-        else:
-            away.append(theirs)  # the other home
-    punch_own = tuple(c for c in range(n) if away[c] and not partner_away[c])
-    punch_partner = tuple(c for c in range(n) if not away[c] and partner_away[c])
-    return Plan(tuple(away), punch_own, punch_partner)
+    theirs = np.asarray(partner_away, dtype=bool)  # True: the partner lives in *our* file
+    shared = np.zeros(n, dtype=bool)
+    shared[np.fromiter(share, dtype=np.int64)] = True
+    away = np.where(shared, ~theirs, theirs)  # shared: the partner's home, seen from here
+    return Plan(tuple(away.tolist()), tuple(np.flatnonzero(away & ~theirs).tolist()),
+                tuple(np.flatnonzero(~away & theirs).tolist()))
 
 
 def runs(indices: Iterable[int]) -> list[tuple[int, int]]:
-    """Sorted chunk indices as [first, end) runs."""
-    out: list[tuple[int, int]] = []
-    for c in sorted(indices):
-        if out and out[-1][1] == c:
-            out[-1] = (out[-1][0], c + 1)
-        else:
-            out.append((c, c + 1))
-    return out
+    """Chunk indices as sorted [first, end) runs."""
+    idx = np.unique(np.fromiter(indices, dtype=np.int64))
+    if not len(idx):
+        return []
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts, ends = idx[np.r_[0, breaks]], idx[np.r_[breaks - 1, len(idx) - 1]] + 1
+    return list(zip(starts.tolist(), ends.tolist()))
 
 
 @dataclass(frozen=True)
@@ -269,14 +259,16 @@ def apply(region: RamRegion, geometry: Geometry, was: Sequence[bool], new: Plan)
     ``new``: remap the chunks whose home moved, record them, and punch the homes no slot
     uses. ``was``: its homes until now."""
     path = region.path
-    moved_away = [c for c in range(len(new.away)) if new.away[c] and not was[c]]
-    moved_home = [c for c in range(len(new.away)) if was[c] and not new.away[c]]
+    now, before = np.asarray(new.away, dtype=bool), np.asarray(was, dtype=bool)
+    moved_away = np.flatnonzero(now & ~before).tolist()
+    moved_home = np.flatnonzero(before & ~now).tolist()
     # punched before they are mapped over: our own mapping of them goes with them
     punch(path, geometry.byte_ranges(new.punch_own))
     map_over(region, partner(path), geometry.byte_ranges(moved_away))
     map_over(region, path, geometry.byte_ranges(moved_home))
     punch(partner(path), geometry.byte_ranges(new.punch_partner))
-    write_away(path, geometry.byte_ranges(c for c, a in enumerate(new.away) if a))
+    if moved_away or moved_home or not sidecar(path).exists():  # else recorded as it is
+        write_away(path, geometry.byte_ranges(np.flatnonzero(now).tolist()))
 
 
 def take_home(region: RamRegion, away: Sequence[tuple[int, int]]) -> None:

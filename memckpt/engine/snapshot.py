@@ -434,7 +434,7 @@ class SnapshotEngine:
         moved = sum(e - s for s, e in (slot.layout.spans[n] for n in found - same))
         self.stats.unchanged_bytes -= moved  # laid out elsewhere here: copied, counted so
         self.stats.last_unchanged_bytes -= moved
-        slot.kept.update((name, stamp(t)) for name, t in tensors if name in same)
+        slot.kept.update((n, partner.kept.get(n) or stamp(t)) for n, t in tensors if n in same)
         return same
 
     def _unchanged(self, slot: Slot, tensors: list[tuple[str, torch.Tensor]],

@@ -14,7 +14,8 @@ job at every step, in the same run:
 
 Per step (medians after the warm-up snapshots): the time Checkpointer.step blocks the loop,
 the bytes copied, the bytes sent to one replica holder (a real ReplicaStore reached over TCP,
-as the runtime replicates every sealed step), and the RAM of the checkpointer's two slots.
+as the runtime replicates every sealed step), and the RAM of the checkpointer's two slots
+and of its holder's two replica slots.
 Needs transformers and peft (pip install 'memckpt[hf]' peft).
 """
 

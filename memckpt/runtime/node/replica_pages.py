@@ -121,11 +121,11 @@ def lay_out(region: RamRegion, path: Path, chunks: fmt.Chunks, data_len: int,
     in_partner = geo.indices(partner_away(path))
     now = geo.indices(homes)
     keep = set(keep) - (now ^ geo.indices(before))  # moved by the reset: not there any more
-    partner_homes = [c in in_partner for c in range(n)]
-    new = shared_pages.plan(n, partner_homes, share=share, keep=keep,
-                            current=[c in now for c in range(n)])
+    new = shared_pages.plan(n, [c in in_partner for c in range(n)], share=share)
     shared_pages.apply(region, geo, [c in now for c in range(n)], new)
-    filled = share | {c for c in keep if new.away[c] == (c in now)}
+    # a kept chunk stays where it is: since the reset, never on a page the partner uses,
+    # which is where the plan writes a chunk it does not share
+    filled = share | keep
     for off, length in geo.byte_ranges(c for c in range(n) if c not in filled):
         populate_mapping(region.mm, MADV_POPULATE_WRITE, off, length)
     return filled, geo.byte_ranges(c for c in range(n) if new.away[c])
