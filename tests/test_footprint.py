@@ -146,8 +146,8 @@ def test_peak_footprint_leaves_out_a_removed_nodes_files(tmp_path):
         engine.close()
     with PeakFootprint(tmp_path, gone={"n2"}) as held:
         pass
-    # the state: tensor bytes; held: the two slots with their headers
-    assert held.state_bytes == MiB and 2 * MiB < held.peak < 2 * MiB + 64 * 1024
+    # the state: the tensor bytes and the header; held: the two slots (headers on pages)
+    assert MiB < held.state_bytes < MiB + 4096 and 2 * MiB < held.peak < 2 * MiB + 64 * 1024
     assert list(held.at_peak) == ["n1/own/rank0"]
 
 

@@ -288,15 +288,22 @@ def test_chunks_the_overwritten_copy_holds_unchanged_stay_in_place(store, sender
     assert sent == [len(shard.raw), len(shard.raw), len(shard.raw) - PARAM_BYTES]
 
 
+def _send_steps(sender: StoreConnection, ckpt: memckpt.Checkpointer, state: memckpt.TrainState,
+                steps: tuple[int, ...]) -> dict[int, fmt.Shard]:
+    """Each of ``steps``: the moments move, ``ckpt`` snapshots it, ``sender`` replicates it."""
+    shards = {}
+    for step in steps:
+        _moments_move(state, 0.5)
+        shards[step] = _snapshot(ckpt, state, step)
+        _send(sender, shards[step])
+    return shards
+
+
 def test_a_half_written_replica_slot_is_never_a_source_in_place(store, sender, sender_rank):
     """A transfer that stopped half way left its slot flagged incomplete: the next transfer
     into it takes nothing from it as it stands, and its replica is whole."""
     state = _state(moment_shift=0.0)
-    shards = {}
-    for step in (1, 2):
-        _moments_move(state, 0.5)
-        shards[step] = _snapshot(sender_rank, state, step)
-        _send(sender, shards[step])
+    shards = _send_steps(sender, sender_rank, state, (1, 2))
     path = scan(store.replicas)[0][1]
     with open(path, "r+b") as f:  # a transfer of step 3 began and died: flagged, torn
         f.seek(fmt.STATE_OFFSET)

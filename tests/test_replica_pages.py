@@ -18,8 +18,8 @@ from memckpt.runtime.wire.data_plane import (PutRequest, StoreConnection, _chunk
                                              recv_go_ahead, send_msg, spans)
 
 from conftest import held_replica
-from test_replica_fill import (PARAM_BYTES, _moments_move, _send, _snapshot, _state,  # noqa: F401
-                               sender_rank, senders)
+from test_replica_fill import (PARAM_BYTES, _moments_move, _send, _send_steps,  # noqa: F401
+                               _snapshot, _state, sender_rank, senders)
 
 KiB = 1 << 10
 
@@ -56,9 +56,7 @@ def test_a_holder_holds_a_frozen_weight_once_and_every_replica_is_exact(store, s
     state = _state(moment_shift=0.0)
     shards = {}
     for step in (1, 2, 3, 4):
-        _moments_move(state, 0.5)
-        shards[step] = _snapshot(sender_rank, state, step)
-        _send(sender, shards[step])
+        shards.update(_send_steps(sender, sender_rank, state, (step,)))
         _assert_holds(store, step, shards[step])
     assert store.inventory() == {0: [3, 4]}
     _assert_holds(store, 3, shards[3])  # the older copy too, after the newer one landed
@@ -74,11 +72,7 @@ def test_a_transfer_cut_half_way_through_the_shared_bytes_leaves_the_committed_c
     into step 1's slot is cut half way through those chunks: step 2, committed, is
     untouched, and a new transfer of step 3 lands exactly."""
     state = _state(moment_shift=0.0)
-    shards = {}
-    for step in (1, 2):
-        _moments_move(state, 0.5)
-        shards[step] = _snapshot(sender_rank, state, step)
-        _send(sender, shards[step])
+    shards = _send_steps(sender, sender_rank, state, (1, 2))
     (weight,) = state.model.parameters()
     with torch.no_grad():
         weight.add_(1.0)
@@ -101,11 +95,7 @@ def test_a_superseded_transfer_keeps_the_committed_copy_whole(store, sender, sen
     shard supersedes it: the stalled one's file is replaced, after the committed step 2
     took home the pages it kept in it."""
     state = _state(moment_shift=0.0)
-    shards = {}
-    for step in (1, 2):
-        _moments_move(state, 0.5)
-        shards[step] = _snapshot(sender_rank, state, step)
-        _send(sender, shards[step])
+    shards = _send_steps(sender, sender_rank, state, (1, 2))
     _moments_move(state, 0.5)
     shards[3] = _snapshot(sender_rank, state, 3)
     raw = shards[3].raw
@@ -152,11 +142,7 @@ def test_replica_files_adopted_as_a_ranks_own_slots_restore_exactly(store, sende
     not), never writes over the pages the step before it keeps in the slot it writes."""
     from memckpt.engine.snapshot import SnapshotEngine
     state = _state(moment_shift=0.0)
-    shards = {}
-    for step in (1, 2):
-        _moments_move(state, 0.5)
-        shards[step] = _snapshot(sender_rank, state, step)
-        _send(sender, shards[step])
+    shards = _send_steps(sender, sender_rank, state, (1, 2))
     files = [store.locate(0, 2)] + ([store.locate(0, 1)] if both else [])
     assert shared_pages.read_away(files[0])  # step 2 keeps the weight in step 1's file
     engine = SnapshotEngine(store.own / "rank0", share_unchanged=share)  # the same tmpfs

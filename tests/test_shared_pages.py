@@ -13,7 +13,7 @@ from memckpt.engine import shared_pages
 from memckpt.engine.buffers import PeakFootprint, allocated_bytes
 from memckpt.format import shard as fmt
 
-from test_unchanged import _assert_same, _snapshot_state
+from test_unchanged import _assert_same, _lora_like, _snapshot_state
 
 MiB = 1 << 20
 
@@ -47,12 +47,7 @@ def test_runs_and_byte_ranges():
 # -- a mostly frozen job -----------------------------------------------------------------------
 def _frozen_base(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A frozen 4 MiB base before a small trainable head: the base ~97% of the state."""
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 16))
-    for p in model[0].parameters():
-        p.requires_grad_(False)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    return model, opt
+    return _lora_like(seed, width=1024)
 
 
 def _train(model, opt, step: int) -> None:

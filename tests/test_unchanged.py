@@ -23,10 +23,11 @@ from memckpt.format import shard as fmt
 MiB = 1 << 20
 
 
-def _lora_like(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A frozen 1 MiB base and a small trainable adapter: the base is ~90% of the state."""
+def _lora_like(seed: int = 0, width: int = 512) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A frozen base (1 MiB at ``width`` 512) and a small trainable adapter: the base is ~90%
+    of the state."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 16))
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 16))
     for p in model[0].parameters():
         p.requires_grad_(False)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)

@@ -69,10 +69,10 @@ class PeakFootprint:
     ``folder`` (``<job>/<node>/own``, ``.../replicas``, a spare's file). What a benchmark or
     drill reports as memckpt's host-RAM footprint (a peak between two samples is missed:
     sample faster than slots are made). :attr:`state_bytes` is what it is measured against:
-    one copy of each rank's state, the tensor bytes of the largest own slot
-    (``rank<r>/slot*.shard`` not under ``replicas``) seen for each rank, from its header (a
-    slot's header room and alignment are memckpt's: held, not state). Files under a
-    first-level folder named in ``gone``
+    one copy of each rank's state, the shard of the largest own slot (``rank<r>/slot*.shard``
+    not under ``replicas``) seen for each rank: its tensor bytes and its header, from that
+    header (a slot's room for a larger header and its alignment gaps are memckpt's: held,
+    not state). Files under a first-level folder named in ``gone``
     (a job's folder holds one per node: nodes a drill removed, whose RAM went with them, but
     whose files a one-machine cluster's shared tmpfs keeps) count from then on no more."""
 
@@ -82,8 +82,8 @@ class PeakFootprint:
         self.gone = gone
         self.peak = 0
         self.at_peak: dict[str, int] = {}
-        self._shards: dict[str, int] = {}  # rank<r> -> the tensor bytes of its largest own slot
-        self._read: dict[tuple[str, int, int], int] = {}  # (file, inode, size) -> tensor bytes
+        self._shards: dict[str, int] = {}  # rank<r> -> the shard bytes of its largest own slot
+        self._read: dict[tuple[str, int, int], int] = {}  # (file, inode, size) -> shard bytes
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="memckpt-footprint")
 
@@ -119,8 +119,8 @@ class PeakFootprint:
             self.peak, self.at_peak = total, parts
 
     def _tensor_bytes(self, path: str, st: os.stat_result) -> int:
-        """The tensor bytes a slot file's header lays out (read once per file and size; 0
-        while it holds no complete header)."""
+        """The tensor bytes a slot file's header lays out, and the header's (read once per
+        file and size; 0 while it holds no complete header)."""
         key = (path, st.st_ino, st.st_size)
         if key not in self._read:
             from memckpt.format.shard import PREFIX, header_end, read_header
@@ -130,7 +130,7 @@ class PeakFootprint:
                     head += f.read(header_end(head, path) - len(head))
                 _, layout, _ = read_header(np.frombuffer(head, np.uint8), path,
                                            check_length=False, require_complete=False)
-                self._read[key] = sum(e.nbytes for e in layout.entries)
+                self._read[key] = len(head) + sum(e.nbytes for e in layout.entries)
             except (OSError, MemckptError):
                 return 0  # being written: read once it is whole
         return self._read[key]
