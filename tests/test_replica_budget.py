@@ -44,7 +44,10 @@ def test_replica_within_budget_accepted_one_over_refused_before_allocating(store
     raw.tofile(store.own / "rank3" / "slot0.shard")
     _send(store, 0, 1, raw, digest)
     held = allocated_bytes(store.root)
-    assert held >= 2 * size and store.footprint()[0] == held
+    # both count: the own slot and the replica (its header's unused room left unallocated)
+    assert allocated_bytes(store.own) >= size and allocated_bytes(store.replicas) > 0
+    assert held == allocated_bytes(store.own) + allocated_bytes(store.replicas)
+    assert store.footprint()[0] == held
 
     tight = _reopen(ram_root, held + size - 1)
     before = _files(tight)
