@@ -59,15 +59,12 @@ def share(slot: Slot, partner: Slot, names: Iterable[str], same: set[str]) -> se
     geo, theirs = geometry(slot), geometry(partner)
     size, spans, their_spans = geo.chunk_bytes, slot.layout.spans, partner.layout.spans
     same = {name for name in same if their_spans.get(name) == spans[name]}
-
-    def chunks_of(span: tuple[int, int]) -> range:
-        return range(span[0] // size, (span[1] - 1) // size + 1) if span[1] > span[0] else range(0)
-
-    written = {c for name in names if name not in same for c in chunks_of(spans[name])}
+    written = {c for name in names if name not in same
+               for c in fmt.chunks_covering(*spans[name], size)}
     n, m = geo.chunks, theirs.chunks
     if slot.layout is not partner.layout and slot.layout != partner.layout:
         written |= set(range(n)) - _alike(slot.layout, partner.layout, geo, theirs)
-    mixed = {c for name in same for c in chunks_of(spans[name]) if c in written}
+    mixed = {c for name in same for c in fmt.chunks_covering(*spans[name], size) if c in written}
     # the seal hashes every chunk written here; the shared ones keep the partner's digests
     slot.dirty.extend((c * size, min((c + 1) * size, geo.data_len)) for c in sorted(written))
     partner_away = [bool(partner.away and c < m and partner.away[c]) for c in range(n)]
@@ -94,9 +91,9 @@ def _alike(mine: fmt.Layout, other: fmt.Layout, geo: shared_pages.Geometry,
 
     def contents(layout: fmt.Layout) -> dict[int, set[tuple[str, tuple[int, int]]]]:
         out: dict[int, set[tuple[str, tuple[int, int]]]] = {}
-        for name, (start, end) in layout.spans.items():
-            for c in range(start // size, (end - 1) // size + 1) if end > start else ():
-                out.setdefault(c, set()).add((name, (start, end)))
+        for name, span in layout.spans.items():
+            for c in fmt.chunks_covering(*span, size):
+                out.setdefault(c, set()).add((name, span))
         return out
     mine_in, theirs_in = contents(mine), contents(other)
     last = min(geo.chunks, theirs.chunks) - 1  # a shorter last chunk is not alike

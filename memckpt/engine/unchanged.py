@@ -130,6 +130,5 @@ def known_chunks(digests: Optional[Sequence[str]], data_len: int,
     digests = digests[: -(-data_len // size)]
     touched: set[int] = set()
     for start, end in dirty:
-        if end > start:
-            touched.update(range(start // size, (end - 1) // size + 1))
+        touched.update(fmt.chunks_covering(start, end, size))
     return {i: d for i, d in enumerate(digests) if i not in touched}

@@ -91,6 +91,11 @@ def checksum(data: np.ndarray | memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(memoryview(data))
 
 
+def chunks_covering(start: int, end: int, chunk_bytes: int) -> range:
+    """The indices of the data chunks of ``chunk_bytes`` that bytes ``start .. end`` touch."""
+    return range(start // chunk_bytes, (end - 1) // chunk_bytes + 1) if end > start else range(0)
+
+
 def chunk_bytes_for(data_len: int) -> int:
     """Chunk size of a data region: CHUNK_BYTES, doubled until at most MAX_CHUNKS chunks."""
     size = CHUNK_BYTES
