@@ -162,3 +162,24 @@ def test_replica_files_adopted_as_a_ranks_own_slots_restore_exactly(store, sende
             assert torch.equal(shard.tensors["model/model/weight"], state.model.weight)
     finally:
         engine.close()
+
+
+def test_a_sharing_that_fails_half_way_receives_everything_and_spares_the_committed_copy(
+        store, sender, sender_rank, monkeypatch):
+    """The layout of step 4's transfer (into step 2's slot) fails after it mapped the weight's
+    chunks to the pages step 3 keeps them in: the transfer falls back to its own pages for
+    every chunk, receives all of them, and step 3 stays whole."""
+    state = _state(moment_shift=0.0)
+    shards = _send_steps(sender, sender_rank, state, (1, 2, 3))
+    _moments_move(state, 0.5)
+    shards[4] = _snapshot(sender_rank, state, 4)
+    real = shared_pages.apply
+
+    def fails_after(region, geometry, was, new):
+        real(region, geometry, was, new)  # the shared chunks now map step 2's pages
+        raise memckpt.errors.MemckptError("cannot record the homes (injected)")
+    monkeypatch.setattr(shared_pages, "apply", fails_after)
+    assert _send(sender, shards[4]) > PARAM_BYTES  # nothing shared: the weight crossed too
+    monkeypatch.setattr(shared_pages, "apply", real)
+    _assert_holds(store, 4, shards[4])
+    _assert_holds(store, 3, shards[3])

@@ -330,7 +330,9 @@ class ReplicaStore:
                                                   other, kept, homes, put.before)
         except (OSError, MemckptError) as e:
             log.info("memckpt: sharing rank %d's replica pages failed: %s", put.rank, e)
-            filled, homes = set(), replica_pages.reset(put.region, put.path, homes)
+            # whatever it remapped before it failed: every page back to its own file first
+            filled, homes = set(), replica_pages.reset(put.region, put.path,
+                                                       [(0, put.region.size)])
         with self._lock:
             self._homes[put.path] = homes
             self._mapped[put.path] = (replica_pages.identity(put.path), put.region)
