@@ -123,6 +123,15 @@ def test_whole_cluster_lost_then_new_job_auto_resumes(tmp_path, reference, s3_en
     assert result["final_digest"] == reference["final_digest"]
 
 
+def run_record(run_dir) -> str:
+    """What a failed assertion shows of a run: its recovery events and losses.jsonl."""
+    kinds = ("failure_detected", "recovery_plan", "restored", "recovery_finished",
+             "stale_node_refused")
+    evs = [e for e in events(run_dir) if e["event"] in kinds]
+    return "\n".join([json.dumps(e) for e in evs]
+                     + (run_dir / "losses.jsonl").read_text().splitlines())
+
+
 def tree(root) -> dict[str, str]:
     import hashlib
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -146,7 +155,7 @@ def test_start_fresh_beside_another_models_newer_checkpoints(full_cluster, refer
     result = memckpt.run(JOB, config("p-new", root, load=fresh), run_dir=tmp_path / "new",
                          injector=inj, quiet=True)
     assert result["first_step"] == 1
-    assert result["losses"] == reference["losses"]
+    assert result["losses"] == reference["losses"], run_record(tmp_path / "new")
     assert result["final_digest"] == reference["final_digest"]
     (rec,) = result["recoveries"]
     assert 1 <= rec["resumed_step"] <= 4  # from RAM: the old model's step 12 is not this run's

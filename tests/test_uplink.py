@@ -261,12 +261,15 @@ def test_a_thawed_node_beats_once_then_fences_its_generation_off_itself(coordina
     assert coordinator.c.received["node_heartbeat"] == 5
 
 
+@pytest.mark.parametrize("fenced", [False, True])
 def test_a_stores_held_losses_of_an_ended_generation_reach_the_coordinator_for_the_resume(
-        coordinator):
+        coordinator, fenced):
     """Step 2's summary waits in node a's store for the node's batch when the failure ends
     generation 0. Its ranks joining generation 1 send it on, tagged with generation 0: the
     coordinator takes nothing of an ended generation but keeps the loss, and takes it once
-    generation 1 resumed from a step at or after 2."""
+    generation 1 resumed from a step at or after 2. ``fenced``: the driver fenced generation
+    0 on the store as the recovery started, and its heartbeat thread ticked on until the
+    ranks joined (seconds: they restore first): those ticks send nothing and keep it."""
     ups = links(coordinator)
     for step in (1, 2):
         for r in (0, 1, 2):
@@ -274,6 +277,10 @@ def test_a_stores_held_losses_of_an_ended_generation_reach_the_coordinator_for_t
             assert ups["a"].report(r, 0, step, m, True)
     assignment = {r: n for n, rs in NODES.items() for r in rs}
     coordinator.call("configure", 1, assignment, HOLDERS, 1, {n: n for n in NODES})
+    if fenced:
+        ups["a"].fence(1)
+        for _ in range(3):
+            assert not ups["a"].heartbeat_once()
     for r in NODES["a"]:
         assert ups["a"].join(r, 1, NODES["a"], coordinator, 60.0)
     # not a stale node speaking: nothing refused or logged, nothing taken yet

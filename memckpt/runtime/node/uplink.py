@@ -404,11 +404,14 @@ class Uplink:
         ram = self._footprint_if_due()  # outside the lock: it reads the file system
         with self._cond:
             self._fence_if_refused()
-            now = self.clock()
-            hb = self.agg.heartbeat(now, self.late_s)
             coordinator = self.coordinator
-            if (hb is None or coordinator is None or hb.gen < self.floor
-                    or self._closed.is_set() or self._said_enough(hb, now, ram)):
+            # a fenced generation's held summaries stay held: its ranks' next join sends
+            # them (ended_metrics), or the resumed step's losses before them are lost
+            if coordinator is None or self.agg.gen < self.floor or self._closed.is_set():
+                return False
+            now = self.clock()
+            hb = self.agg.heartbeat(now, self.late_s)  # takes the held summaries
+            if hb is None or self._said_enough(hb, now, ram):  # (said enough: none held)
                 return False
             hb = replace(hb, late=self._net_of_starvation(hb, now), ram=ram)
             self._beat = (hb.gen, coordinator.node_heartbeat.remote(self.node, hb))
