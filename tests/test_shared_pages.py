@@ -98,6 +98,35 @@ def test_a_frozen_base_is_held_once_and_every_step_restores_exactly(tmp_path, mo
         _assert_same(_restored(cfg, step), expect[step])  # a fresh Checkpointer: from the files
 
 
+def test_a_steady_step_reuses_its_slots_layout_and_a_changed_base_does_not(tmp_path):
+    """Steps whose slots are asked the same share the same way without working it out
+    again (the decision kept on the slot); a frozen weight changed in place then is copied
+    into pages of its own, and every step restores exactly, the committed one included."""
+    cfg = memckpt.Config(job_name="steady", ram_root=str(tmp_path))
+    model, opt = _frozen_base()
+    state = memckpt.TrainState(model, opt)
+    ckpt = memckpt.Checkpointer(cfg)
+    ckpt.restore(state)
+    expect, laid = {}, {}
+    frozen = next(p for p in model.parameters() if not p.requires_grad)
+    for step in range(1, 9):
+        _train(model, opt, step)
+        if step == 7:
+            with torch.no_grad():
+                frozen.mul_(1.5)  # in place, under no_grad: its version counter moves
+        assert ckpt.step(state, step)
+        ckpt.wait()
+        expect[step] = _snapshot_state(model, opt)
+        slot = next(s for s in ckpt.engine.slots if s.step == step)
+        laid[step] = slot.laid
+        assert ckpt.engine.stats.last_copied_bytes < 1 * MiB or step in (1, 2, 7, 8)
+    assert laid[5] is laid[3] and laid[6] is laid[4]  # steady: decided once per slot
+    assert laid[7] is not laid[5] and laid[8] is not laid[6]  # the base moved: decided again
+    ckpt.close()
+    for step in (7, 8):
+        _assert_same(_restored(cfg, step), expect[step])
+
+
 def test_with_sharing_off_both_slots_hold_the_base(tmp_path):
     cfg = memckpt.Config(job_name="unshared", ram_root=str(tmp_path),
                          engine=memckpt.EngineConfig(share_unchanged=False))

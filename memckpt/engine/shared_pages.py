@@ -254,21 +254,50 @@ def read_bytes(path: Path) -> np.ndarray:
     return np.fromfile(path, dtype=np.uint8)
 
 
+@dataclass(frozen=True)
+class Moves:
+    """What making a slot's mapping follow a :class:`Plan` does to the files (byte ranges):
+    the pages given back in its own file and its partner's, the chunks mapped to the
+    partner's pages or back to its own, and the record of its pages away (None: as it is,
+    unless it has none yet). Pure, so a slot laid out as it was last time reuses it."""
+
+    punch_own: tuple[tuple[int, int], ...]
+    map_away: tuple[tuple[int, int], ...]
+    map_home: tuple[tuple[int, int], ...]
+    punch_partner: tuple[tuple[int, int], ...]
+    record: tuple[tuple[int, int], ...]
+    moved: bool
+
+    @staticmethod
+    def of(geometry: Geometry, was: Sequence[bool], new: Plan) -> "Moves":
+        """From homes ``was`` (until now) to ``new``."""
+        now, before = np.asarray(new.away, dtype=bool), np.asarray(was, dtype=bool)
+        moved_away = np.flatnonzero(now & ~before).tolist()
+        moved_home = np.flatnonzero(before & ~now).tolist()
+        ranges = geometry.byte_ranges
+        return Moves(tuple(ranges(new.punch_own)), tuple(ranges(moved_away)),
+                     tuple(ranges(moved_home)), tuple(ranges(new.punch_partner)),
+                     tuple(ranges(np.flatnonzero(now).tolist())),
+                     bool(moved_away or moved_home))
+
+
 def apply(region: RamRegion, geometry: Geometry, was: Sequence[bool], new: Plan) -> None:
     """Make the mapping ``region`` of the slot being written (flagged incomplete) follow
     ``new``: remap the chunks whose home moved, record them, and punch the homes no slot
     uses. ``was``: its homes until now."""
+    carry_out(region, Moves.of(geometry, was, new))
+
+
+def carry_out(region: RamRegion, moves: Moves) -> None:
+    """:func:`apply` with its :class:`Moves` worked out."""
     path = region.path
-    now, before = np.asarray(new.away, dtype=bool), np.asarray(was, dtype=bool)
-    moved_away = np.flatnonzero(now & ~before).tolist()
-    moved_home = np.flatnonzero(before & ~now).tolist()
     # punched before they are mapped over: our own mapping of them goes with them
-    punch(path, geometry.byte_ranges(new.punch_own))
-    map_over(region, partner(path), geometry.byte_ranges(moved_away))
-    map_over(region, path, geometry.byte_ranges(moved_home))
-    punch(partner(path), geometry.byte_ranges(new.punch_partner))
-    if moved_away or moved_home or not sidecar(path).exists():  # else recorded as it is
-        write_away(path, geometry.byte_ranges(np.flatnonzero(now).tolist()))
+    punch(path, moves.punch_own)
+    map_over(region, partner(path), moves.map_away)
+    map_over(region, path, moves.map_home)
+    punch(partner(path), moves.punch_partner)
+    if moves.moved or not sidecar(path).exists():  # else recorded as it is
+        write_away(path, moves.record)
 
 
 def take_home(region: RamRegion, away: Sequence[tuple[int, int]]) -> None:

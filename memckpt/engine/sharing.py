@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import mmap
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 from memckpt.engine import shared_pages
 from memckpt.engine.buffers import MADV_POPULATE_WRITE, populate_mapping
@@ -47,7 +48,7 @@ def ranges(slot: Slot, chunks: list[bool]) -> list[tuple[int, int]]:
     return geometry(slot).byte_ranges(c for c, a in enumerate(chunks) if a)
 
 
-def share(slot: Slot, partner: Slot, names: Iterable[str], same: set[str]) -> set[str]:
+def share(slot: Slot, partner: Slot, names: Sequence[str], same: set[str]) -> set[str]:
     """Lay out ``slot`` (flagged incomplete, about to be written) against ``partner``:
     ``same`` names the tensors whose bytes are the partner's. Returns those left uncopied:
     the ones the partner lays out where ``slot`` does. A chunk no copied tensor touches,
@@ -56,27 +57,78 @@ def share(slot: Slot, partner: Slot, names: Iterable[str], same: set[str]) -> se
     (one that straddles the chunk's edge): no chunk is half shared."""
     assert slot.layout is not None and slot.region is not None
     assert partner.layout is not None and partner.region is not None
+    ask = _Asked(slot.layout, partner.layout, frozenset(same), tuple(names),
+                 tuple(partner.away) if partner.away else None,
+                 tuple(slot.away) if slot.away else None)
+    laid = slot.laid if isinstance(slot.laid, _Laid) and slot.laid.asked == ask else None
+    if laid is None:  # else laid out as last time: a job's steady steps
+        laid = slot.laid = _lay_out(slot, partner, ask)
+    # the seal hashes every chunk written here; the shared ones keep the partner's digests
+    slot.dirty.extend(laid.dirty)
+    shared_pages.carry_out(slot.region, laid.moves)
+    slot.away = list(laid.away) if laid.away is not None else None
+    for off, length in laid.populate:  # faulted in now, not a page per copy
+        populate_mapping(slot.region.mm, MADV_POPULATE_WRITE, off, length)
+    for off, length in laid.mixed:
+        slot.region.array[off: off + length] = partner.region.array[off: off + length]
+    return set(laid.same)
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What :func:`share` was asked for a slot: its layout and its partner's (by identity:
+    a slot keeps its layout object while it is unchanged), the tensors unchanged, the
+    tensors written, and where both slots' chunks live now."""
+
+    mine: fmt.Layout
+    theirs: fmt.Layout
+    same: frozenset[str]
+    names: tuple[str, ...]
+    partner_away: Optional[tuple[bool, ...]]
+    was: Optional[tuple[bool, ...]]
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, _Asked) and self.mine is other.mine
+                and self.theirs is other.theirs and self.same == other.same
+                and self.names == other.names and self.partner_away == other.partner_away
+                and self.was == other.was)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class _Laid:
+    """What :func:`share` decided for ``asked``: kept on the slot and reused while it is
+    asked the same again."""
+
+    asked: _Asked
+    same: frozenset[str]  # the tensors left uncopied
+    dirty: tuple[tuple[int, int], ...]  # the data's byte ranges written (hashed by the seal)
+    away: Optional[tuple[bool, ...]]  # the slot's homes after
+    moves: shared_pages.Moves
+    populate: tuple[tuple[int, int], ...]  # the file's byte ranges written
+    mixed: tuple[tuple[int, int], ...]  # those prefilled with the partner's bytes
+
+
+def _lay_out(slot: Slot, partner: Slot, ask: _Asked) -> _Laid:
     geo, theirs = geometry(slot), geometry(partner)
-    size, spans, their_spans = geo.chunk_bytes, slot.layout.spans, partner.layout.spans
-    same = {name for name in same if their_spans.get(name) == spans[name]}
-    written = {c for name in names if name not in same
+    size, spans, their_spans = geo.chunk_bytes, ask.mine.spans, ask.theirs.spans
+    same = frozenset(name for name in ask.same if their_spans.get(name) == spans[name])
+    written = {c for name in ask.names if name not in same
                for c in fmt.chunks_covering(*spans[name], size)}
     n, m = geo.chunks, theirs.chunks
-    if slot.layout is not partner.layout and slot.layout != partner.layout:
-        written |= set(range(n)) - _alike(slot.layout, partner.layout, geo, theirs)
+    if ask.mine is not ask.theirs and ask.mine != ask.theirs:
+        written |= set(range(n)) - _alike(ask.mine, ask.theirs, geo, theirs)
     mixed = {c for name in same for c in fmt.chunks_covering(*spans[name], size) if c in written}
-    # the seal hashes every chunk written here; the shared ones keep the partner's digests
-    slot.dirty.extend((c * size, min((c + 1) * size, geo.data_len)) for c in sorted(written))
-    partner_away = [bool(partner.away and c < m and partner.away[c]) for c in range(n)]
+    partner_away = [bool(ask.partner_away and c < m and ask.partner_away[c]) for c in range(n)]
     new = shared_pages.plan(n, partner_away, share=(c for c in range(n) if c not in written))
-    shared_pages.apply(slot.region, geo, slot.away or [False] * n, new)
-    slot.away = list(new.away) if any(new.away) else None
-    for off, length in geo.byte_ranges(written):  # faulted in now, not a page per copy
-        populate_mapping(slot.region.mm, MADV_POPULATE_WRITE, off, length)
-    for off, length in geo.byte_ranges(mixed):
-        length = min(length, theirs.data_offset + theirs.data_len - off)
-        slot.region.array[off: off + length] = partner.region.array[off: off + length]
-    return same
+    moves = shared_pages.Moves.of(geo, ask.was or [False] * n, new)
+    end = theirs.data_offset + theirs.data_len
+    return _Laid(ask, same,
+                 tuple((c * size, min((c + 1) * size, geo.data_len)) for c in sorted(written)),
+                 new.away if any(new.away) else None, moves,
+                 tuple(geo.byte_ranges(written)),
+                 tuple((off, min(length, end - off)) for off, length in geo.byte_ranges(mixed)))
 
 
 def _alike(mine: fmt.Layout, other: fmt.Layout, geo: shared_pages.Geometry,

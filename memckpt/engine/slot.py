@@ -35,6 +35,7 @@ class Slot:
     # per data chunk, True where its pages live in the other slot's file (shared with it:
     # memckpt.engine.shared_pages); None: every chunk in this slot's own file
     away: Optional[list[bool]] = None
+    laid: Any = None  # how its last snapshot shared its partner's pages (memckpt.engine.sharing)
 
     def forget(self) -> None:
         self.kept, self.digests = {}, None

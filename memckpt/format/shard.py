@@ -218,6 +218,12 @@ class Layout:
     def to_json(self) -> list[list[Any]]:
         return [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in self.entries]
 
+    @functools.cached_property
+    def table_bytes(self) -> int:
+        """:func:`table_bytes` (once per layout: asked at every snapshot)."""
+        chunks = -(-self.data_len // chunk_bytes_for(self.data_len))
+        return len(json.dumps(self.to_json())) + chunks * _CHUNK_DIGEST_BYTES
+
     @staticmethod
     def from_json(rows: list[list[Any]], data_len: int, source: str) -> "Layout":
         entries = []
@@ -250,8 +256,7 @@ def header_capacity_for(layout: Layout, meta_hint: int = 0) -> int:
 def table_bytes(layout: Layout) -> int:
     """Header bytes that depend on the layout alone: the tensor table and the per-chunk
     checksums of its data region."""
-    chunks = -(-layout.data_len // chunk_bytes_for(layout.data_len))
-    return len(json.dumps(layout.to_json())) + chunks * _CHUNK_DIGEST_BYTES
+    return layout.table_bytes
 
 
 def region_size(layout: Layout, header_capacity: int) -> int:
