@@ -261,26 +261,33 @@ def test_a_thawed_node_beats_once_then_fences_its_generation_off_itself(coordina
     assert coordinator.c.received["node_heartbeat"] == 5
 
 
-@pytest.mark.parametrize("fenced", [False, True])
+@pytest.mark.parametrize("how", ["held", "fenced", "late", "partial"])
 def test_a_stores_held_losses_of_an_ended_generation_reach_the_coordinator_for_the_resume(
-        coordinator, fenced):
+        coordinator, how):
     """Step 2's summary waits in node a's store for the node's batch when the failure ends
     generation 0. Its ranks joining generation 1 send it on, tagged with generation 0: the
     coordinator takes nothing of an ended generation but keeps the loss, and takes it once
     generation 1 resumed from a step at or after 2. ``fenced``: the driver fenced generation
     0 on the store as the recovery started, and its heartbeat thread ticked on until the
-    ranks joined (seconds: they restore first): those ticks send nothing and keep it."""
+    ranks joined (seconds: they restore first): those ticks send nothing and keep it.
+    ``late``: rank 0's report of step 2 reached the store only after the fence (a report is
+    fire and forget; a busy store takes it late): refused, its loss still goes on.
+    ``partial``: rank 2 never reported step 2: rank 0's loss goes on from what the node has."""
     ups = links(coordinator)
     for step in (1, 2):
         for r in (0, 1, 2):
+            if step == 2 and (how == "late" and r == 0 or how == "partial" and r == 2):
+                continue
             m = {"stall_s": 0.01, **({"loss": 2.5 + step} if r == 0 else {})}
             assert ups["a"].report(r, 0, step, m, True)
-    assignment = {r: n for n, rs in NODES.items() for r in rs}
-    coordinator.call("configure", 1, assignment, HOLDERS, 1, {n: n for n in NODES})
-    if fenced:
-        ups["a"].fence(1)
+    if how in ("fenced", "late"):
+        ups["a"].fence(1)  # before the coordinator starts generation 1 (the driver's order)
         for _ in range(3):
             assert not ups["a"].heartbeat_once()
+    if how == "late":
+        assert not ups["a"].report(0, 0, 2, {"stall_s": 0.01, "loss": 4.5}, True)
+    assignment = {r: n for n, rs in NODES.items() for r in rs}
+    coordinator.call("configure", 1, assignment, HOLDERS, 1, {n: n for n in NODES})
     for r in NODES["a"]:
         assert ups["a"].join(r, 1, NODES["a"], coordinator, 60.0)
     # not a stale node speaking: nothing refused or logged, nothing taken yet

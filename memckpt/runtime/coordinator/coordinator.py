@@ -383,8 +383,10 @@ class Coordinator(PersistCalls, DrillCalls):
         self.steps.take(gen, node, metrics, self.world_size, self.s.committed)
 
     async def ended_metrics(self, node: str, gen: int, metrics: tuple[StepSummary, ...]) -> None:
-        """What a store held of ``gen`` as its ranks joined a newer one: losses kept."""
-        if gen < self.s.gen:
+        """What a store held of ``gen`` as its ranks joined a newer one, or a report of
+        ``gen`` it took after the recovery fenced it off (maybe before this coordinator
+        starts the next generation): losses kept, for a step the next one resumes from."""
+        if gen <= self.s.gen:
             self.steps.orphaned(gen, metrics)
 
     async def node_heartbeat(self, node: str, hb: Heartbeat) -> bool:

@@ -160,6 +160,15 @@ class NodeAggregator:
         held, self._held = self._held, []
         return held
 
+    def take_ended(self) -> list[StepSummary]:
+        """As the generation ends (a newer one joins): the summaries still held, and rank
+        0's report of a step some local rank had not reported yet (its loss, which the
+        coordinator keeps for a step the new generation resumed from)."""
+        partial = [summarize(step, {0: got[0]}) for step, got in sorted(self._reports.items())
+                   if 0 in got and "loss" in got[0]]
+        self._reports.clear()
+        return self.take_held() + partial
+
     def detail(self, now: float) -> dict[int, tuple[float, int]]:
         """Every local rank's (age of its last sign of life, its step)."""
         return {r: (max(0.0, now - t), s) for r, (t, s) in self._last.items()}

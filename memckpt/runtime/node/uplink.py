@@ -47,7 +47,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from memckpt.policy.liveness import LATE_BEATS, ProcSample, StarvationCredit, net_silence
-from memckpt.policy.step_metrics import StepSummary
+from memckpt.policy.step_metrics import StepSummary, summarize
 from memckpt.runtime.node import procstat
 from memckpt.runtime.coordinator.messages import ReadyBatch
 from memckpt.runtime.node.aggregator import Heartbeat, NodeAggregator
@@ -127,7 +127,7 @@ class Uplink:
         with self._cond:
             if gen < self.floor:
                 return False
-            old, held = self.agg.gen, (self.agg.take_held() if gen > self.agg.gen else [])
+            old, held = self.agg.gen, (self.agg.take_ended() if gen > self.agg.gen else [])
             if not self.agg.join(gen, ranks, self.clock()):
                 return False
             if held and self.coordinator is not None:
@@ -283,6 +283,7 @@ class Uplink:
                snapshotted: bool) -> bool:
         with self._cond:
             if not self._known(rank, gen):
+                self._late_loss(rank, gen, step, metrics)
                 return False
             out = self.agg.report(rank, gen, step, metrics, snapshotted, self.clock())
             if out:
@@ -295,6 +296,16 @@ class Uplink:
                     self._metrics_relayed.append((self._to_relay(via, batch), batch,
                                                   self.clock()))
         return True
+
+    def _late_loss(self, rank: int, gen: int, step: int, metrics: Mapping[str, float]) -> None:
+        """Rank 0's report of a generation that ended before it came (a report is fire
+        and forget, and a busy store may take it after the recovery fenced its
+        generation): its loss goes on as the ended generation's, as a join hands on what
+        was held, for a step the new generation resumed from."""
+        ended = gen < self.floor or gen < self.agg.gen
+        if rank == 0 and "loss" in metrics and ended and self.coordinator is not None:
+            self.coordinator.ended_metrics.remote(self.node, gen,
+                                                  (summarize(step, {0: metrics}),))
 
     def _send_metrics(self, gen: int, summaries: tuple[StepSummary, ...]) -> None:
         self.coordinator.node_metrics.remote(self.node, gen, summaries)
