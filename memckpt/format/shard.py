@@ -431,6 +431,15 @@ def zero_runs(region: np.ndarray, source: str = "shard") -> list[tuple[int, int]
     return ([(start, stop - start)] if stop > start else []) + gap_runs(layout, cap)
 
 
+def header_room(prefix: np.ndarray | bytes, source: str) -> tuple[int, int]:
+    """[start, stop): the whole pages of a shard's header room past its header, from its
+    64-byte prefix: they hold no byte of the shard and no checksum covers them. Raises
+    :class:`ChecksumError` for a prefix that is not a shard's."""
+    end = header_end(prefix, source)
+    cap = PREFIX.unpack_from(bytes(prefix[:PREFIX.size]), 0)[3]
+    return _round_up(end, 4096), data_offset(cap)
+
+
 def header_end(prefix: np.ndarray | bytes, source: str) -> int:
     """Where a shard's header ends, from its 64-byte prefix: the bytes to read for
     :func:`read_header` with ``check_length=False`` (a ranged read of a stored shard)."""

@@ -14,13 +14,14 @@ partner copy home the pages it keeps there (:func:`release`).
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 from typing import Callable, Collection, Optional
 
 from memckpt.engine import shared_pages
 from memckpt.engine.buffers import MADV_POPULATE_WRITE, RamRegion, populate_mapping
-from memckpt.errors import MemckptError
+from memckpt.errors import ChecksumError, MemckptError
 from memckpt.format import shard as fmt
 from memckpt.runtime.wire.ram_files import peek_step
 
@@ -129,3 +130,40 @@ def lay_out(region: RamRegion, path: Path, chunks: fmt.Chunks, data_len: int,
     for off, length in geo.byte_ranges(c for c in range(n) if c not in filled):
         populate_mapping(region.mm, MADV_POPULATE_WRITE, off, length)
     return filled, geo.byte_ranges(c for c in range(n) if new.away[c])
+
+
+DROP_PIECE = 1 << 20  # the header room's bytes are read into this much at a time, dropped
+PAGE = 4096
+
+
+def receive(region: RamRegion, offset: int, nbytes: int,
+            fill: Callable[[memoryview], None]) -> None:
+    """Let ``fill`` write bytes ``offset .. offset+nbytes`` of a shard arriving into
+    ``region`` (:func:`memckpt.format.shard.fill_flagged`), but for its header's unused room
+    (:func:`memckpt.format.shard.header_room`, known once the prefix is in): read and
+    dropped, its pages given back. It holds no byte of the shard, so a transfer never holds
+    it (a small shard's 64 KiB steps of room were most of what a receive held over its
+    shard)."""
+    end, at = offset + nbytes, offset
+    if at < fmt.PREFIX.size:
+        fmt.fill_flagged(region.array, at, min(end, fmt.PREFIX.size) - at, fill)
+        at = min(end, fmt.PREFIX.size)
+    try:
+        start, stop = fmt.header_room(region.array[:fmt.PREFIX.size], str(region.path))
+    except ChecksumError:
+        start = stop = end  # not a shard's prefix: the finish's check refuses it
+    lo, hi = max(at, start), min(end, stop)
+    if hi <= lo:
+        fmt.fill_flagged(region.array, at, end - at, fill)
+        return
+    fmt.fill_flagged(region.array, at, lo - at, fill)
+    scratch = memoryview(bytearray(min(DROP_PIECE, hi - lo)))
+    for piece in range(lo, hi, len(scratch)):
+        fill(scratch[:min(len(scratch), hi - piece)])
+    a, b = -(-lo // PAGE) * PAGE, hi // PAGE * PAGE  # whole pages go; the edges read as zeros
+    if b > a:
+        region.mm.madvise(mmap.MADV_REMOVE, a, b - a)
+        region.array[lo:a], region.array[b:hi] = 0, 0
+    else:
+        region.array[lo:hi] = 0
+    fmt.fill_flagged(region.array, hi, end - hi, fill)

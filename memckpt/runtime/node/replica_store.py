@@ -453,7 +453,7 @@ class ReplicaStore:
         if offset + nbytes > len(region.array):
             raise MemckptError(f"replica of rank {put.rank} step {put.step}: bytes "
                                f"{offset}..{offset + nbytes} exceed the announced {len(region.array)}")
-        fmt.fill_flagged(region.array, offset, nbytes, fill)  # never listed while partial
+        replica_pages.receive(region, offset, nbytes, fill)  # never listed while partial
         return nbytes
 
     def address(self, host: Optional[str] = None) -> tuple[str, int]:
