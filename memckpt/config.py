@@ -348,7 +348,11 @@ class ChaosEvent:
     the same instant, instead of ``rank``. ``during``: not at a step but while a recovery is
     in that phase (``plan``: its survivors stopped, before the plan; ``start``: planned,
     before the next generation starts; ``restore``: started, before the first step after
-    the restored one), the first recovery once training reached ``step``."""
+    the restored one), the first recovery once training reached ``step``. ``at_byte``: not
+    as ``rank`` finishes ``step`` but while its shard of that step is sent to its first
+    replica holder, once that many bytes of the transfer crossed (the header first, then
+    the chunks the holder does not hold already): the holder is left half way through
+    receiving it, at the byte aimed at."""
 
     step: int
     target: str = "worker"  # worker | node | random | store | coordinator
@@ -357,6 +361,9 @@ class ChaosEvent:
     steady: bool = False
     ranks: tuple[int, ...] = ()  # worker, node: these ranks at once (instead of rank)
     during: Optional[str] = None  # plan | start | restore: in that phase of a recovery
+    # worker, node: while rank's shard of step is sent to its first replica holder, once
+    # this many bytes of it crossed (the holder is left half way through receiving it)
+    at_byte: Optional[int] = None
     # the targets that name the rank (or ranks) they hit; "random" picks one itself
     NEEDS_RANK: ClassVar[tuple[str, ...]] = ("worker", "node", "store")
 
@@ -381,6 +388,12 @@ class ChaosEvent:
             if self.target not in ("worker", "node"):
                 _fail("chaos.during", self.during, "a fault during a recovery needs target "
                       "'worker' or 'node'")
+        if self.at_byte is not None:
+            _positive_int("chaos.at_byte", self.at_byte, minimum=0)
+            if self.target not in ("worker", "node") or self.rank is None or self.during:
+                _fail("chaos.at_byte", self.at_byte, "a fault half way through a replica's "
+                      "transfer needs target 'worker' or 'node' and the rank whose shard is "
+                      "sent (rank=...), not ranks or during")
         if self.rank is not None:
             _positive_int("chaos.rank", self.rank, minimum=0)
         elif self.target in self.NEEDS_RANK and not self.ranks:

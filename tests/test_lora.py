@@ -72,6 +72,33 @@ def test_a_lora_job_resumes_bit_identical_and_sends_only_its_adapter(lora, refer
         assert sent < 0.45 * whole, (rank, sent, whole)
 
 
+def test_a_node_lost_half_way_through_its_holders_receive_resumes_from_that_holder(
+        lora, reference, full_cluster, tmp_path):
+    """Rank 1's node is removed while its step-7 shard crosses to its holder, 40 KB into the
+    one chunk that changed (past the 128 KiB header; the other chunks, the frozen base, the
+    holder takes from its own copy of step 6, sharing their pages). Step 7 never commits;
+    rank 1 restarts on the holder's node from its copy of step 6, whose pages the half
+    received step shared, and the job ends bit-identical to the uninterrupted run."""
+    removed: set[str] = set()
+
+    def remove(node: str) -> None:
+        removed.add(node)
+        full_cluster.remove_node(node)
+
+    at = 128 * 1024 + 40_000
+    inj = FaultInjector(node_killer=remove).kill_node(rank=1, at_step=KILL_AT, at_byte=at)
+    with PeakFootprint(default_ram_root() / "lora-cut", gone=removed) as held:
+        got = memckpt.run(lora.LoraRankJob(STEPS), config("lora-cut"), run_dir=tmp_path,
+                          injector=inj, quiet=True)
+    assert [f["key"] for f in inj.fired] == [f"node:1:{KILL_AT}:KILL:byte-{at}"]
+    (rec,) = got["recoveries"]
+    assert rec["moved_ranks"] == [1] and rec["resumed_step"] == KILL_AT - 1
+    assert rec["sources"]["1"] == "local"  # the holder's replica files, now its own slots
+    assert got["losses"] == reference["losses"]
+    assert got["final_digest"] == reference["final_digest"]
+    assert held.ratio <= 2.3, (held.ratio, held.at_peak)
+
+
 def test_a_lora_trainer_resumes_bit_identical(lora, full_cluster, tmp_path):
     """The Hugging Face Trainer on the same LoRA model, memckpt attached to memckpt.run's
     context: rank 1 SIGKILLed at step 4 of 6 (mid-epoch); every rank's log (losses, grad

@@ -76,6 +76,10 @@ def test_only_worker_and_node_faults_at_a_step_can_be_scheduled_under_ray_train(
                chaos=(memckpt.ChaosEvent(3, "worker", 1, during="restore"),))
     with pytest.raises(ConfigError, match="during='restore' is not available under Ray Train"):
         run_config(cfg, 3, None)
+    cfg = base(workers=memckpt.WorkersConfig(num_workers=3),
+               chaos=(memckpt.ChaosEvent(3, "node", 1, at_byte=4096),))
+    with pytest.raises(ConfigError, match="at_byte is not available under Ray Train"):
+        run_config(cfg, 3, None)
     ok = (memckpt.ChaosEvent(3, "worker", ranks=(0, 1)), memckpt.ChaosEvent(4, "node", 2))
     cfg = base(workers=memckpt.WorkersConfig(num_workers=3), chaos=ok)
     assert run_config(cfg, 3, None).chaos == ok

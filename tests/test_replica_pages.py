@@ -6,16 +6,18 @@ Checkpointers' slots, allocated blocks counted."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 import memckpt
 from memckpt.engine import shared_pages
-from memckpt.engine.buffers import allocated_bytes
+from memckpt.engine.buffers import RamRegion, allocated_bytes
 from memckpt.format import shard as fmt
-from memckpt.runtime.wire.data_plane import (PutRequest, StoreConnection, _chunks_msg,
-                                             recv_go_ahead, send_msg, spans)
+from memckpt.runtime.node import replica_pages
+from memckpt.runtime.wire.data_plane import StoreConnection
 
 from conftest import held_replica
 from test_replica_fill import (PARAM_BYTES, _moments_move, _send, _send_steps,  # noqa: F401
@@ -32,23 +34,25 @@ def _assert_holds(store, step: int, shard: fmt.Shard) -> None:
     assert np.array_equal(store.read(0, step), shard.raw)
 
 
+class _NodeLost(Exception):
+    pass
+
+
 def _cut(store, shard: fmt.Shard, upto: int) -> None:
-    """Send ``shard`` over a new connection and drop it once ``upto`` bytes crossed (the
-    sender's node lost mid-shard), at the byte aimed at."""
+    """Send ``shard`` over a new connection, the sender's node lost once ``upto`` bytes
+    crossed (the byte a drill's ``at_byte`` aims at: the connection's own stop)."""
     conn = StoreConnection(store.address("127.0.0.1"), timeout_s=30)
-    sock = conn._sock
-    send_msg(sock, PutRequest(rank=0, step=shard.step, nbytes=len(shard.raw),
-                              checksum=shard.header["data_xxh3"], gen=0,
-                              chunks=_chunks_msg(shard.chunks)))
-    go = recv_go_ahead(sock)
-    assert go["send"]
-    view, left = memoryview(shard.raw).cast("B"), upto
-    for off, n in spans(len(view), shard.chunks, [int(i) for i in go.get("filled", ())]):
-        sock.sendall(view[off: off + min(n, left)])
-        left -= min(n, left)
-        if not left:
-            break
-    conn.close()  # the transfer stays open, half written, until a new one supersedes it
+    crossed = []
+
+    def lost() -> None:
+        crossed.append(upto)
+        conn.close()  # the transfer stays open, half written, until a new one supersedes it
+        raise _NodeLost
+
+    with pytest.raises(_NodeLost):
+        conn.send(0, shard.step, shard.raw, shard.header["data_xxh3"], 0, chunks=shard.chunks,
+                  stop_at=(upto, lost))
+    assert crossed == [upto]
 
 
 def test_a_holder_holds_a_frozen_weight_once_and_every_replica_is_exact(store, sender,
@@ -88,6 +92,40 @@ def test_a_transfer_cut_half_way_through_the_shared_bytes_leaves_the_committed_c
         again.close()
     _assert_holds(store, 3, shards[3])
     _assert_holds(store, 2, shards[2])
+
+
+@pytest.mark.parametrize("piece", [None, 28_928])  # two halves; pieces off the page grid
+def test_a_receive_never_holds_the_header_room_and_the_shard_arrives_exact(ram_root,
+                                                                         sender_rank, piece):
+    """A shard received into a file the size of a slot that held an older one (stale bytes
+    in its room): the prefix, the header and every data byte land; the header's unused
+    room is read and dropped, its pages given back (it holds no byte, no checksum covers
+    it), so the file holds the shard less that room, and verifies."""
+    shard = _snapshot(sender_rank, _state(moment_shift=0.0), 1)
+    start, stop = fmt.header_room(shard.raw[:fmt.PREFIX.size], "sender")
+    assert stop - start >= 32 * KiB  # most of a small shard's header
+    path = Path(ram_root) / "slot"
+    path.write_bytes(b"\xab" * len(shard.raw))  # an older shard's bytes, allocated
+    region = RamRegion.open(path, populate=False)
+    try:
+        sent, half = memoryview(shard.raw).cast("B"), len(shard.raw) // 2 + 1000
+
+        def fill(view: memoryview) -> None:  # what the socket's recv_into does
+            nonlocal at
+            view[:] = sent[at: at + len(view)]
+            at += len(view)
+        at = 0
+        cuts = [0, half] if piece is None else list(range(0, len(shard.raw), piece))
+        for off, stop_at in zip(cuts, cuts[1:] + [len(shard.raw)]):  # consecutive pieces
+            replica_pages.receive(region, off, stop_at - off, fill)
+        assert fmt.accept_received(region.array, "received", 1).step == 1  # flags complete
+        got = np.array(region.array)
+        assert np.array_equal(got[:start], shard.raw[:start])
+        assert not got[start:stop].any()  # the room reads as zeros
+        assert np.array_equal(got[stop:], shard.raw[stop:])
+        assert allocated_bytes(path) <= len(shard.raw) - (stop - start)
+    finally:
+        region.close()
 
 
 def test_a_superseded_transfer_keeps_the_committed_copy_whole(store, sender, sender_rank):

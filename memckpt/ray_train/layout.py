@@ -35,6 +35,10 @@ def run_config(config: Config, num_workers: int, tier: Optional[PersistTier]) ->
         raise ConfigError(f"chaos during={phased[0].during!r} is not available under Ray Train "
                           "(its group restart is Ray Train's, with no phases memckpt can fire "
                           "in): schedule the fault at a step, or drill with memckpt.run")
+    if any(ev.at_byte is not None for ev in config.chaos):
+        raise ConfigError("chaos at_byte is not available under Ray Train (its faults fire as "
+                          "a rank finishes a step, not mid-transfer): schedule the fault at a "
+                          "step, or drill with memckpt.run")
     w = config.workers
     workers = WorkersConfig(num_workers=num_workers, workers_per_node=1,
                             cpus_per_worker=w.cpus_per_worker, gpus_per_worker=w.gpus_per_worker,

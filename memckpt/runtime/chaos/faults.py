@@ -188,7 +188,23 @@ class Fault(ChaosEvent):
     def key(self) -> str:
         who = ",".join(map(str, self.ranks)) if self.ranks else self.rank
         return f"{self.target}:{who}:{self.at_step}:{self.signal}" + (
-            f":during-{self.during}" if self.during else "")
+            f":during-{self.during}" if self.during else "") + (
+            f":byte-{self.at_byte}" if self.at_byte is not None else "")
+
+
+def fire(fault: Fault, coordinator: Any) -> None:
+    """Fire a step fault from the rank that claims it (once per job: the coordinator's
+    claim): a worker's own signal at once; the rest the driver carries out while this
+    thread waits (its node's loss takes this process with it)."""
+    import ray
+    wait = STEADY_WAIT_S if fault.steady else 0.0
+    if not ray.get(coordinator.claim.remote(fault.key, wait)):
+        return
+    if fault.self_inflicted:
+        os.kill(os.getpid(), named_signal(fault.signal))
+    else:  # several ranks, node, store, coordinator, random: the driver acts
+        ray.get(coordinator.request_fault.remote(fault.key))
+        ray.get(coordinator.wait_fault.remote(fault.key, 60.0))
 
 
 class StrikeDetails(TypedDict):
@@ -266,12 +282,15 @@ class FaultInjector:
     fired: list[dict[str, Any]] = field(default_factory=list)
 
     def kill_worker(self, rank: Optional[int], at_step: int, signal: str = "KILL",
-                    steady: bool = False, during: Optional[str] = None) -> "FaultInjector":
+                    steady: bool = False, during: Optional[str] = None,
+                    at_byte: Optional[int] = None) -> "FaultInjector":
         """Signal ``rank``'s worker at ``at_step``, or (``during``) in that phase of the
-        first recovery once training reached ``at_step``. ``rank`` None: one the runtime
-        picks among the ranks whose worker still runs then (during a recovery: a survivor
-        it has not killed itself)."""
-        self.faults.append(Fault(at_step, "worker", rank, signal, steady, during=during))
+        first recovery once training reached ``at_step``, or (``at_byte``) once that many
+        bytes of its shard of ``at_step`` crossed to its first replica holder. ``rank``
+        None: one the runtime picks among the ranks whose worker still runs then (during a
+        recovery: a survivor it has not killed itself)."""
+        self.faults.append(Fault(at_step, "worker", rank, signal, steady, during=during,
+                                 at_byte=at_byte))
         return self
 
     def kill_workers(self, ranks: Sequence[int], at_step: int, signal: str = "KILL",
@@ -287,10 +306,12 @@ class FaultInjector:
         return self
 
     def kill_node(self, rank: int, at_step: int, steady: bool = False,
-                  signal: str = "KILL") -> "FaultInjector":
+                  signal: str = "KILL", at_byte: Optional[int] = None) -> "FaultInjector":
         """Kill the node that runs ``rank`` when training reaches ``at_step`` (``signal``
-        "STOP": freeze it, :func:`freeze_node`)."""
-        self.faults.append(Fault(at_step, "node", rank, signal=signal, steady=steady))
+        "STOP": freeze it, :func:`freeze_node`), or (``at_byte``) once that many bytes of
+        ``rank``'s shard of ``at_step`` crossed to its first replica holder."""
+        self.faults.append(Fault(at_step, "node", rank, signal=signal, steady=steady,
+                                 at_byte=at_byte))
         return self
 
     def kill_store(self, rank: int, at_step: int) -> "FaultInjector":

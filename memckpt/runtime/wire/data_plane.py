@@ -294,11 +294,13 @@ class StoreConnection:
 
     def send(self, rank: int, step: int, raw: np.ndarray, checksum: str, gen: int,
              cancelled: Callable[[], bool] = lambda: False,
-             chunks: Optional[fmt.Chunks] = None) -> int:
+             chunks: Optional[fmt.Chunks] = None,
+             stop_at: Optional[tuple[int, Callable[[], None]]] = None) -> int:
         """Stream ``raw``, but for the data chunks (``chunks``: the shard's chunk table) the
         store fills from what its node holds. Returns the bytes sent: 0 if the store
         already held this exact shard. Raises the store's error (checksum mismatch, stale
-        generation, no RAM) or OSError."""
+        generation, no RAM) or OSError. ``stop_at`` (a drill's fault: the byte, what
+        fires it): called once that many bytes crossed, the rest sent if it returns."""
         put: PutRequest = {"rank": rank, "step": step, "nbytes": len(raw), "checksum": checksum,
                            "gen": gen, "chunks": _chunks_msg(chunks)}
         send_msg(self._sock, put)
@@ -311,6 +313,11 @@ class StoreConnection:
                 if cancelled():
                     self.close()  # the store drops the half-received slot
                     raise ConnectionError("replication cancelled")
+                if stop_at is not None and sent + n > stop_at[0]:
+                    first = max(0, stop_at[0] - sent)
+                    send_shard_bytes(self._sock, raw, off, first, zeros)
+                    stop_at[1]()  # the fault: this process (or its node) dies here
+                    stop_at, off, n, sent = None, off + first, n - first, sent + first
                 send_shard_bytes(self._sock, raw, off, n, zeros)
                 sent += n
         recv_received(self._sock)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import os
 import time
 from functools import partial
 from pathlib import Path
@@ -34,7 +33,7 @@ from memckpt.errors import ChecksumError, GenerationEnded, MemckptError, NoSnaps
 from memckpt.persist.catalog import protect
 from memckpt.persist.uploader import Persister
 from memckpt.engine.populate import MIN_BYTES, POOL
-from memckpt.runtime.chaos.faults import STEADY_WAIT_S, named_signal
+from memckpt.runtime.chaos.faults import fire
 from memckpt.runtime.worker.rank_checkpointer import RankCheckpointer
 from memckpt.runtime.wire.ram_files import node_dir, own_dir, scan
 from memckpt.runtime.worker.node_link import NodeLink
@@ -367,19 +366,12 @@ class WorkerContext(RestoreAndStep):
         self.link.report(step, report, snapshotted)
 
     def _maybe_fault(self, step: int) -> None:
-        """Scheduled faults fire here, so they hit exactly the step they name (once per job)."""
-        import ray
+        """Scheduled faults fire here, so they hit exactly the step they name (once per job);
+        one aimed at a byte of a transfer fires in the replicator, mid-send."""
         for fault in self.spec.faults:
-            if fault.during is not None or fault.at_step != step or fault.claimer != self.rank:
-                continue
-            wait = STEADY_WAIT_S if fault.steady else 0.0
-            if not ray.get(self.spec.coordinator.claim.remote(fault.key, wait)):
-                continue
-            if fault.self_inflicted:
-                os.kill(os.getpid(), named_signal(fault.signal))
-            else:  # several ranks, node, store, coordinator, random: the driver acts
-                ray.get(self.spec.coordinator.request_fault.remote(fault.key))
-                ray.get(self.spec.coordinator.wait_fault.remote(fault.key, 60.0))
+            if (fault.during is None and fault.at_byte is None and fault.at_step == step
+                    and fault.claimer == self.rank):
+                fire(fault, self.spec.coordinator)
 
     def _snapshot(self, state: TrainState, step: int,
                   report: Optional[Mapping[str, float]] = None) -> bool:

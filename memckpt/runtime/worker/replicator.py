@@ -8,10 +8,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from functools import partial
 from typing import Callable, Optional
 
 from memckpt.format import shard as fmt
 from memckpt.errors import ChecksumError, MemckptError
+from memckpt.runtime.chaos.faults import fire
 from memckpt.runtime.worker.node_link import NodeLink
 from memckpt.runtime.worker.spec import WorkerSpec
 from memckpt.runtime.worker.rank_checkpointer import RankCheckpointer
@@ -88,7 +90,8 @@ class Replicator:
                     sender = StoreConnection(ray.get(store.address.remote()))
                     self._senders[node] = sender
                 sent = sender.send(rank, step, shard.raw, shard.header["data_xxh3"], self.spec.gen,
-                                   lambda: self.cancelled, shard.chunks)
+                                   lambda: self.cancelled, shard.chunks,
+                                   stop_at=self._aimed(node, step))
                 self.bytes_sent += sent
                 self.bytes_filled += (len(shard.raw) - sent) if sent else 0  # 0: already held
                 return
@@ -102,6 +105,15 @@ class Replicator:
                 last = e
         raise MemckptError(f"rank {rank}: replica holder {node[:12]} unreachable for step {step} "
                            f"after {RETRIES} tries: {last}")
+
+    def _aimed(self, node: str, step: int) -> Optional[tuple[int, Callable[[], None]]]:
+        """A scheduled fault aimed at a byte of this rank's transfer of ``step`` to its first
+        holder: (the byte, what fires it), for the connection to stop at."""
+        for fault in self.spec.faults:
+            if (fault.at_byte is not None and fault.at_step == step and fault.rank == self.spec.rank
+                    and node == self.spec.holders[0]):
+                return fault.at_byte, partial(fire, fault, self.spec.coordinator)
+        return None
 
     def _drop(self, node: str) -> None:
         sender = self._senders.pop(node, None)
