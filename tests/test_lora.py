@@ -74,18 +74,19 @@ def test_a_lora_job_resumes_bit_identical_and_sends_only_its_adapter(lora, refer
 
 def test_a_node_lost_half_way_through_its_holders_receive_resumes_from_that_holder(
         lora, reference, full_cluster, tmp_path):
-    """Rank 1's node is removed while its step-7 shard crosses to its holder, 40 KB into the
-    one chunk that changed (past the 128 KiB header; the other chunks, the frozen base, the
-    holder takes from its own copy of step 6, sharing their pages). Step 7 never commits;
-    rank 1 restarts on the holder's node from its copy of step 6, whose pages the half
-    received step shared, and the job ends bit-identical to the uninterrupted run."""
+    """Rank 1's node is removed while its step-7 shard crosses to its holder, half way
+    through the shard's 128 KiB header: the holder has laid step 7 out against its copy of
+    step 6 (the frozen base's chunks on that copy's pages, the chunk that changed copied
+    from its own rank's identical one: DDP), and the rest never comes. Step 7 never
+    commits; rank 1 restarts on the holder's node from its copy of step 6, whose pages the
+    half received step shares, and the job ends bit-identical to the uninterrupted run."""
     removed: set[str] = set()
 
     def remove(node: str) -> None:
         removed.add(node)
         full_cluster.remove_node(node)
 
-    at = 128 * 1024 + 40_000
+    at = 64 * 1024
     inj = FaultInjector(node_killer=remove).kill_node(rank=1, at_step=KILL_AT, at_byte=at)
     with PeakFootprint(default_ram_root() / "lora-cut", gone=removed) as held:
         got = memckpt.run(lora.LoraRankJob(STEPS), config("lora-cut"), run_dir=tmp_path,
