@@ -36,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=PRESET_NAMES, default="small",
                         help="the model: tiny (the smoke test's, ~6 MiB of state), small (the "
                              "default, ~75 MiB) or large (~0.6 GiB, the documented figures)")
-    parser.add_argument("--steps", type=positive_int, default=8, metavar="N",
-                        help="steps measured, after 3 warm-up snapshots (default 8)")
+    parser.add_argument("--steps", type=positive_int, default=20, metavar="N",
+                        help="steps measured, after 3 warm-up snapshots (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="the job's seed (default 0)")
     parser.add_argument("--ram-root", metavar="DIR", default=None,
                         help="folder for the slots and the replica holders' copies (default "
