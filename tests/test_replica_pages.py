@@ -6,6 +6,7 @@ Checkpointers' slots, allocated blocks counted."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +127,21 @@ def test_a_receive_never_holds_the_header_room_and_the_shard_arrives_exact(ram_r
         assert allocated_bytes(path) <= len(shard.raw) - (stop - start)
     finally:
         region.close()
+
+
+def test_a_fault_aimed_past_a_transfers_end_fires_once_every_byte_crossed(store, sender,
+                                                                         sender_rank):
+    """``at_byte`` past what a transfer sends: the fault fires once its last byte crossed,
+    before the holder's answer; the holder, with every byte in, keeps the step whole."""
+    state = _state(moment_shift=0.0)
+    shards = _send_steps(sender, sender_rank, state, (1,))
+    shards[2] = _snapshot(sender_rank, state, 2)
+    _cut(store, shards[2], upto=10 * len(shards[2].raw))
+    deadline = time.monotonic() + 30
+    while store.inventory() != {0: [1, 2]} and time.monotonic() < deadline:
+        time.sleep(0.05)  # the holder verifies and lists it on its own thread
+    _assert_holds(store, 2, shards[2])
+    _assert_holds(store, 1, shards[1])
 
 
 def test_a_superseded_transfer_keeps_the_committed_copy_whole(store, sender, sender_rank):

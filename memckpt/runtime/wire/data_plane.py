@@ -300,7 +300,8 @@ class StoreConnection:
         store fills from what its node holds. Returns the bytes sent: 0 if the store
         already held this exact shard. Raises the store's error (checksum mismatch, stale
         generation, no RAM) or OSError. ``stop_at`` (a drill's fault: the byte, what
-        fires it): called once that many bytes crossed, the rest sent if it returns."""
+        fires it): called once that many bytes crossed (or all of them, before the store's
+        answer, when fewer cross), the rest sent if it returns."""
         put: PutRequest = {"rank": rank, "step": step, "nbytes": len(raw), "checksum": checksum,
                            "gen": gen, "chunks": _chunks_msg(chunks)}
         send_msg(self._sock, put)
@@ -320,6 +321,8 @@ class StoreConnection:
                     stop_at, off, n, sent = None, off + first, n - first, sent + first
                 send_shard_bytes(self._sock, raw, off, n, zeros)
                 sent += n
+        if stop_at is not None:  # aimed past the end: once the last byte crossed
+            stop_at[1]()
         recv_received(self._sock)
         return sent
 
