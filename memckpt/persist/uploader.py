@@ -140,11 +140,15 @@ class Persister:
         tier = self._writing
         if not self._busy or tier is None:
             return False
-        return tier in self._failing or self._quiet(tier) >= self.stores[tier].close_timeout_s
+        quiet = self._quiet(tier, self._progress_at)
+        return tier in self._failing or quiet >= self.stores[tier].close_timeout_s
 
-    def _quiet(self, tier: int, since: float = 0.0) -> float:
-        """Seconds since ``tier`` (or the thread, or ``since``) last made progress."""
-        last = max(since, self._progress_at, self.stores[tier].backend.last_progress)
+    def _quiet(self, tier: int, since: float) -> float:
+        """Seconds since ``tier`` last made progress, or since ``since``. A drain counts from
+        its own start, not from the thread's: the thread taking up the next job, or the next
+        attempt, is not the tier answering (a hung tier would otherwise hold close for one
+        close_timeout_s per job it takes up)."""
+        last = max(since, self.stores[tier].backend.last_progress)
         return time.monotonic() - last
 
     def drain(self, max_s: Optional[float] = None) -> bool:
