@@ -151,7 +151,7 @@ def test_two_ring_adjacent_nodes_lost_resume_from_the_persisted_tier(full_cluste
     inj = FaultInjector(node_killer=full_cluster.remove_node).kill_nodes((1, 2), at_step=KILL_AT)
     result = memckpt.run(JOB, cfg, run_dir=tmp_path / "run", injector=inj,
                          quiet=True)
-    assert_same_run(result, reference)
+    assert_same_run(result, reference, tmp_path)
     (rec,) = result["recoveries"]
     assert set(rec["sources"].values()) == {"persisted"} and rec["resumed_step"] in (2, 4)
     assert "fallback_to_persisted" in kinds(tmp_path / "run")

@@ -12,6 +12,7 @@ from memckpt.demo.job import GPTJob
 from memckpt.runtime.chaos.faults import FaultInjector
 from memckpt.persist import CheckpointStore
 from s3_server import aws_test_env, s3_endpoint, s3_uri  # noqa: F401 (fixtures)
+from test_runtime import run_record
 
 KEEP_WORKERS = True  # the module's jobs hand their workers on (conftest.cluster)
 
@@ -121,15 +122,6 @@ def test_whole_cluster_lost_then_new_job_auto_resumes(tmp_path, reference, s3_en
     assert result["first_step"] == persisted + 1
     assert result["losses"] == reference["losses"][persisted:]  # the rest redone identically
     assert result["final_digest"] == reference["final_digest"]
-
-
-def run_record(run_dir) -> str:
-    """What a failed assertion shows of a run: its recovery events and losses.jsonl."""
-    kinds = ("failure_detected", "recovery_plan", "restored", "recovery_finished",
-             "stale_node_refused")
-    evs = [e for e in events(run_dir) if e["event"] in kinds]
-    return "\n".join([json.dumps(e) for e in evs]
-                     + (run_dir / "losses.jsonl").read_text().splitlines())
 
 
 def tree(root) -> dict[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 
 import pytest
 
@@ -91,8 +92,23 @@ def assert_footprint(held: PeakFootprint) -> None:
     assert held.ratio <= FOOTPRINT_LIMIT, (held.ratio, held.state_bytes, held.at_peak)
 
 
-def assert_same_run(result: dict, reference: dict) -> None:
-    assert result["losses"] == reference["losses"]
+def run_record(run_dir) -> str:
+    """What a failed assertion shows of a run: its recovery and relay events and losses.jsonl."""
+    kinds = ("failure_detected", "recovery_plan", "restored", "recovery_finished",
+             "stale_node_refused", "relay_group", "relay_bypassed")
+    path = pathlib.Path(run_dir)
+    evs = [e for e in events(path) if e.get("event", e.get("kind")) in kinds]
+    losses = path / "losses.jsonl"
+    return "\n".join([json.dumps(e) for e in evs]
+                     + (losses.read_text().splitlines() if losses.exists() else []))
+
+
+def assert_same_run(result: dict, reference: dict, run_dir=None) -> None:
+    """``result`` has ``reference``'s per-step losses and final parameters; ``run_dir``:
+    the run's folder, whose record a mismatch shows."""
+    same = result["losses"] == reference["losses"]
+    assert same, (result["losses"], reference["losses"],
+                  run_record(run_dir) if run_dir is not None else "")
     assert result["final_digest"] == reference["final_digest"]
 
 
@@ -165,7 +181,7 @@ def test_corrupt_local_snapshot_falls_back_to_the_peer_replica(full_cluster, ref
     inj = FaultInjector().kill_worker(rank=1, at_step=KILL_AT)
     result = memckpt.run(job, config("corrupt-local"), run_dir=tmp_path, injector=inj,
                          quiet=True)
-    assert_same_run(result, reference)
+    assert_same_run(result, reference, tmp_path)
     (rec,) = result["recoveries"]
     assert rec["died_ranks"] == [1] and rec["resumed_step"] == KILL_AT - 1
     assert rec["sources"]["1"] == "local"  # the plan: the rank's own node holds the step
@@ -357,7 +373,7 @@ def test_a_rank_starved_of_cpu_causes_no_recovery(full_cluster, reference, tmp_p
     assert result["recoveries"] == [], result["recoveries"]
     assert not [e for e in events(tmp_path) if e["event"] in ("failure_detected",
                                                               "hung_rank_killed")]
-    assert_same_run(result, reference)
+    assert_same_run(result, reference, tmp_path)
 
 
 @pytest.mark.chaos
@@ -542,7 +558,7 @@ def test_relayed_batches_and_the_loss_of_the_relays_node_end_bit_identical(full_
 
     inj = FaultInjector(node_killer=remove).kill_node(rank=leader_rank, at_step=KILL_AT)
     result = memckpt.run(JOB, cfg, run_dir=tmp_path, injector=inj, quiet=True)
-    assert_same_run(result, reference)
+    assert_same_run(result, reference, tmp_path)
     said = events(tmp_path)
     gen0 = next(e for e in said if e["event"] == "generation_started" and e["gen"] == 0)
     assert gen0["assignment"][str(leader_rank)] == min(gen0["assignment"].values())
