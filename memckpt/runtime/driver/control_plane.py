@@ -12,6 +12,9 @@ from memckpt.runtime.coordinator.messages import CoordinatorStatus
 from memckpt.runtime.driver import actors
 from memckpt.runtime.ray_nodes import alive_node_ids, on_node
 
+LOGGING_CHECK = 64  # log_event calls kept before the done ones are dropped
+LOGGING_WAIT_S = 10.0  # how long teardown waits for the events still being written
+
 affinity = on_node  # the pool pins its workers the same way
 
 
@@ -42,6 +45,9 @@ class ControlPlane:
         self.coordinator: Any = None
         self.stores: dict[str, Any] = {}  # node -> its ReplicaStore actor (a dead node's stays)
         self.events: list[dict[str, Any]] = []
+        # the coordinator's log_event calls not known to have run: teardown waits for them,
+        # as an async actor may run a later call (finish) first, and the kill drops the rest
+        self._logging: list[Any] = []
 
     # -- the driver's log -----------------------------------------------------------------------
     def say(self, msg: str) -> None:
@@ -51,7 +57,10 @@ class ControlPlane:
     def event(self, kind: str, **fields: Any) -> None:
         self.events.append(dict(event=kind, time=time.time(), **fields))
         if self.coordinator is not None:  # None: it never started (the error says why)
-            self.coordinator.log_event.remote(kind, fields)
+            self._logging.append(self.coordinator.log_event.remote(kind, fields))
+            if len(self._logging) >= LOGGING_CHECK:
+                _, self._logging = self.ray.wait(self._logging, num_returns=len(self._logging),
+                                                 timeout=0)
 
     # -- start-up -------------------------------------------------------------------------------
     def start_coordinator(self, run_dir: Path) -> None:
@@ -94,6 +103,9 @@ class ControlPlane:
         """Kill ``workers``, then clear and kill the stores and the coordinator."""
         for w in workers:
             self.ray.kill(w, no_restart=True)
+        if self._logging:  # the job's last events (job_failed, job_finished) written first
+            self.ray.wait(self._logging, num_returns=len(self._logging), timeout=LOGGING_WAIT_S)
+            self._logging = []
         actors.release(self.config, self.stores, self.coordinator)
 
     def fault_time(self, since: float) -> Optional[float]:
