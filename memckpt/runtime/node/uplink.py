@@ -111,8 +111,9 @@ class Uplink:
         # (gen, step) -> (the leader's answer, the batch, when sent): not resolved yet
         self._relayed: dict[tuple[int, int], tuple[Any, ReadyBatch, float]] = {}
         self._batches: dict[tuple[int, int], ReadyBatch] = {}  # relayed batches, kept to resend
-        # step summaries handed to the leader alone: (its answer, the batch, when sent)
-        self._metrics_relayed: list[tuple[Any, ReadyBatch, float]] = []
+        # step summaries handed to the leader alone, until the coordinator took them: (the
+        # leader's answer, the batch, when sent, the coordinator's reference once answered)
+        self._metrics_relayed: list[tuple[Any, ReadyBatch, float, Any]] = []
 
     # -- called by the node's ranks -------------------------------------------------------
     def join(self, rank: int, gen: int, ranks: Iterable[int], coordinator: Any,
@@ -294,7 +295,7 @@ class Uplink:
                     batch = ReadyBatch(gen, max(m.step for m in out), 0, "",
                                        metrics=tuple(out))
                     self._metrics_relayed.append((self._to_relay(via, batch), batch,
-                                                  self.clock()))
+                                                  self.clock(), None))
         return True
 
     def _late_loss(self, rank: int, gen: int, step: int, metrics: Mapping[str, float]) -> None:
@@ -314,23 +315,50 @@ class Uplink:
     def _settle_metrics(self) -> None:
         """Summaries handed to the leader that it failed to send (it died, froze, or did not
         lead the generation) go direct; a failed leader is bypassed for the generation, as
-        for a batch. No one waits for these: looked at once a tick."""
+        for a batch. Sent means the coordinator took them: a leader that answered and died
+        before its message left (its reference dies with it) loses them otherwise, and no
+        one waits on a step's summaries to notice (a step before the one a recovery resumes
+        from is not redone: its loss would be gone). No one waits for these: looked at once
+        a tick."""
         with self._cond:
             pending, self._metrics_relayed = self._metrics_relayed, []
         kept = []
-        for ref, batch, sent_at in pending:
-            sent, why = self._leader_answer(ref, sent_at, self.clock())
-            if sent is PENDING:
-                kept.append((ref, batch, sent_at))
-                continue
-            with self._cond:
-                if sent is not None:
-                    self._spoke_at = max(self._spoke_at, sent_at)
+        for ref, batch, sent_at, taken in pending:
+            why: Optional[str] = None
+            if taken is None:
+                taken, why = self._leader_answer(ref, sent_at, self.clock())
+                if taken is PENDING:
+                    kept.append((ref, batch, sent_at, None))
                     continue
+            if taken is not None:
+                answered, why = self._answered(taken)
+                if not answered:
+                    kept.append((ref, batch, sent_at, taken))
+                    continue
+                if why is None:  # the coordinator took them: the node spoke
+                    with self._cond:
+                        self._spoke_at = max(self._spoke_at, sent_at)
+                    continue
+                why = f"its answer was lost ({why})"
+                # resent, not counted again: the coordinator may have taken the counters
+                batch = replace(batch, metrics=tuple(replace(m, counters=())
+                                                     for m in batch.metrics))
+            with self._cond:
                 self._relay_failed(batch, why)
                 self._send_metrics(batch.gen, batch.metrics)
         with self._cond:
             self._metrics_relayed[:0] = kept
+
+    def _answered(self, ref: Any) -> tuple[bool, Optional[str]]:
+        """Whether the coordinator's answer to ``ref`` is in, and why it failed (None: it
+        took the message). Never waits."""
+        try:
+            ref.result(0) if isinstance(ref, Future) else self.get(ref, 0.0)
+        except TimeoutError:
+            return False, None
+        except Exception as e:  # noqa: BLE001 - the reference's owner (the leader) died
+            return True, repr(e)
+        return True, None
 
     def beat(self, rank: int, gen: int, step: int) -> bool:
         with self._cond:
