@@ -240,6 +240,18 @@ def test_summaries_a_failed_leader_did_not_send_go_direct(coordinator, mode):
     assert bypassed == (set() if mode == "unaware" else {"b", "c", "d"})
 
 
+def test_a_flush_returns_once_the_coordinator_took_the_summaries_handed_to_the_leader(
+        coordinator):
+    """A rank's run ends (flush) with its last step's summaries at the leader, which waits
+    for the other members' (they have none): the flush waits until the coordinator took
+    them, so the driver, which reads the losses next, has them all."""
+    ups, _ = group_links(coordinator)
+    for r in NODES["b"]:  # b alone: the leader holds its part for a wait
+        assert ups["b"].report(r, 0, 1, {"loss": 0.25, "stall_s": 0.0}, False)
+    assert ups["b"].flush(0, 10.0)
+    assert coordinator.c.steps.units["b"].step == 1
+
+
 def test_a_leader_that_does_not_lead_the_generation_yet_is_bypassed_for_that_step(coordinator):
     ups, store = group_links(coordinator)
     store.mode = "unaware"

@@ -54,6 +54,7 @@ from memckpt.runtime.node.aggregator import Heartbeat, NodeAggregator
 from memckpt.runtime.node.relay import RelayPoint
 from memckpt.runtime.wire.calls import COMMIT_GROUP
 
+FLUSH_POLL_S = 0.02  # a flush looks this often whether the relayed summaries went
 COMMIT_WAIT_S = 5.0  # the coordinator holds a node_ready / wait_commit this long at most
 KEEP_ANSWERS = 4  # commit answers kept per generation (a few steps in flight)
 FOOTPRINT_EVERY_S = 5.0  # the node's RAM held and budget ride a heartbeat at most this often
@@ -114,6 +115,7 @@ class Uplink:
         # step summaries handed to the leader alone, until the coordinator took them: (the
         # leader's answer, the batch, when sent, the coordinator's reference once answered)
         self._metrics_relayed: list[tuple[Any, ReadyBatch, float, Any]] = []
+        self._settling = threading.Lock()
 
     # -- called by the node's ranks -------------------------------------------------------
     def join(self, rank: int, gen: int, ranks: Iterable[int], coordinator: Any,
@@ -312,14 +314,18 @@ class Uplink:
         self.coordinator.node_metrics.remote(self.node, gen, summaries)
         self._spoke_at = self.clock()
 
-    def _settle_metrics(self) -> None:
+    def _settle_metrics(self) -> bool:
         """Summaries handed to the leader that it failed to send (it died, froze, or did not
         lead the generation) go direct; a failed leader is bypassed for the generation, as
         for a batch. Sent means the coordinator took them: a leader that answered and died
         before its message left (its reference dies with it) loses them otherwise, and no
         one waits on a step's summaries to notice (a step before the one a recovery resumes
         from is not redone: its loss would be gone). No one waits for these: looked at once
-        a tick."""
+        a tick (and by a flush until none is left). True: some are still pending."""
+        with self._settling:  # one at a time: a flush sees none pending only once all are
+            return self._settle_metrics_now()
+
+    def _settle_metrics_now(self) -> bool:
         with self._cond:
             pending, self._metrics_relayed = self._metrics_relayed, []
         kept = []
@@ -348,6 +354,7 @@ class Uplink:
                 self._send_metrics(batch.gen, batch.metrics)
         with self._cond:
             self._metrics_relayed[:0] = kept
+            return bool(self._metrics_relayed)
 
     def _answered(self, ref: Any) -> tuple[bool, Optional[str]]:
         """Whether the coordinator's answer to ``ref`` is in, and why it failed (None: it
@@ -416,10 +423,16 @@ class Uplink:
                 return False
             ref = self.coordinator.node_metrics.remote(self.node, gen,
                                                        tuple(self.agg.take_held()))
+        deadline = self.clock() + timeout_s
         try:
             self.get(ref, timeout_s)
         except TimeoutError:
             return False
+        # and the summaries handed to the group's leader: taken, or resent direct
+        while self._settle_metrics():
+            if self.clock() >= deadline:
+                return False
+            self._closed.wait(FLUSH_POLL_S)
         return True
 
     # -- the store ------------------------------------------------------------------------
