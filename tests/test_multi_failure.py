@@ -38,7 +38,7 @@ def detected(tmp_path) -> list[dict]:
 def test_two_workers_on_two_nodes_killed_in_the_same_instant(full_cluster, reference, tmp_path):
     inj = FaultInjector().kill_workers((0, 1), at_step=KILL_AT)
     result = run_with(inj, "two-at-once", tmp_path)
-    assert_same_run(result, reference)
+    assert_same_run(result, reference, tmp_path)
     # one recovery, planned for both (the liveness sweep, or else the stop phase, found the
     # second): no plan reused rank 0's or rank 1's dead worker
     (rec,) = result["recoveries"]
@@ -53,7 +53,7 @@ def test_two_workers_on_two_nodes_killed_in_the_same_instant(full_cluster, refer
 def test_the_whole_generation_killed_with_its_stores_alive(full_cluster, reference, tmp_path):
     inj = FaultInjector().kill_workers((0, 1, 2), at_step=KILL_AT)
     result = run_with(inj, "all-at-once", tmp_path)
-    assert_same_run(result, reference)
+    assert_same_run(result, reference, tmp_path)
     (rec,) = result["recoveries"]
     assert rec["died_ranks"] == [0, 1, 2] and rec["dead_nodes"] == []
     assert set(rec["sources"].values()) == {"local"}  # every rank from its node's RAM
@@ -67,7 +67,7 @@ def test_a_worker_killed_while_another_ranks_recovery_restores(full_cluster, ref
     inj = (FaultInjector().kill_worker(rank=1, at_step=KILL_AT)
            .kill_worker(rank=2, at_step=1, during="restore"))
     result = run_with(inj, "kill-during-restore", tmp_path)
-    assert_same_run(result, reference)
+    assert_same_run(result, reference, tmp_path)
     first, second = result["recoveries"]
     assert first["died_ranks"] == [1] and second["died_ranks"] == [2]
     # no step past the restored one committed in between: it died during the restore
@@ -90,7 +90,7 @@ def test_a_survivor_killed_while_the_recovery_plans_or_starts(full_cluster, refe
     inj = (FaultInjector().kill_worker(rank=1, at_step=KILL_AT)
            .kill_worker(rank=None, at_step=1, during=phase))
     result = run_with(inj, f"kill-during-{phase}", tmp_path)
-    assert_same_run(result, reference)
+    assert_same_run(result, reference, tmp_path)
     (victim,) = [f["ranks"] for f in result["faults"] if f["key"].endswith(f"during-{phase}")]
     assert victim != [1]
     last = result["recoveries"][-1]
@@ -118,7 +118,7 @@ def test_a_node_removed_while_a_worker_on_another_node_is_killed(full_cluster, r
 
     inj = FaultInjector(node_killer=node_and_worker).kill_node(rank=1, at_step=KILL_AT)
     result = run_with(inj, "node-and-worker", tmp_path)
-    assert_same_run(result, reference)
+    assert_same_run(result, reference, tmp_path)
     rec = result["recoveries"][-1]
     assert len(rec["dead_nodes"]) == 1 and 2 in rec["died_ranks"]
     assert rec["resumed_step"] == KILL_AT - 1

@@ -276,7 +276,7 @@ def test_two_failures_on_different_nodes(full_cluster, reference, tmp_path):
     inj = (FaultInjector(node_killer=full_cluster.remove_node)
            .kill_node(rank=2, at_step=4).kill_worker(rank=0, at_step=8))
     result = run_with(inj, "two-failures", tmp_path)
-    assert_same_run(result, reference)
+    assert_same_run(result, reference, tmp_path)
     assert [r["resumed_step"] for r in result["recoveries"]] == [3, 7]
 
 
@@ -303,7 +303,7 @@ def test_node_and_its_replica_holder_die_together(full_cluster, tmp_path):
 def test_hung_worker_detected_by_heartbeat(full_cluster, reference, tmp_path):
     inj = FaultInjector().kill_worker(rank=2, at_step=KILL_AT, signal="STOP")
     result = run_with(inj, "hung", tmp_path)
-    assert_same_run(result, reference)
+    assert_same_run(result, reference, tmp_path)
     (rec,) = result["recoveries"]
     assert "hung" in rec["what"]
     assert rec["died_ranks"] == [2]
@@ -402,7 +402,7 @@ def test_two_ranks_a_node_report_through_their_store_and_a_hung_one_is_found(ful
 def test_coordinator_killed(full_cluster, reference, tmp_path):
     inj = FaultInjector().kill_coordinator(at_step=KILL_AT)
     result = run_with(inj, "kill-coordinator", tmp_path)
-    assert_same_run(result, reference)
+    assert_same_run(result, reference, tmp_path)
     assert result["recoveries"] == []  # the coordinator came back; no rank was lost
     ev = events(tmp_path)
     assert any(e["event"] == "coordinator_restarted" for e in ev)
@@ -415,7 +415,7 @@ def test_coordinator_killed(full_cluster, reference, tmp_path):
 def test_store_killed(full_cluster, reference, tmp_path):
     inj = FaultInjector().kill_store(rank=0, at_step=KILL_AT)
     result = run_with(inj, "kill-store", tmp_path)
-    assert_same_run(result, reference)
+    assert_same_run(result, reference, tmp_path)
 
 
 def test_starting_a_cluster_leaves_the_shared_health_checks_alone(cluster):

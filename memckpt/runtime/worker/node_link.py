@@ -145,8 +145,9 @@ class NodeLink:
         if self.store is None:
             spec.coordinator.report.remote(spec.rank, spec.gen, step, metrics)
             return
-        with self._lock:
-            while self._kept and self._kept[0][0] <= self._committed:
+        with self._lock:  # a committed step's report goes once its answer was looked at:
+            # one a restarted store refused is sent again even if its step committed since
+            while self._kept and self._kept[0][0] <= self._committed and self._kept[0][3] is None:
                 self._kept.popleft()
             self._send_report(step, metrics, snapshotted)
         try:
