@@ -49,9 +49,10 @@ def _snapshot_state(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
-def _restored(cfg: memckpt.Config, step: int) -> dict[str, torch.Tensor]:
-    """A fresh process's view: a new Checkpointer restores ``step`` into a new model."""
-    model, opt = _lora_like(seed=99)  # other values: the restore must overwrite them all
+def _restored(cfg: memckpt.Config, step: int, build=None) -> dict[str, torch.Tensor]:
+    """A fresh process's view: a new Checkpointer restores ``step`` into a new model (of
+    ``build``, ``_lora_like`` by default)."""
+    model, opt = (build or _lora_like)(seed=99)  # other values: the restore must overwrite them all
     _train(model, opt, 0)  # the optimizer has state to load into
     ckpt = memckpt.Checkpointer(cfg)
     with ckpt.engine.reading(step, verify=True) as shard:

@@ -31,6 +31,9 @@ class Slot:
     # is neither copied nor hashed again. Forgotten whenever the bytes may move.
     kept: dict[str, tuple] = field(default_factory=dict)
     digests: Optional[list[str]] = None
+    # name -> the byte ranges of a watched tensor (memckpt.engine.write_watch) the kernel saw
+    # written since this slot's copy of it was known to be its bytes: only they are compared
+    suspect: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     dirty: list[tuple[int, int]] = field(default_factory=list)  # written by the snapshot under way
     # per data chunk, True where its pages live in the other slot's file (shared with it:
     # memckpt.engine.shared_pages); None: every chunk in this slot's own file
@@ -38,7 +41,7 @@ class Slot:
     laid: Any = None  # how its last snapshot shared its partner's pages (memckpt.engine.sharing)
 
     def forget(self) -> None:
-        self.kept, self.digests = {}, None
+        self.kept, self.digests, self.suspect = {}, None, {}
 
     @property
     def mem(self) -> RamRegion:

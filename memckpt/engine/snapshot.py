@@ -36,7 +36,7 @@ import torch
 
 from memckpt.format import shard as fmt
 from memckpt.engine.buffers import RamRegion, populate_mapping
-from memckpt.engine import shared_pages, sharing
+from memckpt.engine import shared_pages, sharing, write_watch
 from memckpt.engine.landing import Landing, all_landed
 from memckpt.engine.slot import Slot, has_size, read_slot
 from memckpt.engine.stats import EngineStats
@@ -108,6 +108,11 @@ class SnapshotEngine:
         self.share = (share_unchanged and skip_unchanged != "off" and not self._pin
                       and shared_pages.supported())
         self._skip: Optional[set[str]] = None  # the snapshot under way's unchanged tensors
+        # the kernel's word on which pages of the frozen tensors were written: "verify" then
+        # compares only those (memckpt.engine.write_watch); opened by the first snapshot
+        # with frozen tensors
+        self.watch: Optional[write_watch.WriteWatch] = None
+        self._may_watch = skip_unchanged == "verify"
         self._known: Optional[Slot] = None  # the slot whose digests its unchanged chunks keep
         self._stream = torch.cuda.Stream() if self._pin else None
         self.slots = [Slot(self.directory / n) for n in fmt.SLOT_NAMES]
@@ -172,7 +177,12 @@ class SnapshotEngine:
             fmt.mark_writing(slot.mem.array)
             slot.complete, slot.step, slot.dirty = False, None, []
             self._frozen = captured.frozen
+            if self._may_watch and self._frozen:
+                self._may_watch, self.watch = False, write_watch.WriteWatch.open()
+            if self.watch is not None:
+                write_watch.look(self.watch, self.slots, captured.tensors, self._frozen)
             self.stats.last_copied_bytes = self.stats.last_unchanged_bytes = 0
+            self.stats.last_compared_bytes = 0
             other = self.slots[1 - target]
             partner = sharing.partner_for(slot, other) if self.share else None
             self._skip, self._known = None, partner or slot
@@ -435,6 +445,7 @@ class SnapshotEngine:
         self.stats.unchanged_bytes -= moved  # laid out elsewhere here: copied, counted so
         self.stats.last_unchanged_bytes -= moved
         slot.kept.update((n, partner.kept.get(n) or stamp(t)) for n, t in tensors if n in same)
+        write_watch.settled(self.watch, slot, same)
         return same
 
     def _unchanged(self, slot: Slot, tensors: list[tuple[str, torch.Tensor]],
@@ -442,8 +453,11 @@ class SnapshotEngine:
         """:func:`memckpt.engine.unchanged.held_unchanged` with this engine's mode, counted."""
         if self.skip_unchanged == "off":
             return set()
-        found = held_unchanged(slot.kept, slot.views, tensors, self.skip_unchanged,
-                               self._frozen, self.map_fn, compare_unknown)
+        found, compared = held_unchanged(slot.kept, slot.views, tensors, self.skip_unchanged,
+                                         self._frozen, self.map_fn, compare_unknown,
+                                         write_watch.suspects(self.watch, slot))
+        write_watch.settled(self.watch, slot, found)
+        self.stats.last_compared_bytes += compared
         assert slot.layout is not None  # _prepare laid the slot out
         where = slot.layout.spans
         nbytes = sum(where[name][1] - where[name][0] for name in found)
@@ -453,6 +467,7 @@ class SnapshotEngine:
 
     def _copied(self, slot: Slot, name: str, t: torch.Tensor, span: tuple[int, int]) -> None:
         slot.kept[name] = stamp(t)
+        write_watch.settled(self.watch, slot, (name,))
         slot.dirty.append(span)
         nbytes = span[1] - span[0]
         self.stats.copied_bytes += nbytes
@@ -589,6 +604,8 @@ class SnapshotEngine:
         finally:
             self._pool.shutdown(wait=True)
             self.hashers.shutdown(wait=True)
+            if self.watch is not None:
+                self.watch.close()
             for slot in self.slots:
                 if unlink:
                     shared_pages.sidecar(slot.path).unlink(missing_ok=True)

@@ -17,6 +17,9 @@ class EngineStats:
     unchanged_bytes: int = 0  # tensor bytes found unchanged in their slot: not copied
     last_copied_bytes: int = 0  # the newest snapshot's
     last_unchanged_bytes: int = 0
+    # the newest snapshot's bytes compared with a slot's to tell whether they changed
+    # (skip_unchanged="verify"; only the pages written, where the kernel watches them)
+    last_compared_bytes: int = 0
     last_stall_s: float = 0.0
     last_step: Optional[int] = None
     last_seal_s: float = 0.0  # the seal of the newest snapshot (on a GPU it runs behind the copy)

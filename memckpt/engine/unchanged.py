@@ -9,7 +9,8 @@ already has in place: :meth:`memckpt.runtime.node.replica_store.ReplicaStore.fil
 Whether it is unchanged is decided by a stamp taken when it was copied (see :func:`stamp`)
 and, under ``EngineConfig.skip_unchanged="verify"``, a compare of its bytes with the slot's:
 a write through ``p.data`` moves no version counter, and must never leave a step restored
-stale.
+stale. A frozen tensor the kernel watches (:mod:`memckpt.engine.write_watch`) is compared
+only where it may have been written: the pages the kernel saw written, and its two ends.
 """
 
 from __future__ import annotations
@@ -67,13 +68,18 @@ def held_unchanged(kept: Mapping[str, tuple], views: Mapping[str, torch.Tensor],
                    tensors: Sequence[tuple[str, torch.Tensor]], mode: str,
                    frozen: Collection[str], map_fn: Callable[[Callable[[Any], Any], Iterable[Any]],
                                                              Iterator[Any]],
-                   compare_unknown: bool = False) -> set[str]:
+                   compare_unknown: bool = False,
+                   suspect: Optional[Mapping[str, Sequence[tuple[int, int]]]] = None
+                   ) -> tuple[set[str], int]:
     """The names of ``tensors`` whose bytes a slot (its ``views``, the stamps it ``kept``)
-    still holds: :func:`verdict`, then the byte compares on ``map_fn``'s threads.
+    still holds, and the bytes compared to tell: :func:`verdict`, then the byte compares on
+    ``map_fn``'s threads.
     ``compare_unknown``: a tensor the slot holds no stamp of (a slot a previous process
-    wrote, the one a restore loaded) is compared too, where it can be cheaply."""
+    wrote, the one a restore loaded) is compared too, where it can be cheaply.
+    ``suspect``: for a stamped tensor, the only byte ranges (from its first byte) that may
+    differ from the slot's copy; none: it is unchanged without a compare."""
     if not (kept or compare_unknown):
-        return set()
+        return set(), 0
     found, compare = set(), []
     for name, t in tensors:
         held = views.get(name)
@@ -88,32 +94,54 @@ def held_unchanged(kept: Mapping[str, tuple], views: Mapping[str, torch.Tensor],
         if says:
             found.add(name)
         elif says is None:
-            compare.append((name, t, held))
-    if compare:
-        same = same_bytes_many([(t, held) for _, t, held in compare], map_fn)
-        found.update(name for (name, _, _), ok in zip(compare, same) if ok)
-    return found
+            ranges = None if suspect is None or old is None else suspect.get(name)
+            if ranges is not None and not ranges:
+                found.add(name)
+            else:
+                compare.append((name, t, held, ranges))
+    if not compare:
+        return found, 0
+    same = same_bytes_many([(t, held) for _, t, held, _ in compare], map_fn,
+                           [ranges for *_, ranges in compare])
+    found.update(name for (name, *_), ok in zip(compare, same) if ok)
+    return found, sum(t.numel() * t.element_size() if ranges is None
+                      else sum(hi - lo for lo, hi in ranges) for _, t, _, ranges in compare)
 
 
 COMPARE_PIECE = 8 << 20  # bytes a compare task takes: a big tensor spreads over the threads
 
 
 def same_bytes_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                    map_fn: Callable[[Callable[[Any], Any], Iterable[Any]], Iterator[Any]]
+                    map_fn: Callable[[Callable[[Any], Any], Iterable[Any]], Iterator[Any]],
+                    ranges: Optional[Sequence[Optional[Sequence[tuple[int, int]]]]] = None
                     ) -> list[bool]:
-    """For each (tensor, the slot's copy) whether their bytes are equal: memcmp (which
-    releases the GIL) in pieces of COMPARE_PIECE, through ``map_fn`` (the seal threads'
-    ``map``, idle while a snapshot copies: the comparison of a frozen base then takes the
-    cores the copy would have)."""
-    pieces, owner = [], []
+    """For each (tensor, the slot's copy) whether their bytes are equal (only in its
+    ``ranges``, where given: byte ranges from the first byte): memcmp (which releases the
+    GIL) in tasks of about COMPARE_PIECE bytes, through ``map_fn`` (the seal threads' ``map``,
+    idle while a snapshot copies: the comparison of a frozen base then takes the cores the
+    copy would have). Small pieces share a task; a single task runs on the calling thread
+    (a hop to a pool thread costs more than comparing a few small tensors)."""
+    tasks: list[list[tuple[int, int, int, int]]] = [[]]
+    room = COMPARE_PIECE
     for i, (t, held) in enumerate(pairs):
         n, a, b = t.numel() * t.element_size(), t.data_ptr(), held.data_ptr()
-        for off in range(0, max(n, 1), COMPARE_PIECE):
-            pieces.append((a + off, b + off, min(COMPARE_PIECE, n - off)))
-            owner.append(i)
+        for lo, hi in (ranges[i] if ranges and ranges[i] is not None else [(0, n)]):
+            hi = min(hi, n)
+            for off in range(lo, max(hi, lo + 1), COMPARE_PIECE):
+                size = max(0, min(COMPARE_PIECE, hi - off))
+                if size > room and tasks[-1]:
+                    tasks.append([])
+                    room = COMPARE_PIECE
+                tasks[-1].append((i, a + off, b + off, size))
+                room -= size
+
+    def run(task: list[tuple[int, int, int, int]]) -> list[tuple[int, bool]]:
+        return [(i, same_bytes(a, b, size)) for i, a, b, size in task]
+
     same = [True] * len(pairs)
-    for i, ok in zip(owner, map_fn(lambda p: same_bytes(*p), pieces)):
-        same[i] = same[i] and ok
+    for results in (map(run, tasks) if len(tasks) == 1 else map_fn(run, tasks)):
+        for i, ok in results:
+            same[i] = same[i] and ok
     return same
 
 

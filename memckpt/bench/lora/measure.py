@@ -143,6 +143,10 @@ class LoraBench:
                 for k in range(len(order)):
                     order[(i + k) % len(order)].snapshot(self.step)
             quiet.keep()
+            if i == 0:  # the frozen base's pages collapsed before the warm-up's other steps
+                for v in order:
+                    if v.ckpt.engine.watch is not None:
+                        v.ckpt.engine.watch.wait_ready()
             if i + 1 == WARMUP or (i + 1 - WARMUP) % 5 == 0:
                 self.say(f"{i + 1} of {WARMUP + steps} steps (loss {self.job.losses[-1]:.4f})")
         self.foreign_cpu = quiet.foreign()
