@@ -259,8 +259,11 @@ class EngineConfig:
     buffers nothing wrote) is not copied again, its chunks are not hashed again, and its
     holders are not sent them again. ``"verify"`` (the default): the tensor's version
     counter, storage and shape must be as then, and its bytes are compared with the slot's
-    (reads both, writes and hashes nothing): a write through ``p.data`` is caught too. GPU
-    tensors are always copied under it. ``"trust"``: a frozen parameter (``requires_grad``
+    (reads both, writes and hashes nothing): a write through ``p.data`` is caught too. Of a
+    frozen CPU tensor of 64 KiB or more only the pages the kernel saw written since are
+    compared, where Linux (6.7 or newer, userfaultfd allowed) offers it
+    (:mod:`memckpt.engine.write_watch`); elsewhere the whole tensor. GPU tensors are always
+    copied under it. ``"trust"``: a frozen parameter (``requires_grad``
     False) with the same storage and version counter is taken as unchanged without the
     compare, on CPU and GPU alike; everything else as under ``"verify"``. A write to a frozen
     parameter that bypasses autograd's version counter (``p.data.copy_(...)``) is then

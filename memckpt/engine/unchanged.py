@@ -125,7 +125,8 @@ def same_bytes_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
     room = COMPARE_PIECE
     for i, (t, held) in enumerate(pairs):
         n, a, b = t.numel() * t.element_size(), t.data_ptr(), held.data_ptr()
-        for lo, hi in (ranges[i] if ranges and ranges[i] is not None else [(0, n)]):
+        only = ranges[i] if ranges else None
+        for lo, hi in (only if only is not None else [(0, n)]):
             hi = min(hi, n)
             for off in range(lo, max(hi, lo + 1), COMPARE_PIECE):
                 size = max(0, min(COMPARE_PIECE, hi - off))

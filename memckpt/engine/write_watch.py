@@ -266,9 +266,8 @@ class WriteWatch:
         pages wholly of watched tensors alone (none, mostly; a write after a page's pass
         stays unprotected and shows at the next scan). A partial page at a tensor's end is
         not protected again once written: an allocator writes there beside it all the time,
-        and the tensor's bytes there are then compared at every snapshot. A range the kernel no longer scans (its
-        protection gone) counts as written and is protected anew; a tensor whose pages
-        cannot be is no longer watched."""
+        and the tensor's bytes there are then compared at every snapshot. A range the
+        kernel no longer scans (memory mapped anew in it): :meth:`_scan_or_rearm`."""
         if self._scanned is None:
             self._scanned = _merged((-(-w.start // PAGE) * PAGE, w.end // PAGE * PAGE)
                                     for w in self._watched.values())
@@ -406,7 +405,7 @@ def _close_fds(*fds: int) -> None:
 
 def _without(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
     """``ranges`` less [lo, hi)."""
-    out = []
+    out: list[tuple[int, int]] = []
     for a, b in ranges:
         out.extend(r for r in ((a, min(b, lo)), (max(a, hi), b)) if r[1] > r[0])
     return out
