@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from memckpt.engine import shared_pages
 from memckpt.engine.buffers import MADV_POPULATE_WRITE, populate_mapping
-from memckpt.engine.slot import Slot
+from memckpt.engine.slot import Slot, read_slot
 from memckpt.errors import MemckptError
 from memckpt.format import shard as fmt
 
@@ -178,6 +178,24 @@ def unshare(slot: Slot, partner: Slot, nbytes: Optional[int] = None) -> None:
         shared_pages.map_over(slot.region, slot.path, ranges(slot, slot.away))
     slot.away = None
     shared_pages.sidecar(slot.path).unlink(missing_ok=True)
+
+
+def reopen(slot: Slot, pin: bool) -> bool:
+    """Map ``slot``'s file as a previous process left it, where it holds a complete
+    snapshot (False: none, torn or foreign): its layout and step, the chunks it shares with
+    its partner, and its seal's digests (what the next snapshot's unchanged chunks keep)."""
+    opened = read_slot(slot.path, populate=True, pin=pin)
+    if opened is None:
+        return False
+    region, header, layout, cap = opened
+    slot.region, slot.layout, slot.header_capacity = region, layout, cap
+    slot.step, slot.complete = int(header["step"]), True
+    slot.views = fmt.tensor_views(region.tensor, layout, cap)
+    found(slot)
+    chunks = fmt.Chunks.of(header, fmt.data_offset(cap))
+    if chunks is not None and len(chunks.digests) == geometry(slot).chunks:
+        slot.digests = list(chunks.digests)
+    return True
 
 
 def found(slot: Slot) -> None:

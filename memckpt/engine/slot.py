@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from memckpt.engine.buffers import RamRegion
-from memckpt.engine.shared_pages import open_slot
+from memckpt.engine.shared_pages import open_slot, sidecar
 from memckpt.errors import ChecksumError, MemckptError
 from memckpt.format import shard as fmt
 
@@ -42,6 +42,25 @@ class Slot:
 
     def forget(self) -> None:
         self.kept, self.digests, self.suspect = {}, None, {}
+
+    def clear(self) -> None:
+        """Unmap the slot and forget what it held (its file stays)."""
+        if self.region is not None:
+            self.region.close()
+        self.region, self.layout, self.header_capacity = None, None, 0
+        self.step, self.complete, self.views = None, False, {}
+        self.forget()
+
+    def release(self, unlink: bool = False) -> None:
+        """Unmap the slot; ``unlink``: delete its file and sidecar too."""
+        if unlink:
+            sidecar(self.path).unlink(missing_ok=True)
+        if self.region is not None:
+            self.views = {}
+            self.region.close(unlink=unlink)
+            self.region = None
+        elif unlink and self.path.exists():
+            self.path.unlink()
 
     @property
     def mem(self) -> RamRegion:

@@ -38,7 +38,7 @@ from memckpt.format import shard as fmt
 from memckpt.engine.buffers import RamRegion, populate_mapping
 from memckpt.engine import shared_pages, sharing, write_watch
 from memckpt.engine.landing import Landing, all_landed
-from memckpt.engine.slot import Slot, has_size, read_slot
+from memckpt.engine.slot import Slot, has_size
 from memckpt.engine.stats import EngineStats
 from memckpt.engine.unchanged import held_unchanged, known_chunks, stamp
 from memckpt.errors import MemckptError, NoSnapshotError
@@ -121,17 +121,8 @@ class SnapshotEngine:
     # -- existing slots (a previous process's snapshots) -----------------------------------
     def _adopt_existing(self) -> None:
         for i, slot in enumerate(self.slots):
-            found = read_slot(slot.path, populate=True, pin=self._pin)
-            if found is None:
+            if not sharing.reopen(slot, pin=self._pin):
                 continue  # none, torn or foreign: this slot is simply free
-            region, header, layout, cap = found
-            slot.region, slot.layout, slot.header_capacity = region, layout, cap
-            slot.step, slot.complete = int(header["step"]), True
-            slot.views = fmt.tensor_views(region.tensor, layout, cap)
-            sharing.found(slot)
-            chunks = fmt.Chunks.of(header, fmt.data_offset(cap))
-            if chunks is not None and len(chunks.digests) == sharing.geometry(slot).chunks:
-                slot.digests = list(chunks.digests)  # what the next snapshot's unchanged chunks keep
             if self._newest is None or slot.age > self.slots[self._newest].age:
                 self._newest = i
 
@@ -149,11 +140,7 @@ class SnapshotEngine:
             if any(slot.readers for slot in self.slots):
                 raise MemckptError(f"{self.directory}: a slot is being read; cannot adopt")
             for slot in self.slots:
-                if slot.region is not None:
-                    slot.region.close()
-                slot.region, slot.layout, slot.header_capacity = None, None, 0
-                slot.step, slot.complete, slot.views = None, False, {}
-                slot.forget()
+                slot.clear()
             self._newest = None
             sharing.move_in(self.slots, files)
             for slot in self.slots[len(files):]:
@@ -607,11 +594,4 @@ class SnapshotEngine:
             if self.watch is not None:
                 self.watch.close()
             for slot in self.slots:
-                if unlink:
-                    shared_pages.sidecar(slot.path).unlink(missing_ok=True)
-                if slot.region is not None:
-                    slot.views = {}
-                    slot.region.close(unlink=unlink)
-                    slot.region = None
-                elif unlink and slot.path.exists():
-                    slot.path.unlink()
+                slot.release(unlink)
