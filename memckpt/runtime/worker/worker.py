@@ -295,9 +295,13 @@ class Worker:
                                 replication=ReplicationTotals(self.ctx.replicator.bytes_sent,
                                                               self.ctx.replicator.bytes_filled))
         finally:
-            self._running.clear()
-            if self.ctx is not None:
-                self.ctx.close()
+            try:
+                if self.ctx is not None:
+                    self.ctx.close()
+            finally:
+                # beats on through the close: the driver hears of the result only after it,
+                # and a slow close (a loaded node) must not read as a hung rank at the end
+                self._running.clear()
             if dist.is_initialized():
                 dist.destroy_process_group()
             # Free this generation's training state now: it sits in reference cycles (the
