@@ -321,13 +321,14 @@ def _libc_mincore() -> Optional[Callable[[int, int, Any], int]]:
     return fn
 
 
-def page_resident(address: int) -> bool:
-    """Whether the page-aligned ``address`` is in memory (False where it cannot be told)."""
+def page_resident(address: int, nbytes: int = PAGE) -> bool:
+    """Whether the ``nbytes`` from the page-aligned ``address`` are mapped and all in memory
+    (False where it cannot be told)."""
     fn = _libc_mincore()
     if fn is None:
         return False
-    vec = ctypes.c_ubyte(0)
-    return fn(address, PAGE, ctypes.byref(vec)) == 0 and bool(vec.value & 1)
+    vec = (ctypes.c_ubyte * -(-nbytes // PAGE))()
+    return fn(address, nbytes, vec) == 0 and all(b & 1 for b in vec)
 
 
 def populate_mapping(mm: mmap.mmap, advice: int = MADV_POPULATE_READ, offset: int = 0,

@@ -45,10 +45,8 @@ class Slot:
 
     def clear(self) -> None:
         """Unmap the slot and forget what it held (its file stays)."""
-        if self.region is not None:
-            self.region.close()
-        self.region, self.layout, self.header_capacity = None, None, 0
-        self.step, self.complete, self.views = None, False, {}
+        self.release()
+        self.layout, self.header_capacity, self.step, self.complete = None, 0, None, False
         self.forget()
 
     def release(self, unlink: bool = False) -> None:

@@ -40,6 +40,7 @@ from typing import Any, Collection, Iterable, KeysView, Optional, Sequence
 
 import torch
 
+from memckpt.engine.buffers import page_resident
 from memckpt.engine.slot import Slot
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,6 @@ class WriteWatch:
         libc.syscall.restype = ctypes.c_long
         libc.ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         uffd = libc.syscall(nr, os.O_CLOEXEC | os.O_NONBLOCK | _USER_MODE_ONLY)
         if uffd < 0:
             log.debug("no userfaultfd (errno %d): frozen tensors are compared whole",
@@ -196,17 +196,10 @@ class WriteWatch:
         part of a huge page would split it back into small ones; what else lies there is
         never reported, its writes only take one fault each)."""
         lo, hi = first // HUGE * HUGE, -(-last // HUGE) * HUGE
-        done = [self._resident(x) and self._libc.madvise(x, HUGE, _MADV_COLLAPSE) == 0
+        # only extents wholly in memory: a collapse would fill the pages that are not
+        done = [page_resident(x, HUGE) and self._libc.madvise(x, HUGE, _MADV_COLLAPSE) == 0
                 for x in range(lo, hi, HUGE)]
         return (lo if done[0] else first), (hi if done[-1] else last)
-
-    def _resident(self, address: int) -> bool:
-        """Whether the huge extent at ``address`` is mapped and all in memory (a collapse
-        would fill the pages that are not: memory nothing asked for)."""
-        vec = (ctypes.c_ubyte * (HUGE // PAGE))()
-        if self._libc.mincore(address, HUGE, vec) != 0:
-            return False
-        return all(b & 1 for b in vec)
 
     def wait_ready(self) -> None:
         """Wait for the collapses under way (a benchmark's warm-up, tests): the next
